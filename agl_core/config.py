@@ -1,0 +1,286 @@
+"""The run config: Agent Lightning v1.0's ``agentlightning`` section over verl's key layout.
+
+A config is an omegaconf ``DictConfig`` with verl's top-level sections (``data``,
+``actor_rollout_ref``, ``algorithm``, ``trainer``) and the ``agentlightning`` section. agl's own
+settings live only in ``agentlightning`` (verl's dataclass sections refuse extra keys). The core
+schema below holds the verl keys agl itself reads, with verl's names and defaults, so one config
+file serves every backend; a backend may compose over a larger base (the verl backend uses verl's
+full ``ppo_trainer`` defaults).
+
+:func:`load_config` merges base → user YAML → ``key=value`` overrides and validates once; every
+error is a :class:`ConfigError` that names the key path. :func:`redacted` / :func:`to_yaml` hide the
+gateway key in every dump.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REDACTED = "***"
+SECRET_KEYS = ("agentlightning.agl_key",)
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or inconsistent; ``key`` is its path."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key {key}: {message}")
+
+
+# -- agentlightning section (Agent Lightning v1.0 keys and defaults, plus agl's own) -------------
+
+
+@dataclass
+class LocalRunnerConfig:
+    agent_class: Optional[str] = None
+    env_map: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class K8sRunnerConfig:
+    job_template_path: Optional[str] = None
+
+
+@dataclass
+class TraceAggregatorConfig:
+    level: str = "trajectory"  # the aggregator's registry name: transition | trajectory | a plugin's
+    trajectory_max_prompt_length: int = 2048
+    trajectory_max_response_length: int = 8192
+
+
+@dataclass
+class AsyncRolloutConfig:
+    enabled: bool = False
+    async_train_batch_size: Optional[int] = None
+
+
+@dataclass
+class AgentLightningConfig:
+    # No URL means the embedded rollout source (agents run in-process); a URL means the gateway.
+    agl_base_url: Optional[str] = None
+    agl_key: str = ""
+    hooks: Any = None  # a hook file path or a list of them
+    rollout_timeout_seconds: int = 1800
+    local: LocalRunnerConfig = field(default_factory=LocalRunnerConfig)
+    k8s: K8sRunnerConfig = field(default_factory=K8sRunnerConfig)
+    reward_fillna_value: float = 0.0
+    max_ppo_update_times: Optional[int] = None
+    trace_aggregator: TraceAggregatorConfig = field(default_factory=TraceAggregatorConfig)
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
+    backend: str = "torch"  # the backend's registry name
+
+
+# -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None
+    val_files: Any = None
+    train_batch_size: int = 1024
+    val_batch_size: Optional[int] = None
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    shuffle: bool = True
+    seed: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = -1
+    lr_scheduler_type: str = "constant"
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "per_rollout_mean"
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 256
+    ppo_epochs: int = 1
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    grad_clip: float = 1.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+
+
+@dataclass
+class RolloutSamplingConfig:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutSamplingConfig = field(default_factory=RolloutSamplingConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    enable_rollout_level_advantage: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 30
+    total_training_steps: Optional[int] = None
+    save_freq: int = -1
+    test_freq: int = -1
+    project_name: str = "agl"
+    experiment_name: str = "run"
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    seed: int = 0
+
+
+@dataclass
+class CoreConfig:
+    agentlightning: AgentLightningConfig = field(default_factory=AgentLightningConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def _config_error(exc: OmegaConfBaseException, origin: str) -> ConfigError:
+    key = str(getattr(exc, "full_key", "") or getattr(exc, "key", "") or "?")
+    message = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+    if key in SECRET_KEYS:
+        message = "invalid value (not shown: it is a secret)"
+    elif "not in struct" in message or "Key '" in message and "not in" in message:
+        message = "unknown key"
+    return ConfigError(key, f"{message} (in {origin})")
+
+
+def default_config() -> DictConfig:
+    """The core schema with its defaults, in struct mode (unknown keys are refused)."""
+    cfg = OmegaConf.structured(CoreConfig)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    base: DictConfig | None = None,
+) -> DictConfig:
+    """Merge ``base`` (default: :func:`default_config`), the YAML file at ``path`` and ``key=value``
+    overrides; validate; return the result with interpolations resolved."""
+    cfg = default_config() if base is None else base
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError("<file>", f"config file not found: {path}")
+        try:
+            user = OmegaConf.load(path)
+        except Exception as exc:
+            raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from exc
+        if not isinstance(user, DictConfig):
+            raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
+        cfg = _merge(cfg, user, str(path))
+    if overrides:
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(item, "override must be written key=value")
+        try:
+            dotlist = OmegaConf.from_dotlist(list(overrides))
+        except OmegaConfBaseException as exc:
+            raise _config_error(exc, "overrides") from None
+        cfg = _merge(cfg, dotlist, "overrides")
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        raise _config_error(exc, "interpolation") from None
+    validate(cfg)
+    return cfg
+
+
+def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    try:
+        merged = OmegaConf.merge(cfg, other)
+    except OmegaConfBaseException as exc:
+        raise _config_error(exc, origin) from None
+    assert isinstance(merged, DictConfig)
+    OmegaConf.set_struct(merged, True)
+    return merged
+
+
+def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that span keys or that types alone cannot express; raise :class:`ConfigError`."""
+    agl = cfg.agentlightning
+    hooks = agl.hooks
+    if hooks is not None and not isinstance(hooks, str):
+        if not isinstance(hooks, ListConfig) or not all(isinstance(h, str) for h in hooks):
+            raise ConfigError("agentlightning.hooks", f"must be a path or a list of paths, got {hooks!r}")
+    for key in (
+        "data.train_batch_size",
+        "actor_rollout_ref.rollout.n",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "agentlightning.rollout_timeout_seconds",
+        "agentlightning.trace_aggregator.trajectory_max_prompt_length",
+        "agentlightning.trace_aggregator.trajectory_max_response_length",
+    ):
+        _positive(cfg, key)
+    _positive(cfg, "agentlightning.max_ppo_update_times", allow_none=True)
+    if agl.async_rollout.enabled:
+        size = agl.async_rollout.async_train_batch_size
+        train = cfg.data.train_batch_size
+        if not isinstance(size, int) or isinstance(size, bool) or size <= train:
+            raise ConfigError(
+                "agentlightning.async_rollout.async_train_batch_size",
+                f"must be an integer greater than data.train_batch_size ({train}) when async rollout is enabled, got {size!r}",
+            )
+    url = agl.agl_base_url
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        raise ConfigError("agentlightning.agl_base_url", f"must be an http(s) URL or null, got {url!r}")
+    clip_c = OmegaConf.select(cfg, "actor_rollout_ref.actor.clip_ratio_c")
+    if clip_c is not None and clip_c <= 1.0:
+        raise ConfigError("actor_rollout_ref.actor.clip_ratio_c", f"must be greater than 1.0, got {clip_c}")
+
+
+def redacted(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with every secret replaced by ``***`` (empty secrets stay empty)."""
+    copy = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for key in SECRET_KEYS:
+        if OmegaConf.select(copy, key):
+            OmegaConf.update(copy, key, REDACTED)
+    return copy
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(redacted(cfg))

@@ -1,0 +1,130 @@
+"""Every extension point of agl, as pluggy hook specifications.
+
+Implement a hook by writing a function of the same name decorated with :data:`agl_core.hookimpl`,
+in a module or class registered as a plugin (an entry point in group ``agl``, a hook file named in
+``agentlightning.hooks``, or an object passed in code). Arguments are passed by name, so an
+implementation may accept only the ones it needs.
+
+Two kinds of hooks live here:
+
+* **Registry hooks** (``agl_register_*``) are called once, when the plugin manager first needs the
+  table. Each receives a ``register(name, obj)`` callback; the host owns the name table, rejects a
+  name registered twice (naming both plugins) and lists what is registered (``agl plugins``).
+* **Rollout lifecycle hooks** (``agl_on_*``) mirror Agent Lightning's four ``RolloutHooks`` methods,
+  but compose: every plugin implementing one is called, in plugin registration order (built-ins,
+  entry points, hook files, plugins given in code). A hook that raises is logged with its plugin's
+  name and counted (``training/n_hook_failures``); the other plugins still run and training goes on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from agl_core.data import CompletedRollout, RolloutRequest
+    from agl_core.event_writer import EventWriter
+
+hookspec = pluggy.HookspecMarker("agl")
+hookimpl = pluggy.HookimplMarker("agl")
+
+Register = Callable[[str, Any], None]
+
+
+@hookspec
+def agl_register_aggregators(register: Register) -> None:
+    """Register trace aggregators: functions that turn completed rollouts into training rows.
+
+    Called once per plugin manager. Call ``register(name, aggregate)`` for each aggregator; ``name``
+    is what ``agentlightning.trace_aggregator.level`` selects (built-ins: ``transition``,
+    ``trajectory``).
+
+    ``aggregate(rollouts, settings) -> Aggregation``: ``rollouts`` is a sequence of
+    :class:`~agl_core.data.CompletedRollout`; ``settings`` an
+    :class:`~agl_core.aggregation.AggregationSettings` (prompt/response limits, optional tokenizer,
+    mismatch sample size). It returns an :class:`~agl_core.aggregation.Aggregation` (rows, metrics,
+    mismatch samples) and must not mutate its input. ``agl_core.testing`` holds the contract suite
+    every aggregator must pass.
+    """
+
+
+@hookspec
+def agl_register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators: functions that assign credit to training rows.
+
+    Called once per plugin manager. Call ``register(name, estimate)`` for each estimator; ``name`` is
+    what ``algorithm.adv_estimator`` selects (built-ins include ``grpo``, ``rloo``, ``reinforce``,
+    ``reinforce_baseline``).
+
+    ``estimate(rows, settings) -> Advantages``: ``rows`` is a sequence of
+    :class:`~agl_core.data.TrainingRow`; the result holds one float32 array per row, aligned with the
+    row's response, zero wherever ``response_mask`` is 0. See :mod:`agl_core.advantage`.
+    """
+
+
+@hookspec
+def agl_register_policy_losses(register: Register) -> None:
+    """Register policy losses: the objective a backend minimises in its actor update.
+
+    Called once per plugin manager, and again inside every worker process that runs an update (the
+    verl backend does this for Ray workers). Call ``register(name, loss_fn)`` for each loss; ``name``
+    is what ``actor_rollout_ref.actor.policy_loss.loss_mode`` selects (built-ins:
+    ``per_rollout_mean``, ``token_mean``).
+
+    ``loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None)
+    -> (loss, metrics)`` over ``[batch, response_len]`` torch tensors. See :mod:`agl_core.losses`.
+    """
+
+
+@hookspec
+def agl_register_backends(register: Register) -> None:
+    """Register training backends: the engines that run a training step.
+
+    Called once per plugin manager. Call ``register(name, backend_factory)``; ``name`` is what
+    ``agentlightning.backend`` selects (built-in: ``torch``; ``agl-backend-verl`` adds ``verl``).
+    ``backend_factory(config, plugins)`` returns an object with a ``fit()`` method that trains until
+    the configured number of steps, given the validated config and this plugin manager.
+    """
+
+
+@hookspec
+def agl_on_startup(config: Any) -> None:
+    """Initialise plugin state once, before the first rollout is enqueued.
+
+    ``config`` is the validated run config (an omegaconf ``DictConfig``; the gateway key redacted).
+    Return value is ignored.
+    """
+
+
+@hookspec
+def agl_on_enqueue(request: RolloutRequest) -> RolloutRequest | None:
+    """Rewrite a rollout request before it is sent to the rollout source.
+
+    Called once per rollout, in plugin order, each plugin receiving the request as rewritten by the
+    plugins before it (a chain, not a broadcast). Return a new
+    :class:`~agl_core.data.RolloutRequest` (e.g. ``attrs.evolve(request, metadata=...)``) to replace
+    it, or ``None`` to keep it. ``rollout_id`` and ``group_id`` are the trainer's and cannot be
+    changed: a rewrite that changes them is refused and counted as a hook failure.
+    """
+
+
+@hookspec
+def agl_on_succeeded(rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]], writer: EventWriter) -> None:
+    """Inspect a rollout that succeeded, before its events are turned into training data.
+
+    ``rollout`` is the :class:`~agl_core.data.CompletedRollout` as read so far; ``events`` maps each
+    attempt id to its raw events (dicts with ``event_type``, ``data``, ``timestamp``...), in order.
+    ``writer.add_event(rollout_id, attempt_id, event_type, data)`` appends events (a late reward, a
+    judge's score); they are buffered and flushed to the rollout source after the hook returns, and
+    the rollout's events are re-read when anything was written. Return value is ignored.
+    """
+
+
+@hookspec
+def agl_on_failed(rollout: CompletedRollout, writer: EventWriter) -> None:
+    """Inspect a rollout that failed (agent crash, timeout, trainer-side deadline).
+
+    ``rollout.error`` says why when known. ``writer`` works as in :func:`agl_on_succeeded`. Return
+    value is ignored.
+    """

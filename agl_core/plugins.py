@@ -1,0 +1,302 @@
+"""The plugin manager: discovery, registries and the rollout lifecycle hooks, behind a typed facade.
+
+Discovery order (it is also the order in which lifecycle hooks run):
+
+1. the built-ins in :data:`DEFAULT_PLUGINS`, registered as ordinary plugins;
+2. distributions exposing an entry point in group ``agl`` (skipped when the environment variable
+   ``AGL_DISABLE_PLUGIN_AUTOLOAD`` is set to a true value);
+3. hook files named in ``agentlightning.hooks`` (:meth:`PluginManager.load_hook_files`);
+4. plugin objects passed in code (:meth:`PluginManager.register`).
+
+``AGL_BLOCKED_PLUGINS`` (comma-separated registration names) blocks plugins, built-ins included.
+Callers never touch pluggy: they use the registry properties and the ``on_*``/``enqueue`` methods.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import pluggy
+
+from agl_core import hookspecs
+from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.event_writer import EventWriter
+from agl_core.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+ENTRYPOINT_GROUP = "agl"
+DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
+BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
+
+# Import paths of the built-in plugins, registered first under these names.
+DEFAULT_PLUGINS: tuple[str, ...] = ()
+
+# registry property -> (hook name, kind, config key selecting an entry)
+REGISTRIES = {
+    "aggregators": ("agl_register_aggregators", "aggregator", "agentlightning.trace_aggregator.level"),
+    "advantage_estimators": ("agl_register_advantage_estimators", "advantage estimator", "algorithm.adv_estimator"),
+    "policy_losses": ("agl_register_policy_losses", "policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+    "backends": ("agl_register_backends", "backend", "agentlightning.backend"),
+}
+
+HOOK_FAILURES_METRIC = "training/n_hook_failures"
+
+
+class PluginError(Exception):
+    """A plugin could not be loaded or does not fit the hook specifications."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def blocked_from_env() -> list[str]:
+    return [name.strip() for name in os.environ.get(BLOCKED_PLUGINS_ENV, "").split(",") if name.strip()]
+
+
+@attrs.frozen
+class PluginInfo:
+    """What ``agl plugins`` shows for one plugin."""
+
+    name: str
+    source: str
+    hooks: tuple[str, ...]
+    provides: dict[str, tuple[str, ...]]
+
+
+class PluginManager:
+    """agl's plugin manager. Build one per run with :meth:`from_config` or the constructor."""
+
+    def __init__(
+        self,
+        *,
+        load_entrypoints: bool | None = None,
+        blocked: Iterable[str] = (),
+        builtins: Sequence[str] | None = None,
+    ):
+        self._pm = pluggy.PluginManager("agl")
+        self._pm.add_hookspecs(hookspecs)
+        self._sources: dict[str, str] = {}
+        self._registries: dict[str, Registry] = {}
+        self.hook_failures: Counter[str] = Counter()
+        for name in [*blocked_from_env(), *blocked]:
+            self._pm.set_blocked(name)
+        for module_name in DEFAULT_PLUGINS if builtins is None else builtins:
+            if not self._pm.is_blocked(module_name):
+                self.register(importlib.import_module(module_name), name=module_name, source="built-in")
+        if load_entrypoints is None:
+            load_entrypoints = not _env_flag(DISABLE_AUTOLOAD_ENV)
+        if load_entrypoints:
+            self._load_entrypoints()
+        self.check_pending()
+
+    @classmethod
+    def from_config(cls, config: Any, plugins: Iterable[Any] = (), **kwargs: Any) -> PluginManager:
+        """A manager with built-ins, entry points, the config's hook files, then ``plugins``."""
+        manager = cls(**kwargs)
+        hooks = _select(config, "agentlightning.hooks")
+        if hooks:
+            manager.load_hook_files([hooks] if isinstance(hooks, str) else list(hooks))
+        for plugin in plugins:
+            manager.register(plugin)
+        return manager
+
+    # -- registration -------------------------------------------------------------------------
+
+    def _load_entrypoints(self) -> None:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRYPOINT_GROUP):
+            if self._pm.is_blocked(ep.name) or self._pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                dist = ep.dist.name if ep.dist else "unknown distribution"
+                raise PluginError(f"entry point {ep.name!r} ({ep.value}) of {dist} failed to import: {exc}") from exc
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            self.register(plugin, name=ep.name, source=f"entry point ({dist})")
+
+    def load_hook_files(self, paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+        """Load user hook files (see :mod:`agl_hooks.loader`) as plugins; return their names."""
+        from agl_hooks.loader import load_hook_file
+
+        names = []
+        for path in paths:
+            plugin, name = load_hook_file(path)
+            names.append(self.register(plugin, name=name, source=f"hook file {os.fspath(path)}"))
+        return names
+
+    def register(self, plugin: Any, name: str | None = None, *, source: str = "code") -> str:
+        """Register a plugin object (module, class instance...); return its registration name."""
+        _refuse_unknown_hooks(plugin, name)
+        try:
+            registered = self._pm.register(plugin, name=name)
+        except ValueError as exc:
+            raise PluginError(str(exc)) from exc
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name or plugin!r} does not fit the hookspecs: {exc}") from exc
+        if registered is None:  # blocked
+            return name or ""
+        self._sources[registered] = source
+        self._registries.clear()
+        return registered
+
+    def unregister(self, name: str) -> None:
+        self._pm.unregister(name=name)
+        self._sources.pop(name, None)
+        self._registries.clear()
+
+    def check_pending(self) -> None:
+        """Fail loudly if a plugin implements a hook that no spec defines (a misspelt name)."""
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(str(exc)) from exc
+
+    def is_registered(self, name: str) -> bool:
+        return self._pm.get_plugin(name) is not None
+
+    # -- registries ---------------------------------------------------------------------------
+
+    def _registry(self, prop: str) -> Registry:
+        if prop not in self._registries:
+            hook_name, kind, config_key = REGISTRIES[prop]
+            registry = Registry(kind, config_key)
+            for impl in _in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
+                impl.function(lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p))
+            self._registries[prop] = registry
+        return self._registries[prop]
+
+    @property
+    def aggregators(self) -> Registry:
+        return self._registry("aggregators")
+
+    @property
+    def advantage_estimators(self) -> Registry:
+        return self._registry("advantage_estimators")
+
+    @property
+    def policy_losses(self) -> Registry:
+        return self._registry("policy_losses")
+
+    @property
+    def backends(self) -> Registry:
+        return self._registry("backends")
+
+    # -- lifecycle hooks ----------------------------------------------------------------------
+
+    def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every implementation in plugin order, isolating failures; return (plugin, result)."""
+        results = []
+        for impl in _in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
+            try:
+                result = impl.function(*[kwargs[arg] for arg in impl.argnames])
+            except Exception:
+                self._record_failure(hook_name, impl.plugin_name, subject)
+                continue
+            results.append((impl.plugin_name, result))
+        return results
+
+    def _record_failure(self, hook_name: str, plugin_name: str, subject: str) -> None:
+        self.hook_failures[hook_name] += 1
+        logger.exception("hook %s of plugin %r failed (%s); training continues", hook_name, plugin_name, subject)
+
+    def on_startup(self, config: Any) -> None:
+        self._call_each("agl_on_startup", "startup", config=config)
+
+    def enqueue(self, request: RolloutRequest) -> RolloutRequest:
+        """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result."""
+        for impl in _in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
+            subject = f"rollout {request.rollout_id}"
+            try:
+                result = impl.function(*[{"request": request}[arg] for arg in impl.argnames])
+                if result is None:
+                    continue
+                if not isinstance(result, RolloutRequest):
+                    raise TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
+                if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
+                    raise ValueError("agl_on_enqueue may not change rollout_id or group_id")
+            except Exception:
+                self._record_failure("agl_on_enqueue", impl.plugin_name, subject)
+                continue
+            request = result
+        return request
+
+    def on_succeeded(self, rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]], writer: EventWriter) -> None:
+        self._call_each(
+            "agl_on_succeeded", f"rollout {rollout.rollout_id}", rollout=rollout, events=events, writer=writer
+        )
+
+    def on_failed(self, rollout: CompletedRollout, writer: EventWriter) -> None:
+        self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Hook-failure counts since the last call, under ``training/n_hook_failures[/hook]``."""
+        metrics: dict[str, float] = {HOOK_FAILURES_METRIC: float(sum(self.hook_failures.values()))}
+        for hook_name, count in self.hook_failures.items():
+            metrics[f"{HOOK_FAILURES_METRIC}/{hook_name}"] = float(count)
+        self.hook_failures.clear()
+        return metrics
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def list_plugins(self) -> list[PluginInfo]:
+        """Every registered plugin with its source, the hooks it implements and the names it provides."""
+        provides: dict[str, dict[str, list[str]]] = {}
+        for prop in REGISTRIES:
+            for entry in self._registry(prop):
+                provides.setdefault(entry.plugin_name, {}).setdefault(prop, []).append(entry.name)
+        infos = []
+        for name, plugin in self._pm.list_name_plugin():
+            if plugin is None:
+                continue
+            hooks = tuple(sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or ()))
+            infos.append(
+                PluginInfo(
+                    name=name,
+                    source=self._sources.get(name, "code"),
+                    hooks=hooks,
+                    provides={k: tuple(v) for k, v in provides.get(name, {}).items()},
+                )
+            )
+        return infos
+
+
+def _in_plugin_order(impls: Sequence[Any]) -> list[Any]:
+    """Registration order, ``tryfirst`` implementations first and ``trylast`` ones last.
+
+    pluggy keeps implementations with the last registered at the end and calls from the end; agl's
+    lifecycle hooks chain in discovery order instead (built-ins, then entry points, then hook files).
+    """
+    first = [i for i in impls if i.tryfirst]
+    last = [i for i in impls if i.trylast]
+    middle = [i for i in impls if not i.tryfirst and not i.trylast]
+    return first + middle + last
+
+
+def _refuse_unknown_hooks(plugin: Any, name: str | None) -> None:
+    """Refuse a plugin with an ``agl_*`` attribute that no hookspec defines, suggesting the right name."""
+    known = [n for n in dir(hookspecs) if n.startswith("agl_")]
+    for attr in dir(plugin):
+        if attr.startswith("agl_") and attr not in known and callable(getattr(plugin, attr, None)):
+            close = difflib.get_close_matches(attr, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known hooks: {', '.join(known)}"
+            raise PluginError(f"plugin {name or plugin!r} defines unknown hook {attr!r}{hint}")
+
+
+def _select(config: Any, dotted: str) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return None
+        node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+    return node

@@ -1,0 +1,67 @@
+"""Name tables filled by the ``agl_register_*`` hooks.
+
+The host owns the table: a plugin only calls ``register(name, obj)``. A name registered twice is an
+error naming both plugins; looking up an unknown name is an error listing what is registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+
+class RegistryError(LookupError):
+    """A registry name is unknown, or claimed by two plugins."""
+
+
+@attrs.frozen
+class RegistryEntry:
+    name: str
+    obj: Any
+    plugin_name: str
+
+
+class Registry:
+    """The entries of one kind (``aggregator``, ``advantage estimator``...), keyed by name."""
+
+    def __init__(self, kind: str, config_key: str):
+        self.kind = kind
+        self.config_key = config_key
+        self._entries: dict[str, RegistryEntry] = {}
+
+    def add(self, name: str, obj: Any, plugin_name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise RegistryError(f"plugin {plugin_name!r} registered a {self.kind} with an invalid name {name!r}")
+        if obj is None:
+            raise RegistryError(f"plugin {plugin_name!r} registered {self.kind} {name!r} as None")
+        previous = self._entries.get(name)
+        if previous is not None:
+            raise RegistryError(
+                f"{self.kind} {name!r} is registered by both plugin {previous.plugin_name!r} and plugin "
+                f"{plugin_name!r}; block one of them (AGL_BLOCKED_PLUGINS) or rename its {self.kind}"
+            )
+        self._entries[name] = RegistryEntry(name, obj, plugin_name)
+
+    def get(self, name: str) -> Any:
+        return self.entry(name).obj
+
+    def entry(self, name: str) -> RegistryEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            known = ", ".join(sorted(self._entries)) or "none"
+            raise RegistryError(f"unknown {self.kind} {name!r} (set by {self.config_key}); registered: {known}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[RegistryEntry]:
+        return iter(sorted(self._entries.values(), key=lambda e: e.name))
+
+    def __len__(self) -> int:
+        return len(self._entries)

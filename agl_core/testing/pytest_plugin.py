@@ -1,0 +1,23 @@
+"""pytest fixtures for agl plugin authors (loaded automatically through the ``pytest11`` entry point)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from agl_core.plugins import PluginManager
+
+
+@pytest.fixture
+def agl_plugin_manager_factory() -> Callable[..., PluginManager]:
+    """Build isolated plugin managers: built-ins plus the plugins given, no entry-point autoload."""
+
+    def make(*plugins: Any, load_entrypoints: bool = False) -> PluginManager:
+        manager = PluginManager(load_entrypoints=load_entrypoints)
+        for plugin in plugins:
+            manager.register(plugin)
+        return manager
+
+    return make

@@ -1,0 +1,141 @@
+"""Load user hook files (``.py`` paths) as agl plugins.
+
+Two forms are accepted:
+
+* module-level functions decorated with ``@agl_core.hookimpl`` and named after agl hooks
+  (``agl_on_enqueue``, ``agl_register_aggregators``...): the module itself becomes the plugin;
+* an Agent Lightning v1.0 hook file: exactly one subclass of ``RolloutHooks`` overriding
+  ``on_startup / on_enqueue / on_succeeded / on_failed``: an instance is wrapped in
+  :class:`~agl_hooks.rollout_hooks.RolloutHooksPlugin`.
+
+Every failure is a :class:`HookFileError` that names the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from agl_core import hookspecs
+from agl_hooks import rollout_hooks
+from agl_hooks.rollout_hooks import HOOK_METHODS, RolloutHooksPlugin
+
+KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))
+
+
+class HookFileError(Exception):
+    """A hook file could not be loaded; the message names the file and what is wrong."""
+
+
+@contextlib.contextmanager
+def _agentlightning_alias() -> Iterator[None]:
+    """Resolve ``agentlightning.hooks`` / ``agentlightning.schemas`` to agl's compatible API while a
+    hook file executes, unless Agent Lightning itself is importable."""
+    if importlib.util.find_spec("agentlightning") is not None:
+        yield
+        return
+    package = types.ModuleType("agentlightning")
+    package.__path__ = []  # type: ignore[attr-defined]
+    package.hooks = rollout_hooks  # type: ignore[attr-defined]
+    package.schemas = rollout_hooks  # type: ignore[attr-defined]
+    aliases = {"agentlightning": package, "agentlightning.hooks": rollout_hooks, "agentlightning.schemas": rollout_hooks}
+    saved = {name: sys.modules.get(name) for name in aliases}
+    sys.modules.update(aliases)
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def _is_rollout_hooks_class(obj: Any) -> bool:
+    if not inspect.isclass(obj):
+        return False
+    bases = [c for c in obj.__mro__[1:] if c.__name__ == "RolloutHooks" and c.__module__ in ("agl_hooks.rollout_hooks", "agentlightning.hooks")]
+    return bool(bases) and not (obj.__name__ == "RolloutHooks" and obj.__module__ in ("agl_hooks.rollout_hooks", "agentlightning.hooks"))
+
+
+def _exec_module(path: Path) -> types.ModuleType:
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    module_name = f"agl_hookfile_{path.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise HookFileError(f"hook file {path} is not a loadable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        with _agentlightning_alias():
+            spec.loader.exec_module(module)
+    except BaseException as exc:
+        sys.modules.pop(module_name, None)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        in_file = [f for f in frames if str(path) in f or not f.startswith("  File ")]
+        raise HookFileError(f"hook file {path} failed to import:\n{''.join(in_file).rstrip()}") from exc
+    return module
+
+
+def _suggest(name: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+
+
+def load_hook_file(path: str | os.PathLike[str]) -> tuple[Any, str]:
+    """Import one hook file; return ``(plugin, registration name)``."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise HookFileError(f"hook file not found: {path}")
+    module = _exec_module(path)
+    name = f"hookfile:{path}"
+
+    classes = [obj for _, obj in inspect.getmembers(module, _is_rollout_hooks_class) if obj.__module__ == module.__name__]
+    functions = {
+        attr: obj
+        for attr, obj in vars(module).items()
+        if attr.startswith("agl_") and callable(obj) and getattr(obj, "__module__", None) == module.__name__
+    }
+    for attr in functions:
+        if attr not in KNOWN_HOOKS:
+            raise HookFileError(f"hook file {path} defines unknown hook {attr!r}; {_suggest(attr, KNOWN_HOOKS)}")
+    undecorated = [attr for attr, fn in functions.items() if not hasattr(fn, "agl_impl")]
+    if undecorated:
+        raise HookFileError(f"hook file {path}: {', '.join(undecorated)} must be decorated with @agl_core.hookimpl")
+
+    if len(classes) > 1:
+        names = ", ".join(sorted(cls.__name__ for cls in classes))
+        raise HookFileError(f"hook file {path} defines several RolloutHooks subclasses ({names}); keep exactly one")
+    if classes and functions:
+        raise HookFileError(
+            f"hook file {path} mixes a RolloutHooks subclass ({classes[0].__name__}) with @hookimpl functions "
+            f"({', '.join(functions)}); use one form per file"
+        )
+    if classes:
+        cls = classes[0]
+        for attr in vars(cls):
+            if attr.startswith("on_") and attr not in HOOK_METHODS:
+                raise HookFileError(f"hook file {path}: {cls.__name__}.{attr} is not a hook; {_suggest(attr, HOOK_METHODS)}")
+        try:
+            instance = cls()
+        except Exception as exc:
+            raise HookFileError(f"hook file {path}: {cls.__name__}() failed: {exc!r}") from exc
+        return RolloutHooksPlugin(instance), name
+    if functions:
+        return module, name
+    raise HookFileError(
+        f"no hooks found in hook file {path}: define @agl_core.hookimpl functions named after agl hooks "
+        f"({', '.join(KNOWN_HOOKS)}) or one RolloutHooks subclass"
+    )

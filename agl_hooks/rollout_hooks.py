@@ -1,0 +1,174 @@
+"""Agent Lightning v1.0's ``RolloutHooks`` API, and the adapter that makes such a class an agl plugin.
+
+A v1.0 hook file (``from agentlightning.hooks import RolloutHooks`` and one subclass overriding
+``on_startup / on_enqueue / on_succeeded / on_failed``) works unchanged: the loader resolves that
+import to this module when Agent Lightning itself is not installed, and :class:`RolloutHooksPlugin`
+translates between agl's data model and the objects v1.0 hooks expect (attribute access like the
+v1.0 pydantic models, ``model_copy(update=...)`` on requests).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Protocol
+
+import attrs
+
+from agl_core.data import CompletedRollout, RolloutRequest, thaw
+from agl_core.event_writer import EventWriter
+from agl_core.hookspecs import hookimpl
+
+HOOK_METHODS = ("on_startup", "on_enqueue", "on_succeeded", "on_failed")
+
+
+class TraceWriter(Protocol):
+    def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any]) -> Any: ...
+
+
+@attrs.define
+class RolloutCreate:
+    """What a v1.0 ``on_enqueue`` receives and returns: a mutable view of the request."""
+
+    input: Any
+    is_train: bool = True
+    config: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    rollout_id: str | None = None
+
+    def model_copy(self, update: dict[str, Any] | None = None, deep: bool = False) -> RolloutCreate:
+        clone = copy.deepcopy(self) if deep else copy.copy(self)
+        for key, value in (update or {}).items():
+            setattr(clone, key, value)
+        return clone
+
+    def model_dump(self, **_: Any) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class RolloutStatus:
+    state: str
+    error_message: str | None = None
+    last_attempt_id: str | None = None
+    created_at: float | None = None
+    updated_at: float | None = None
+
+
+@attrs.define
+class Rollout:
+    """What v1.0 ``on_succeeded`` / ``on_failed`` receive."""
+
+    rollout_id: str
+    input: Any
+    is_train: bool
+    config: dict[str, Any]
+    metadata: dict[str, Any]
+    status: RolloutStatus
+
+
+@attrs.define
+class Event:
+    event_type: str
+    rollout_id: str
+    attempt_id: str
+    timestamp: float
+    data: dict[str, Any]
+
+
+class RolloutHooks:
+    """Base class of Agent Lightning v1.0 hook files; override any of the four methods."""
+
+    def on_startup(self, store: Any | None = None) -> None:
+        """Called once before the first rollout is enqueued."""
+
+    def on_enqueue(self, request: RolloutCreate) -> RolloutCreate:
+        """Return the (possibly rewritten) request."""
+        return request
+
+    def on_succeeded(self, rollout: Rollout, events: dict[str, list[Event]], store: TraceWriter) -> None:
+        """Called after a rollout succeeded; ``store.add_event`` appends events."""
+
+    def on_failed(self, rollout: Rollout, store: TraceWriter) -> None:
+        """Called after a rollout failed."""
+
+
+def _plain(value: Any) -> Any:
+    return copy.deepcopy(thaw(value))
+
+
+def rollout_view(rollout: CompletedRollout) -> Rollout:
+    return Rollout(
+        rollout_id=rollout.rollout_id,
+        input=_plain(rollout.input),
+        is_train=rollout.is_train,
+        config=_plain(rollout.config),
+        metadata=_plain(rollout.metadata),
+        status=RolloutStatus(
+            state=rollout.state,
+            error_message=rollout.error,
+            last_attempt_id=rollout.attempt_id,
+            created_at=rollout.queued_at,
+            updated_at=rollout.ended_at,
+        ),
+    )
+
+
+def _event_view(rollout_id: str, attempt_id: str, event: dict[str, Any]) -> Event:
+    return Event(
+        event_type=event.get("event_type", ""),
+        rollout_id=event.get("rollout_id", rollout_id),
+        attempt_id=event.get("attempt_id", attempt_id),
+        timestamp=event.get("timestamp", 0.0),
+        data=copy.deepcopy(event.get("data", {})),
+    )
+
+
+class RolloutHooksPlugin:
+    """Adapts one v1.0 ``RolloutHooks`` instance to agl's lifecycle hookspecs."""
+
+    def __init__(self, hooks: RolloutHooks):
+        self.hooks = hooks
+
+    def __repr__(self) -> str:
+        return f"RolloutHooksPlugin({type(self.hooks).__name__})"
+
+    @hookimpl
+    def agl_on_startup(self) -> None:
+        self.hooks.on_startup()
+
+    @hookimpl
+    def agl_on_enqueue(self, request: RolloutRequest) -> RolloutRequest:
+        view = RolloutCreate(
+            input=_plain(request.input),
+            is_train=request.is_train,
+            config=_plain(request.config),
+            metadata=_plain(request.metadata),
+            rollout_id=request.rollout_id,
+        )
+        result = self.hooks.on_enqueue(view)
+        if result is None:
+            raise TypeError(f"{type(self.hooks).__name__}.on_enqueue returned None; it must return the request")
+        return attrs.evolve(
+            request,
+            input=result.input,
+            is_train=bool(result.is_train),
+            config=result.config or {},
+            metadata=_as_dict(result.metadata),
+        )
+
+    @hookimpl
+    def agl_on_succeeded(self, rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]], writer: EventWriter) -> None:
+        views = {aid: [_event_view(rollout.rollout_id, aid, e) for e in evs] for aid, evs in events.items()}
+        self.hooks.on_succeeded(rollout_view(rollout), views, writer)
+
+    @hookimpl
+    def agl_on_failed(self, rollout: CompletedRollout, writer: EventWriter) -> None:
+        self.hooks.on_failed(rollout_view(rollout), writer)
+
+
+def _as_dict(metadata: Any) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if hasattr(metadata, "model_dump"):
+        return metadata.model_dump()
+    return dict(metadata)
