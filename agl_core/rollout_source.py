@@ -1,0 +1,83 @@
+"""The interface between a backend and whatever runs the agents (the gateway, or the embedded runtime).
+
+A backend only sees :class:`RolloutSource`: it hands over dataset samples and gets back completed
+rollouts of whole groups. How the agents run, and how completion is detected, is the source's
+business. :func:`make_requests` is the one place where samples become rollout requests, so grouping
+and the ``agl_on_enqueue`` chain are the same for every source.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from agl_core.data import CompletedRollout, RolloutRequest
+
+
+@attrs.frozen
+class RolloutBatch:
+    """What one ``collect`` returns: completed rollouts (whole groups only) and the source's metrics."""
+
+    rollouts: tuple[CompletedRollout, ...] = attrs.field(converter=tuple)
+    metrics: dict[str, float] = attrs.field(factory=dict)
+
+
+class RolloutSource(Protocol):
+    def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
+        """Run rollouts for ``samples`` (``rollout.n`` each when training, one when validating) and return
+        the completed ones. In async mode the samples top up the groups in flight, and the first
+        ``train_batch_size`` complete groups are returned; unfinished groups carry over."""
+
+    def before_weight_update(self) -> dict[str, float]:
+        """Called just before the optimizer step changes the policy (async: pause and drain the gateway).
+        Returns metrics."""
+
+    def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
+        """Called once the serving engines hold the new weights: register ``endpoints`` with
+        ``version`` (the training step) and resume."""
+
+    def close(self) -> None:
+        """Stop whatever the source started."""
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def make_requests(
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    n: int,
+    step: int,
+    is_train: bool,
+    rollout_config: Mapping[str, Any],
+    plugins: Any,
+) -> list[list[RolloutRequest]]:
+    """One group per sample, ``n`` requests per group, each passed through the ``agl_on_enqueue`` chain.
+
+    Every group gets a fresh ``group_id`` (Agent Lightning's ``data_id``) and every request a
+    client-chosen ``rollout_id``, so creating them is idempotent. ``plugins`` is the
+    :class:`~agl_core.plugins.PluginManager` whose ``enqueue`` runs the hooks.
+    """
+    groups = []
+    for sample_index, sample in enumerate(samples):
+        if not isinstance(sample, Mapping):
+            raise TypeError(f"dataset sample {sample_index} must be a mapping, got {type(sample).__name__}")
+        group_id = new_id()
+        group = []
+        for _ in range(n if is_train else 1):
+            request = RolloutRequest(
+                rollout_id=new_id(),
+                group_id=group_id,
+                input=sample,
+                is_train=is_train,
+                step=step,
+                sample_index=sample_index,
+                config=rollout_config,
+            )
+            group.append(plugins.enqueue(request))
+        groups.append(group)
+    return groups
