@@ -1,0 +1,34 @@
+"""The interface between a training backend and the server that generates with the policy.
+
+The reference backend serves its policy either in-process (:mod:`agl_core.policy_server`) or through
+a real vLLM server (:mod:`agl_core.vllm_engine`); both answer OpenAI-compatible requests the way vLLM
+does for RL gateways (token ids and per-token log-probs in every response), so agents, the gateway
+and every stage downstream cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class InferenceEngine(Protocol):
+    model_name: str
+    """The served model name; it must equal what the gateway has registered."""
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL (``http://127.0.0.1:PORT/v1``) of the server."""
+
+    def start(self) -> None:
+        """Start serving (idempotent); return once the server answers requests."""
+
+    def push_weights(self, model: Any, version: int) -> None:
+        """Make the server generate with ``model``'s current weights from now on.
+
+        ``model`` is the trainer's ``torch.nn.Module`` (a Hugging Face causal LM); ``version`` the
+        training step the weights belong to. When this returns, no request is answered with older
+        weights (and no cached prompt state computed with them is reused).
+        """
+
+    def close(self) -> None:
+        """Stop the server and free what it holds."""
