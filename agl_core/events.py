@@ -1,0 +1,291 @@
+"""Turn a rollout's recorded events into a :class:`~agl_core.data.CompletedRollout`.
+
+The input is what the Agent Lightning gateway returns from ``GET /api/rollouts/{id}/events`` (the
+raw format): a list of dicts with ``event_type``, ``data``, ``attempt_id`` and ``timestamp``. Every
+rollout source records events in this shape, so this module is the one place where events become
+Triplets and a reward.
+
+Rules (Agent Lightning v1.0 semantics, with every anomaly counted instead of dropped silently):
+
+- A ``model_request`` becomes a Triplet only when the call succeeded: ``status`` is not ``"error"``,
+  ``http_status`` is below 400, the upstream response carries no ``error``, and it holds a non-empty
+  list of response token ids. Prompt ids are ``response.prompt_token_ids`` (chat) or
+  ``response.choices[0].prompt_token_ids`` (completions); response ids are
+  ``choices[0].token_ids``; log-probs are ``choices[0].logprobs.content[*].logprob`` (chat) or
+  ``choices[0].logprobs.token_logprobs`` (completions).
+- A call whose token ids are missing or garbled (not a list of non-negative ints) is not trained on
+  and is counted. Log-probs that are missing leave the Triplet without log-probs; log-probs that are
+  unusable (non-numeric, non-finite, positive, or not one per response token) do the same and are
+  counted.
+- Unlike the gateway's ``format=triplet`` view, two calls with an identical prompt both become
+  Triplets: each is a real sample the policy generated.
+- ``reward`` events carry ``data.value``. The **last valid** reward event without a ``call_index``
+  is the rollout's final reward. A reward event with ``data.call_index = k`` is the reward of the
+  rollout's k-th ``model_request`` (0-based, counting every model_request event in order, failed
+  calls included, which is how an agent counts its own calls); it lands on that call's
+  ``Triplet.reward`` (last one wins). Booleans, non-numbers and non-finite values are refused and
+  counted, never coerced.
+- A rollout without a final reward gets ``reward_fillna_value`` and is counted.
+
+Counts come back as a :class:`collections.Counter` keyed by metric name, so a source can add the
+counters of a batch and report them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from agl_core.data import (
+    CompletedRollout,
+    DataValidationError,
+    RolloutRequest,
+    Triplet,
+    log_probs,
+    reward_value,
+    token_ids,
+)
+
+__all__ = [
+    "METRICS",
+    "ParsedEvents",
+    "completed_rollout",
+    "completed_rollout_from_record",
+    "events_by_attempt",
+    "parse_events",
+]
+
+# Metric name -> what it counts. Every anomaly the parser meets increments one of these.
+METRICS = {
+    "training/n_rollouts_w_reward": "rollouts whose agent reported a valid final reward",
+    "training/n_rollouts_reward_filled": "rollouts without a valid final reward, given reward_fillna_value",
+    "training/events/n_calls": "model_request events read",
+    "training/events/n_failed_calls": "model calls that failed (status error, HTTP >= 400, upstream error)",
+    "training/events/n_calls_missing_token_ids": "successful calls without prompt or response token ids",
+    "training/events/n_calls_garbled_token_ids": "calls whose token ids are not lists of non-negative ints",
+    "training/events/n_calls_empty_response": "successful calls that generated no token",
+    "training/events/n_calls_wo_log_probs": "Triplets without log-probs because the response had none",
+    "training/events/n_calls_bad_log_probs": "Triplets without log-probs because they were unusable",
+    "training/events/n_reward_events": "reward events read",
+    "training/events/n_bad_rewards": "reward events refused (boolean, non-numeric, non-finite, missing)",
+    "training/events/n_bad_reward_call_index": "reward events refused for an invalid call_index",
+    "training/events/n_orphan_call_rewards": "per-call rewards whose call produced no Triplet",
+    "training/events/n_malformed_events": "events that are not dicts with a string event_type and dict data",
+    "training/events/n_other_events": "events of other types (kept for hooks, not used for training)",
+}
+
+
+@attrs.frozen
+class ParsedEvents:
+    """Triplets, final reward and anomaly counts read from one rollout's events."""
+
+    triplets: tuple[Triplet, ...]
+    final_reward: float | None
+    counts: Counter[str]
+
+
+def _count(counts: Counter[str], name: str) -> None:
+    assert name in METRICS, name
+    counts[name] += 1
+
+
+def _call_failed(data: Mapping[str, Any]) -> bool:
+    http_status = data.get("http_status")
+    if isinstance(http_status, int) and not isinstance(http_status, bool) and http_status >= 400:
+        return True
+    response = data.get("response")
+    return data.get("status") == "error" or (isinstance(response, Mapping) and "error" in response)
+
+
+def _raw_log_probs(choice: Mapping[str, Any]) -> Any:
+    """The per-token log-prob list in either OpenAI schema; ``None`` when the response has none."""
+    logprobs = choice.get("logprobs")
+    if logprobs is None:
+        return None
+    if not isinstance(logprobs, Mapping):
+        return logprobs  # present but unusable: let validation refuse it
+    content = logprobs.get("content")
+    if isinstance(content, list):
+        return [item.get("logprob") if isinstance(item, Mapping) else item for item in content]
+    return logprobs.get("token_logprobs", logprobs)
+
+
+def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Triplet | None:
+    """One successful model call as a Triplet, or ``None`` (counted) when it cannot be trained on."""
+    if not isinstance(data, Mapping):
+        _count(counts, "training/events/n_malformed_events")
+        return None
+    if _call_failed(data):
+        _count(counts, "training/events/n_failed_calls")
+        return None
+    response = data.get("response")
+    choices = response.get("choices") if isinstance(response, Mapping) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        _count(counts, "training/events/n_calls_missing_token_ids")
+        return None
+    choice = choices[0]
+    prompt = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    generated = choice.get("token_ids")
+    if prompt is None or generated is None or (isinstance(prompt, list) and not prompt):
+        _count(counts, "training/events/n_calls_missing_token_ids")
+        return None
+    try:
+        prompt_ids = token_ids("prompt_ids", prompt)
+        response_ids = token_ids("response_ids", generated)
+    except DataValidationError:
+        _count(counts, "training/events/n_calls_garbled_token_ids")
+        return None
+    if not len(response_ids):
+        _count(counts, "training/events/n_calls_empty_response")
+        return None
+    raw = _raw_log_probs(choice)
+    response_log_probs = None
+    if raw is None:
+        _count(counts, "training/events/n_calls_wo_log_probs")
+    else:
+        try:
+            response_log_probs = log_probs("response_log_probs", raw, len(response_ids))
+        except (DataValidationError, TypeError, ValueError):
+            _count(counts, "training/events/n_calls_bad_log_probs")
+    server = data.get("server") if isinstance(data.get("server"), Mapping) else {}
+    metadata = {"call_index": call_index, "model_version": server.get("version", data.get("model_version"))}
+    if data.get("finish_reason") is not None:
+        metadata["finish_reason"] = data["finish_reason"]
+    return Triplet(
+        prompt_ids=prompt_ids, response_ids=response_ids, response_log_probs=response_log_probs, metadata=metadata
+    )
+
+
+def _reward(data: Mapping[str, Any], counts: Counter[str]) -> float | None:
+    try:
+        return reward_value("reward", data.get("value"))
+    except DataValidationError:
+        _count(counts, "training/events/n_bad_rewards")
+        return None
+
+
+def parse_events(events: Sequence[Any]) -> ParsedEvents:
+    """Triplets (successful calls, in order), the final reward (``None`` if none) and the counts."""
+    counts: Counter[str] = Counter()
+    calls: list[Triplet | None] = []
+    call_rewards: dict[int, float] = {}
+    final_reward: float | None = None
+    for event in events:
+        if not isinstance(event, Mapping) or not isinstance(event.get("event_type"), str):
+            _count(counts, "training/events/n_malformed_events")
+            continue
+        kind, data = event["event_type"], event.get("data")
+        if kind == "model_request":
+            _count(counts, "training/events/n_calls")
+            calls.append(_triplet_from_call(data, len(calls), counts))
+        elif kind == "reward":
+            _count(counts, "training/events/n_reward_events")
+            if not isinstance(data, Mapping):
+                _count(counts, "training/events/n_bad_rewards")
+                continue
+            value = _reward(data, counts)
+            if value is None:
+                continue
+            if "call_index" not in data:
+                final_reward = value
+                continue
+            index = data["call_index"]
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                _count(counts, "training/events/n_bad_reward_call_index")
+                continue
+            call_rewards[index] = value
+        else:
+            _count(counts, "training/events/n_other_events")
+    triplets = []
+    for index, triplet in enumerate(calls):
+        if triplet is None:
+            continue
+        if index in call_rewards:
+            triplet = Triplet(
+                prompt_ids=triplet.prompt_ids,
+                response_ids=triplet.response_ids,
+                response_log_probs=triplet.response_log_probs,
+                reward=call_rewards.pop(index),
+                metadata=triplet.metadata,
+            )
+        triplets.append(triplet)
+    for index in call_rewards:
+        name = "n_bad_reward_call_index" if index >= len(calls) else "n_orphan_call_rewards"
+        _count(counts, f"training/events/{name}")
+    return ParsedEvents(tuple(triplets), final_reward, counts)
+
+
+def events_by_attempt(events: Sequence[Any], default_attempt_id: str = "0") -> dict[str, list[dict[str, Any]]]:
+    """Events grouped by ``attempt_id`` in order (what ``agl_on_succeeded`` receives)."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for event in events:
+        attempt = event.get("attempt_id") if isinstance(event, Mapping) else None
+        grouped.setdefault(str(attempt or default_attempt_id), []).append(event)
+    return grouped or {default_attempt_id: []}
+
+
+def completed_rollout(
+    request: RolloutRequest,
+    events: Sequence[Any],
+    *,
+    state: str,
+    reward_fillna_value: float,
+    error: str | None = None,
+    attempt_id: str | None = None,
+    queued_at: float | None = None,
+    ended_at: float | None = None,
+) -> tuple[CompletedRollout, Counter[str]]:
+    """The completed rollout for ``request`` from its raw ``events``, and the anomaly counts.
+
+    ``started_at`` is the timestamp of the first event (the agent's first call), the earliest moment
+    the trainer can see the agent running.
+    """
+    parsed = parse_events(events)
+    counts = parsed.counts
+    final_reward = parsed.final_reward
+    if final_reward is None:
+        final_reward = reward_value("reward_fillna_value", reward_fillna_value)
+        _count(counts, "training/n_rollouts_reward_filled")
+    else:
+        _count(counts, "training/n_rollouts_w_reward")
+    stamps = [e["timestamp"] for e in events if isinstance(e, Mapping) and isinstance(e.get("timestamp"), (int, float))]
+    rollout = CompletedRollout(
+        rollout_id=request.rollout_id,
+        group_id=request.group_id,
+        state=state,
+        triplets=parsed.triplets,
+        final_reward=final_reward,
+        step=request.step,
+        sample_index=request.sample_index,
+        is_train=request.is_train,
+        input=request.input,
+        queued_at=queued_at,
+        started_at=min(stamps) if stamps else None,
+        ended_at=ended_at,
+        error=error,
+        attempt_id=attempt_id,
+        config=request.config,
+        metadata=request.metadata,
+    )
+    return rollout, counts
+
+
+def completed_rollout_from_record(
+    request: RolloutRequest, record: Mapping[str, Any], events: Sequence[Any], *, reward_fillna_value: float
+) -> tuple[CompletedRollout, Counter[str]]:
+    """Like :func:`completed_rollout`, reading state, error and times from the gateway's rollout record
+    (the ``rollout`` object of ``GET /api/rollouts/{id}``)."""
+    status = record.get("status") or {}
+    return completed_rollout(
+        request,
+        events,
+        state=status.get("state"),
+        reward_fillna_value=reward_fillna_value,
+        error=status.get("error_message"),
+        attempt_id=status.get("last_attempt_id"),
+        queued_at=status.get("created_at"),
+        ended_at=status.get("updated_at"),
+    )
