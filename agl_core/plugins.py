@@ -162,6 +162,10 @@ class PluginManager:
         except pluggy.PluginValidationError as exc:
             raise PluginError(str(exc)) from exc
 
+    def get_plugin(self, name: str) -> Any:
+        """The plugin object registered under ``name`` (``None`` if there is none)."""
+        return self._pm.get_plugin(name)
+
     def is_registered(self, name: str) -> bool:
         return self._pm.get_plugin(name) is not None
 

@@ -1,0 +1,41 @@
+"""The ``agl`` console script."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def agl(*args, env=None):
+    exe = shutil.which("agl", path=str(Path(sys.executable).parent))
+    assert exe, "the agl console script is installed with the package"
+    return subprocess.run([exe, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_plugins_lists_builtins_with_their_hooks_and_names():
+    out = agl("plugins", env={"AGL_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert out.returncode == 0, out.stderr
+    from agl_core.plugins import DEFAULT_PLUGINS
+
+    for name in DEFAULT_PLUGINS:
+        assert f"{name}  [built-in]" in out.stdout
+
+
+def test_plugins_shows_a_hook_file(tmp_path):
+    hooks = tmp_path / "my_hooks.py"
+    hooks.write_text("from agl_core import hookimpl\n\n@hookimpl\ndef agl_on_startup(config):\n    pass\n")
+    out = agl("plugins", "--hooks", str(hooks), env={"AGL_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert out.returncode == 0, out.stderr
+    assert f"hookfile:{hooks.resolve()}  [hook file {hooks}]" in out.stdout
+    assert "hooks: agl_on_startup" in out.stdout
+
+
+def test_bad_hook_file_is_a_one_line_error(tmp_path):
+    out = agl("plugins", "--hooks", str(tmp_path / "nope.py"))
+    assert out.returncode == 2
+    assert out.stderr.startswith("agl: error: hook file not found")

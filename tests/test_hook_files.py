@@ -1,0 +1,211 @@
+"""Hook files load as plugins, fire in order, and every bad file gets a precise error."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.event_writer import EventWriter
+from agl_core.plugins import PluginManager
+from agl_hooks.loader import HookFileError, load_hook_file
+
+AGL_V1_HOOK_FILE = """
+from agentlightning.hooks import RolloutHooks
+
+CALLS = []
+
+
+class TagRollouts(RolloutHooks):
+    def on_startup(self, store=None):
+        CALLS.append("startup")
+
+    def on_enqueue(self, request):
+        CALLS.append("v1-enqueue")
+        metadata = dict(request.metadata or {})
+        metadata["order"] = metadata.get("order", "") + "v1;"
+        return request.model_copy(update={"metadata": metadata})
+
+    def on_succeeded(self, rollout, events, store):
+        CALLS.append(("succeeded", rollout.rollout_id, rollout.status.state, sorted(events)))
+        n_calls = sum(1 for e in events[rollout.status.last_attempt_id] if e.event_type == "model_request")
+        store.add_event(rollout.rollout_id, rollout.status.last_attempt_id, "reward", {"value": float(n_calls)})
+
+    def on_failed(self, rollout, store):
+        CALLS.append(("failed", rollout.rollout_id, rollout.status.error_message))
+"""
+
+MODULE_HOOK_FILE = """
+import attrs
+from agl_core import hookimpl
+
+CALLS = []
+
+
+@hookimpl
+def agl_on_enqueue(request):
+    CALLS.append("module-enqueue")
+    return attrs.evolve(request, metadata={**request.metadata, "order": request.metadata.get("order", "") + "module;"})
+
+
+@hookimpl
+def agl_on_succeeded(rollout, events, writer):
+    CALLS.append(("module-succeeded", rollout.rollout_id, sorted(events)))
+    writer.add_event(rollout.rollout_id, rollout.attempt_id, "judge", {"score": 1})
+
+
+@hookimpl
+def agl_on_failed(rollout, writer):
+    CALLS.append(("module-failed", rollout.rollout_id))
+"""
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def request(rollout_id="r1"):
+    return RolloutRequest(rollout_id=rollout_id, group_id="g1", input={"q": 1})
+
+
+def manager_with(*paths):
+    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager.load_hook_files(paths)
+    return manager
+
+
+def module_of(manager, path):
+    """The executed module behind a loaded hook file (to read what its hooks recorded)."""
+    plugin = manager.get_plugin(f"hookfile:{path.resolve()}")
+    return sys.modules[type(plugin.hooks).__module__] if hasattr(plugin, "hooks") else plugin
+
+
+def test_v1_and_module_hook_files_load_and_fire_in_order(tmp_path):
+    v1 = write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE)
+    mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
+    manager = manager_with(v1, mod)
+    v1_calls, mod_calls = module_of(manager, v1).CALLS, module_of(manager, mod).CALLS
+
+    manager.on_startup(config={})
+    out = manager.enqueue(request())
+    assert out.metadata["order"] == "v1;module;", "hooks chain in plugin (load) order"
+    assert v1_calls[:2] == ["startup", "v1-enqueue"] and mod_calls == ["module-enqueue"]
+
+    rollout = CompletedRollout(rollout_id="r1", group_id="g1", state="succeeded", attempt_id="a0")
+    events = {"a0": [{"event_type": "model_request", "data": {}, "timestamp": 1.0}, {"event_type": "reward", "data": {"value": 0.0}}]}
+    writer = EventWriter()
+    manager.on_succeeded(rollout, events, writer)
+    assert v1_calls[-1] == ("succeeded", "r1", "succeeded", ["a0"])
+    assert mod_calls[-1] == ("module-succeeded", "r1", ["a0"])
+    assert [(e.rollout_id, e.attempt_id, e.event_type, e.data) for e in writer.pending] == [
+        ("r1", "a0", "reward", {"value": 1.0}),
+        ("r1", "a0", "judge", {"score": 1}),
+    ]
+    sent = []
+    assert writer.flush(sent.append) == 2 and not writer.pending and len(sent) == 2
+
+    failed = CompletedRollout(rollout_id="r2", group_id="g1", state="failed", error="agent crashed")
+    manager.on_failed(failed, EventWriter())
+    assert v1_calls[-1] == ("failed", "r2", "agent crashed")
+    assert mod_calls[-1] == ("module-failed", "r2")
+    assert manager.pop_metrics()["training/n_hook_failures"] == 0
+
+
+def test_agentlightning_alias_does_not_leak(tmp_path):
+    manager_with(write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE))
+    assert "agentlightning.hooks" not in sys.modules
+
+
+def test_a_raising_hook_does_not_stop_the_others(tmp_path, caplog):
+    boom = write(
+        tmp_path,
+        "boom.py",
+        """
+        from agl_core import hookimpl
+
+        @hookimpl
+        def agl_on_enqueue(request):
+            raise RuntimeError("boom")
+        """,
+    )
+    mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
+    manager = manager_with(boom, mod)
+    out = manager.enqueue(request())
+    assert out.metadata["order"] == "module;"
+    metrics = manager.pop_metrics()
+    assert metrics["training/n_hook_failures"] == 1
+    assert metrics["training/n_hook_failures/agl_on_enqueue"] == 1
+    assert f"hookfile:{boom.resolve()}" in caplog.text and "boom" in caplog.text
+
+
+def test_enqueue_rewrite_may_not_change_ids(tmp_path):
+    bad = write(
+        tmp_path,
+        "bad.py",
+        """
+        import attrs
+        from agl_core import hookimpl
+
+        @hookimpl
+        def agl_on_enqueue(request):
+            return attrs.evolve(request, rollout_id="stolen")
+        """,
+    )
+    manager = manager_with(bad)
+    assert manager.enqueue(request()).rollout_id == "r1"
+    assert manager.pop_metrics()["training/n_hook_failures"] == 1
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("syntax.py", "def broken(:\n    pass\n", r"failed to import:(.|\n)*SyntaxError"),
+        ("importerr.py", "import not_a_module_anywhere_xyz\n", r"failed to import:(.|\n)*importerr\.py(.|\n)*ModuleNotFoundError"),
+        ("empty.py", "X = 1\n", "no hooks found in hook file"),
+        (
+            "two.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks): pass\nclass B(RolloutHooks): pass\n",
+            r"several RolloutHooks subclasses \(A, B\)",
+        ),
+        (
+            "typo_v1.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def on_succeded(self, rollout, events, store): pass\n",
+            r"A\.on_succeded is not a hook; did you mean 'on_succeeded'",
+        ),
+        (
+            "typo_mod.py",
+            "from agl_core import hookimpl\n@hookimpl\ndef agl_on_enqeue(request): return None\n",
+            r"unknown hook 'agl_on_enqeue'; did you mean 'agl_on_enqueue'",
+        ),
+        ("undecorated.py", "def agl_on_enqueue(request): return None\n", "must be decorated with @agl_core.hookimpl"),
+        (
+            "mixed.py",
+            "from agl_core import hookimpl\nfrom agl_hooks import RolloutHooks\nclass A(RolloutHooks): pass\n"
+            "@hookimpl\ndef agl_on_startup(config): pass\n",
+            "mixes a RolloutHooks subclass",
+        ),
+    ],
+)
+def test_bad_hook_files_give_precise_errors(tmp_path, name, text, message):
+    path = write(tmp_path, name, text)
+    with pytest.raises(HookFileError, match=message) as info:
+        load_hook_file(path)
+    assert str(path.resolve()) in str(info.value)
+
+
+def test_missing_hook_file(tmp_path):
+    with pytest.raises(HookFileError, match="hook file not found: .*nope.py"):
+        load_hook_file(tmp_path / "nope.py")
+
+
+def test_hooks_from_config_accept_a_path_or_a_list(tmp_path):
+    v1 = write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE)
+    mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
+    one = PluginManager.from_config({"agentlightning": {"hooks": str(v1)}}, load_entrypoints=False, builtins=())
+    both = PluginManager.from_config({"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins=())
+    assert one.is_registered(f"hookfile:{v1.resolve()}") and not one.is_registered(f"hookfile:{mod.resolve()}")
+    assert both.is_registered(f"hookfile:{mod.resolve()}")
