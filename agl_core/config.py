@@ -62,6 +62,23 @@ class AsyncRolloutConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """How the trainer talks to the gateway (HTTP behaviour, completion polling, faults)."""
+
+    http_timeout_seconds: float = 30.0
+    max_retries: int = 5  # per call, for retryable failures only
+    retry_backoff_seconds: float = 0.5  # first backoff; doubles per retry, jittered
+    retry_backoff_max_seconds: float = 10.0
+    poll_interval_min_seconds: float = 0.05  # terminal-cursor poll interval while rollouts finish
+    poll_interval_max_seconds: float = 2.0  # ... backing off to this while nothing finishes
+    liveness_check_seconds: float = 30.0  # without progress, check one pending rollout still exists
+    restart_policy: str = "reenqueue"  # a rollout lost by a gateway restart: reenqueue | fail
+    max_reenqueues: int = 2  # per rollout; beyond it a lost rollout counts as failed
+    drain_timeout_seconds: float = 60.0  # async: longest wait for in-flight calls to finish at pause
+    pause_retry_after_seconds: int = 5  # what the paused proxy tells agents (Retry-After)
+
+
+@dataclass
 class AgentLightningConfig:
     # No URL means the embedded rollout source (agents run in-process); a URL means the gateway.
     agl_base_url: Optional[str] = None
@@ -75,6 +92,10 @@ class AgentLightningConfig:
     trace_aggregator: TraceAggregatorConfig = field(default_factory=TraceAggregatorConfig)
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     backend: str = "torch"  # the backend's registry name
+    # A failed rollout is either left out of training (skip) or trained on with the fill reward (train).
+    failed_rollout_policy: str = "skip"
+    rollout_timeout_grace_seconds: float = 60.0  # trainer-side deadline = rollout_timeout_seconds + this
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
 # -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
@@ -257,6 +278,7 @@ def validate(cfg: DictConfig) -> None:
     ):
         _positive(cfg, key)
     _positive(cfg, "agentlightning.max_ppo_update_times", allow_none=True)
+    _validate_gateway_keys(cfg)
     if agl.async_rollout.enabled:
         size = agl.async_rollout.async_train_batch_size
         train = cfg.data.train_batch_size
@@ -271,6 +293,42 @@ def validate(cfg: DictConfig) -> None:
     clip_c = OmegaConf.select(cfg, "actor_rollout_ref.actor.clip_ratio_c")
     if clip_c is not None and clip_c <= 1.0:
         raise ConfigError("actor_rollout_ref.actor.clip_ratio_c", f"must be greater than 1.0, got {clip_c}")
+
+
+def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _validate_gateway_keys(cfg: DictConfig) -> None:
+    _choice(cfg, "agentlightning.failed_rollout_policy", ("skip", "train"))
+    _choice(cfg, "agentlightning.gateway.restart_policy", ("reenqueue", "fail"))
+    for key in (
+        "agentlightning.gateway.http_timeout_seconds",
+        "agentlightning.gateway.poll_interval_min_seconds",
+        "agentlightning.gateway.liveness_check_seconds",
+        "agentlightning.gateway.drain_timeout_seconds",
+    ):
+        value = OmegaConf.select(cfg, key)
+        if not value > 0:
+            raise ConfigError(key, f"must be greater than 0, got {value!r}")
+    for key in (
+        "agentlightning.rollout_timeout_grace_seconds",
+        "agentlightning.gateway.retry_backoff_seconds",
+        "agentlightning.gateway.max_retries",
+        "agentlightning.gateway.max_reenqueues",
+        "agentlightning.gateway.pause_retry_after_seconds",
+    ):
+        value = OmegaConf.select(cfg, key)
+        if value < 0:
+            raise ConfigError(key, f"must be 0 or more, got {value!r}")
+    low = cfg.agentlightning.gateway.poll_interval_min_seconds
+    if cfg.agentlightning.gateway.poll_interval_max_seconds < low:
+        raise ConfigError("agentlightning.gateway.poll_interval_max_seconds", f"must be at least poll_interval_min_seconds ({low})")
+    backoff = cfg.agentlightning.gateway.retry_backoff_seconds
+    if cfg.agentlightning.gateway.retry_backoff_max_seconds < backoff:
+        raise ConfigError("agentlightning.gateway.retry_backoff_max_seconds", f"must be at least retry_backoff_seconds ({backoff})")
 
 
 def redacted(cfg: DictConfig) -> DictConfig:
