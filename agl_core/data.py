@@ -193,9 +193,11 @@ def _array_field(**kwargs: Any) -> Any:
     return attrs.field(eq=attrs.cmp_using(eq=_array_eq), **kwargs)
 
 
-def _names_its_rollout(cls: type) -> type:
-    """Make every validation error raised while building ``cls`` name the rollout it belongs to."""
+def _hardened(cls: type) -> type:
+    """Make every validation error raised while building ``cls`` name the rollout it belongs to, and
+    keep its arrays read-only after unpickling (objects travel to Ray workers by pickle)."""
     init = cls.__init__
+    setstate = cls.__setstate__
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -205,10 +207,18 @@ def _names_its_rollout(cls: type) -> type:
             rollout_id = kwargs.get("rollout_id")
             raise err.within(rollout_id=rollout_id if isinstance(rollout_id, str) else None) from None
 
+    def __setstate__(self: Any, state: Any) -> None:
+        setstate(self, state)
+        for value in attrs.astuple(self, recurse=False):
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+
     cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
     return cls
 
 
+@_hardened
 @attrs.frozen(kw_only=True)
 class Triplet:
     """One successful model call: the prompt the model saw, what it generated, and how likely it was.
@@ -244,7 +254,7 @@ class Triplet:
         return cls(**data)
 
 
-@_names_its_rollout
+@_hardened
 @attrs.frozen(kw_only=True)
 class RolloutRequest:
     """A rollout the trainer asks for: one agent run on one dataset row.
@@ -312,7 +322,7 @@ def _triplets(value: Iterable[Any]) -> tuple[Triplet, ...]:
     return tuple(out)
 
 
-@_names_its_rollout
+@_hardened
 @attrs.frozen(kw_only=True)
 class CompletedRollout:
     """A rollout that reached a terminal state, with its Triplets and final reward.
@@ -368,7 +378,7 @@ def _turns(value: Any) -> np.ndarray:
     return _readonly(array.astype(np.int32))
 
 
-@_names_its_rollout
+@_hardened
 @attrs.frozen(kw_only=True)
 class TrainingRow:
     """One training sample: a prompt, a response whose trained tokens are marked, and credit info.

@@ -126,6 +126,8 @@ def test_nothing_is_mutable_by_accident():
         triplet.metadata["a"][1]["b"] = 3
     with pytest.raises(AttributeError):
         triplet.reward = 1.0  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        pickle.loads(pickle.dumps(triplet)).prompt_ids[0] = 9
     source = np.array([1, 2, 3])
     copy = Triplet(prompt_ids=source, response_ids=[])
     source[0] = 99
