@@ -1,0 +1,160 @@
+"""The verl backend's config: verl's full ``ppo_trainer`` defaults, agl's section and Agent Lightning's overlay.
+
+The base is composed without Hydra from the flattened ``_generated_ppo_trainer.yaml`` verl ships (the
+same values Hydra's compose of ``ppo_trainer`` yields), plus the typed ``agentlightning`` section of
+:class:`agl_core.config.AgentLightningConfig`, plus :data:`OVERLAY` (Agent Lightning v1.0's values).
+:func:`load_verl_config` then merges the user's YAML and ``key=value`` overrides over it through
+:func:`agl_core.config.load_config` and validates once: unknown keys (struct mode), the types of verl's
+keys (a value must have the type of verl's default), the core's cross-key rules (async batch size...),
+and the estimator choices this backend cannot run.
+
+``algorithm.enable_rollout_level_advantage`` is Agent Lightning's key and stays where its configs put
+it, but verl's ``AlgoConfig`` dataclass refuses unknown keys: verl's legacy ``RayPPOTrainer`` reads the
+section as a ``DictConfig`` and never builds an ``AlgoConfig`` from it, and every algorithm section this
+backend hands to verl code comes from :func:`verl_algorithm_config`, which leaves the key out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator, Sequence
+from functools import cache
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from agl_core.config import AgentLightningConfig, ConfigError, load_config
+
+ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
+
+# Agent Lightning v1.0's values over verl's defaults (its verl config), plus agl's choices for verl.
+OVERLAY: dict[str, Any] = {
+    "algorithm": {
+        ROLLOUT_LEVEL_KEY: True,
+        # verl's default (gae) gives per-token advantages, which cannot be computed once per rollout.
+        "adv_estimator": "grpo",
+    },
+    "data": {"filter_overlong_prompts": False},
+    "actor_rollout_ref": {
+        "actor": {"calculate_entropy": True, "policy_loss": {"loss_mode": "per_rollout_mean"}},
+        "rollout": {"mode": "async"},
+    },
+    # The core schema's one trainer key that verl's trainer section lacks.
+    "trainer": {"seed": 0},
+}
+
+# Estimators this backend refuses, with the reason given to the user.
+UNSUPPORTED_ESTIMATORS = {
+    "remax": "REMAX needs a greedy baseline generation per prompt, which the gateway's agents do not produce",
+}
+
+
+def generated_defaults_path() -> str:
+    """Path of the flattened ``ppo_trainer`` defaults inside the installed verl (without importing verl)."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        raise ConfigError("agentlightning.backend", "backend 'verl' needs verl installed (pip install verl==0.9.1)")
+    return os.path.join(os.path.dirname(spec.origin), "trainer", "config", "_generated_ppo_trainer.yaml")
+
+
+@cache
+def _verl_defaults() -> DictConfig:
+    cfg = OmegaConf.load(generated_defaults_path())
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def verl_base() -> DictConfig:
+    """verl's defaults + the typed ``agentlightning`` section + :data:`OVERLAY`, in struct mode.
+
+    Free-form mappings that verl leaves empty by default (``override_config``, ``engine_kwargs``...)
+    stay open, so users can fill them as they would with Hydra's ``+key=value``.
+    """
+    agl = OmegaConf.structured(AgentLightningConfig)
+    agl.backend = "verl"
+    cfg = OmegaConf.merge(_verl_defaults(), {"agentlightning": agl}, OVERLAY)
+    assert isinstance(cfg, DictConfig)
+    OmegaConf.set_struct(cfg, True)
+    for key, node in _walk(cfg):
+        if isinstance(node, DictConfig) and len(node) == 0 and not key.startswith("agentlightning"):
+            OmegaConf.set_struct(node, False)
+    return cfg
+
+
+def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+    """The validated run config for backend ``verl``; every error is a :class:`ConfigError` naming its key."""
+    base = verl_base()
+    cfg = load_config(path, overrides, base=base.copy())
+    check_types(cfg, base)
+    validate_verl(cfg)
+    return cfg
+
+
+_NO_TYPE = object()  # an interpolation or a mandatory value left unset: no default type
+
+
+def _walk(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) for every key under ``node``; interpolations and ``???`` read as ``_NO_TYPE``."""
+    for key in node.keys():
+        dotted = f"{prefix}{key}"
+        if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
+            yield dotted, _NO_TYPE
+            continue
+        value = node[key]
+        yield dotted, value
+        if isinstance(value, DictConfig):
+            yield from _walk(value, dotted + ".")
+
+
+def _type_name(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, (ListConfig, list)):
+        return "list"
+    if isinstance(value, (DictConfig, dict)):
+        return "mapping"
+    return None
+
+
+def check_types(cfg: DictConfig, base: DictConfig) -> None:
+    """Each value must have the type of its default in ``base`` (an int is accepted for a float).
+
+    Defaults that are ``None`` or interpolations carry no type and accept anything.
+    """
+    for key, default in _walk(base):
+        expected = _type_name(default)
+        if expected is None:
+            continue
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        got = _type_name(value)
+        if value is None or got == expected or (expected == "float" and got == "int"):
+            continue
+        raise ConfigError(key, f"must be a {expected} like verl's default {default!r}, got {got or type(value).__name__} {value!r}")
+
+
+def validate_verl(cfg: DictConfig) -> None:
+    """Rules of this backend that the core's :func:`~agl_core.config.validate` does not know."""
+    estimator = str(cfg.algorithm.adv_estimator)
+    if estimator in UNSUPPORTED_ESTIMATORS:
+        raise ConfigError("algorithm.adv_estimator", f"{estimator!r} is not supported: {UNSUPPORTED_ESTIMATORS[estimator]}")
+    if cfg.algorithm[ROLLOUT_LEVEL_KEY] and estimator == "gae":
+        raise ConfigError(
+            "algorithm.adv_estimator",
+            "'gae' gives per-token advantages, which cannot be computed once per rollout; choose an outcome "
+            f"estimator (grpo, rloo, ...) or set algorithm.{ROLLOUT_LEVEL_KEY}=false",
+        )
+
+
+def verl_algorithm_config(cfg: DictConfig) -> DictConfig:
+    """The ``algorithm`` section as verl's ``AlgoConfig`` accepts it (Agent Lightning's key left out)."""
+    section = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    assert isinstance(section, dict)
+    section.pop(ROLLOUT_LEVEL_KEY, None)
+    return OmegaConf.create(section)

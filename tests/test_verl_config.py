@@ -1,0 +1,119 @@
+"""The verl backend's config: verl's real defaults + agl's section + Agent Lightning's overlay, and its errors."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from omegaconf import OmegaConf
+
+from agl_core.config import ConfigError, to_yaml
+
+pytestmark = pytest.mark.verl
+
+verl_config = pytest.importorskip("agl_backend_verl.config")
+
+
+@pytest.fixture
+def user_yaml(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            data:
+              train_batch_size: 4
+            actor_rollout_ref:
+              model:
+                path: /models/tiny
+                override_config:
+                  attn_implementation: eager
+              rollout:
+                n: 2
+            agentlightning:
+              agl_base_url: http://127.0.0.1:8080
+              agl_key: s3cret-key
+            """
+        )
+    )
+    return path
+
+
+def test_verl_defaults_overlay_and_user_values_compose(user_yaml):
+    cfg = verl_config.load_verl_config(user_yaml, ["trainer.total_training_steps=3"])
+    # verl's own defaults, untouched where nobody set them
+    assert cfg.algorithm.lam == 1.0
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert cfg.critic.ppo_epochs == 1
+    # interpolations resolved: rollout.n_gpus_per_node follows trainer.n_gpus_per_node
+    assert cfg.actor_rollout_ref.rollout.n_gpus_per_node == cfg.trainer.n_gpus_per_node == 8
+    # Agent Lightning's overlay
+    assert cfg.algorithm.enable_rollout_level_advantage is True
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "per_rollout_mean"
+    assert cfg.actor_rollout_ref.actor.calculate_entropy is True
+    assert cfg.agentlightning.trace_aggregator.level == "trajectory"
+    assert cfg.agentlightning.backend == "verl"
+    # the user's file (a free-form mapping accepts new keys) and overrides
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "eager"
+    assert cfg.actor_rollout_ref.rollout.n == 2
+    assert cfg.trainer.total_training_steps == 3
+    assert "s3cret-key" not in to_yaml(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fragment"),
+    [
+        ("data.no_such_key=1", "data.no_such_key", "unknown key"),
+        ("actor_rollout_ref.actor.no_such_key=1", "actor_rollout_ref.actor.no_such_key", "unknown key"),
+        ("actor_rollout_ref.actor.clip_ratio=wide", "actor_rollout_ref.actor.clip_ratio", "must be a float"),
+        ("actor_rollout_ref.actor.use_kl_loss=3", "actor_rollout_ref.actor.use_kl_loss", "must be a bool"),
+        ("trainer.logger=console", "trainer.logger", "must be a list"),
+        ("agentlightning.rollout_timeout_seconds=soon", "agentlightning.rollout_timeout_seconds", "Integer"),
+        ("agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size", "greater than"),
+        ("algorithm.adv_estimator=remax", "algorithm.adv_estimator", "not supported"),
+        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator", "per-token"),
+    ],
+)
+def test_errors_name_the_key(user_yaml, override, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        verl_config.load_verl_config(user_yaml, [override])
+    assert info.value.key == key
+    assert fragment in str(info.value)
+
+
+def test_async_batch_size_rule_accepts_a_larger_in_flight_size(user_yaml):
+    cfg = verl_config.load_verl_config(
+        user_yaml, ["agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=6"]
+    )
+    assert cfg.agentlightning.async_rollout.async_train_batch_size == 6
+
+
+def test_gae_is_accepted_when_advantages_are_per_row(user_yaml):
+    cfg = verl_config.load_verl_config(
+        user_yaml, ["algorithm.adv_estimator=gae", "algorithm.enable_rollout_level_advantage=false"]
+    )
+    assert cfg.algorithm.adv_estimator == "gae"
+
+
+def test_an_int_is_accepted_for_a_float(user_yaml):
+    cfg = verl_config.load_verl_config(user_yaml, ["actor_rollout_ref.actor.clip_ratio=1"])
+    assert cfg.actor_rollout_ref.actor.clip_ratio == 1
+
+
+def test_rollout_level_key_is_refused_by_verls_dataclass_but_not_by_what_we_hand_to_verl(user_yaml):
+    from verl.trainer.config import AlgoConfig
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = verl_config.load_verl_config(user_yaml, ["algorithm.adv_estimator=rloo"])
+    with pytest.raises(Exception, match="enable_rollout_level_advantage"):
+        omega_conf_to_dataclass(OmegaConf.masked_copy(cfg, ["algorithm"]).algorithm, AlgoConfig)
+    algo = omega_conf_to_dataclass(verl_config.verl_algorithm_config(cfg), AlgoConfig)
+    assert isinstance(algo, AlgoConfig)
+    assert algo.adv_estimator == "rloo"
+    assert cfg.algorithm.enable_rollout_level_advantage is True  # the user's config still holds it
+
+
+def test_missing_verl_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(verl_config.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError) as info:
+        verl_config.generated_defaults_path()
+    assert info.value.key == "agentlightning.backend"
