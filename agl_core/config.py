@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 REDACTED = "***"
 SECRET_KEYS = ("agentlightning.agl_key",)
+LOSS_NORMALIZATION_MODES = ("rollouts", "upstream")  # see agl_core.normalization
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,10 @@ class TraceAggregatorConfig:
     level: str = "trajectory"  # the aggregator's registry name: transition | trajectory | a plugin's
     trajectory_max_prompt_length: int = 2048
     trajectory_max_response_length: int = 8192
+    # Trajectory breaks kept per batch for inspection (ids and decoded text), and how many ids and
+    # characters each sample field keeps.
+    mismatch_sample_size: int = 20
+    mismatch_max_length: int = 2000
 
 
 @dataclass
@@ -89,6 +94,8 @@ class AgentLightningConfig:
     k8s: K8sRunnerConfig = field(default_factory=K8sRunnerConfig)
     reward_fillna_value: float = 0.0
     max_ppo_update_times: Optional[int] = None
+    # How per_rollout_mean scales advantages per rollout (agl_core.normalization): rollouts | upstream.
+    loss_normalization: str = "rollouts"
     trace_aggregator: TraceAggregatorConfig = field(default_factory=TraceAggregatorConfig)
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     backend: str = "torch"  # the backend's registry name
@@ -278,6 +285,18 @@ def validate(cfg: DictConfig) -> None:
     ):
         _positive(cfg, key)
     _positive(cfg, "agentlightning.max_ppo_update_times", allow_none=True)
+    if agl.loss_normalization not in LOSS_NORMALIZATION_MODES:
+        raise ConfigError(
+            "agentlightning.loss_normalization",
+            f"must be one of {', '.join(LOSS_NORMALIZATION_MODES)}, got {agl.loss_normalization!r}",
+        )
+    _positive(cfg, "agentlightning.trace_aggregator.mismatch_max_length")
+    sample_size = agl.trace_aggregator.mismatch_sample_size
+    if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 0:
+        raise ConfigError(
+            "agentlightning.trace_aggregator.mismatch_sample_size",
+            f"must be a non-negative integer, got {sample_size!r}",
+        )
     _validate_gateway_keys(cfg)
     if agl.async_rollout.enabled:
         size = agl.async_rollout.async_train_batch_size

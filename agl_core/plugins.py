@@ -37,7 +37,7 @@ DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
 
 # Import paths of the built-in plugins, registered first under these names.
-DEFAULT_PLUGINS: tuple[str, ...] = ()
+DEFAULT_PLUGINS: tuple[str, ...] = ("agl_core.aggregators", "agl_core.advantage", "agl_core.losses")
 
 # registry property -> (hook name, kind, config key selecting an entry)
 REGISTRIES = {

@@ -1,0 +1,272 @@
+"""What every trace aggregator shares: its settings, its result, and the rules that finish a row.
+
+An aggregator (see ``agl_register_aggregators``) turns completed rollouts into training rows. The
+merge policy is the aggregator's own; what happens to a merged row afterwards is the same for all
+of them and lives here, so a third-party aggregator keeps the same limits and counts:
+
+- a row with no trained token is skipped (``training/n_skipped_empty_rows``);
+- a row whose prompt exceeds ``max_prompt_length`` is kept whole and marked ``dropped``
+  (``training/n_sample_dropped/marked``); batch shaping removes it before training;
+- a response longer than ``max_response_length`` is cut, its mask, log-probs and turn indices with
+  it (``training/n_truncated_sample``); a row left with no trained token is skipped instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
+
+__all__ = [
+    "MISMATCH_KINDS",
+    "Aggregation",
+    "AggregationCounts",
+    "AggregationSettings",
+    "Mismatch",
+    "Segment",
+    "merged_row",
+    "rollout_reward",
+    "settings_from_config",
+    "write_mismatches_jsonl",
+]
+
+MISMATCH_KINDS = ("retokenization", "template", "other")
+
+
+def _positive_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"AggregationSettings.{attribute.name} must be a positive int, got {value!r}")
+
+
+def _non_negative_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"AggregationSettings.{attribute.name} must be a non-negative int, got {value!r}")
+
+
+def _decoder(_instance: Any, _attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not callable(getattr(value, "decode", None)):
+        raise ValueError(f"AggregationSettings.tokenizer must have a decode(list[int]) -> str method, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class AggregationSettings:
+    """The limits and diagnostics an aggregator works with.
+
+    ``tokenizer`` is any object with ``decode(list[int]) -> str``; without one, breaks cannot be
+    classified (they count as ``other``) and mismatch samples carry ids only. Each mismatch sample
+    keeps at most ``mismatch_max_length`` ids and characters per field.
+    """
+
+    max_prompt_length: int = attrs.field(validator=_positive_int)
+    max_response_length: int = attrs.field(validator=_positive_int)
+    tokenizer: Any = attrs.field(default=None, validator=_decoder, eq=False)
+    mismatch_sample_size: int = attrs.field(default=20, validator=_non_negative_int)
+    mismatch_max_length: int = attrs.field(default=2000, validator=_positive_int)
+
+
+def settings_from_config(cfg: Any, tokenizer: Any = None) -> AggregationSettings:
+    """Settings for the aggregator the config selects.
+
+    The ``transition`` level uses verl's ``data.max_prompt_length`` / ``data.max_response_length``;
+    every other level (``trajectory`` and third-party ones) uses
+    ``agentlightning.trace_aggregator.trajectory_max_*``, as Agent Lightning does.
+    """
+    agg = cfg.agentlightning.trace_aggregator
+    if agg.level == "transition":
+        prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    else:
+        prompt, response = agg.trajectory_max_prompt_length, agg.trajectory_max_response_length
+    return AggregationSettings(
+        max_prompt_length=prompt,
+        max_response_length=response,
+        tokenizer=tokenizer,
+        mismatch_sample_size=agg.mismatch_sample_size,
+        mismatch_max_length=agg.mismatch_max_length,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class Mismatch:
+    """One trajectory break, kept for inspection.
+
+    ``turn_index`` is the call whose prompt did not extend the context (the previous call's prompt +
+    response). ``common_prefix_length`` is how many leading ids they share; ``context_ids`` and
+    ``prompt_ids`` are the ids from there on, and ``context_text`` / ``prompt_text`` the decoded
+    texts from a little before the first differing character (``text_offset``), each cut to the
+    settings' ``mismatch_max_length``. Texts are ``None`` without a tokenizer.
+    """
+
+    rollout_id: str
+    group_id: str
+    turn_index: int
+    kind: str = attrs.field(validator=attrs.validators.in_(MISMATCH_KINDS))
+    context_length: int
+    prompt_length: int
+    common_prefix_length: int
+    context_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]
+    text_offset: int | None = None
+    context_text: str | None = None
+    prompt_text: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["context_ids"] = list(self.context_ids)
+        out["prompt_ids"] = list(self.prompt_ids)
+        return out
+
+
+@attrs.frozen
+class Aggregation:
+    """An aggregator's result: the rows, the metrics of DESIGN §7, and a bounded mismatch sample."""
+
+    rows: tuple[TrainingRow, ...] = attrs.field(converter=tuple)
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    mismatches: tuple[Mismatch, ...] = attrs.field(default=(), converter=tuple)
+
+
+def write_mismatches_jsonl(path: str | os.PathLike[str], mismatches: Iterable[Mismatch]) -> int:
+    """Append one JSON line per mismatch to ``path`` (created with its folder); return how many."""
+    n = 0
+    folder = os.path.dirname(os.fspath(path))
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as out:
+        for mismatch in mismatches:
+            out.write(json.dumps(mismatch.to_dict(), ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def rollout_reward(rollout: CompletedRollout) -> float:
+    """The final reward every row of ``rollout`` carries; refuse a rollout that has none."""
+    if rollout.final_reward is None:
+        raise DataValidationError(
+            "final_reward",
+            "is None: the events parser must fill a missing reward (reward_fillna_value) before aggregation",
+            rollout.rollout_id,
+        )
+    return rollout.final_reward
+
+
+def call_log_probs(triplet: Triplet) -> np.ndarray | None:
+    """A call's log-probs when present and one per response token, else ``None``."""
+    lp = triplet.response_log_probs
+    if lp is None or len(lp) != len(triplet.response_ids):
+        return None
+    return lp
+
+
+@attrs.frozen
+class Segment:
+    """One call merged into a row: the observation ids its prompt adds, then its response."""
+
+    call_index: int
+    triplet: Triplet
+    observation: np.ndarray
+
+
+_EMPTY_IDS = np.zeros(0, dtype=np.int64)
+
+
+class AggregationCounts:
+    """The counts behind the aggregation metrics, accumulated over a batch."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.response_lengths: list[int] = []
+
+    def add_rollout(self, rollout: CompletedRollout) -> None:
+        if rollout.triplets:
+            self.counts["training/n_rollouts_w_trace"] += 1
+        self.counts["training/n_turns"] += len(rollout.triplets)
+        self.response_lengths.extend(len(t.response_ids) for t in rollout.triplets)
+
+    def metrics(self, *, trajectory: bool) -> dict[str, float]:
+        """The metrics; ``trajectory`` adds the merge counts (meaningless for one row per call)."""
+        names = [
+            "training/n_rollouts_w_trace",
+            "training/n_turns",
+            "training/n_sample_dropped/marked",
+            "training/n_truncated_sample",
+            "training/n_skipped_empty_rows",
+        ]
+        if trajectory:
+            names += ["training/n_unmerged_rollouts", "training/n_trace_merge_mismatch_rows"]
+            names += [f"training/trace_merge_mismatch/{kind}" for kind in MISMATCH_KINDS]
+        out = {name: float(self.counts[name]) for name in names}
+        for name, value in self.counts.items():
+            out.setdefault(name, float(value))
+        lengths = self.response_lengths or [0]
+        out["response_length/training/avg_by_turn"] = float(np.mean(lengths))
+        out["response_length/training/max_by_turn"] = float(np.max(lengths))
+        out["response_length/training/min_by_turn"] = float(np.min(lengths))
+        return out
+
+
+def merged_row(
+    rollout: CompletedRollout,
+    segments: Sequence[Segment],
+    settings: AggregationSettings,
+    counts: AggregationCounts,
+) -> TrainingRow | None:
+    """Build the row of ``segments`` (consecutive calls of ``rollout``), apply the limits, count.
+
+    The row's prompt is the first call's prompt; its response is, per call, the observation (mask
+    0, log-prob 0) then the model's response (mask 1). Log-probs are kept only when every merged
+    call has one per response token. Returns ``None`` for a row with no trained token.
+    """
+    first = segments[0]
+    have_log_probs = all(call_log_probs(seg.triplet) is not None for seg in segments)
+    ids, lengths, masks, turns, lps = [], [], [], [], []
+    for seg in segments:
+        for part, mask in ((seg.observation, 0), (seg.triplet.response_ids, 1)):
+            if not len(part):
+                continue
+            ids.append(part)
+            lengths.append(len(part))
+            masks.append(mask)
+            turns.append(seg.call_index)
+            if have_log_probs:
+                lps.append(seg.triplet.response_log_probs if mask else np.zeros(len(part), dtype=np.float32))
+    response = np.concatenate(ids) if ids else _EMPTY_IDS
+    mask = np.repeat(np.array(masks, dtype=np.int8), lengths)
+    response_turns = np.repeat(np.array(turns, dtype=np.int64), lengths)
+    log_probs = (np.concatenate(lps) if lps else np.zeros(0, dtype=np.float32)) if have_log_probs else None
+
+    if not mask.any():
+        counts.counts["training/n_skipped_empty_rows"] += 1
+        return None
+    prompt = first.triplet.prompt_ids
+    dropped = len(prompt) > settings.max_prompt_length
+    if dropped:
+        counts.counts["training/n_sample_dropped/marked"] += 1
+    elif len(response) > settings.max_response_length:
+        cut = settings.max_response_length
+        if not mask[:cut].any():
+            counts.counts["training/n_skipped_empty_rows"] += 1
+            return None
+        counts.counts["training/n_truncated_sample"] += 1
+        response, mask, response_turns = response[:cut], mask[:cut], response_turns[:cut]
+        log_probs = None if log_probs is None else log_probs[:cut]
+    response.flags.writeable = False
+    return TrainingRow(
+        prompt_ids=prompt,
+        response_ids=response,
+        response_mask=mask,
+        log_probs=log_probs,
+        reward=rollout_reward(rollout),
+        rollout_id=rollout.rollout_id,
+        group_id=rollout.group_id,
+        turn_index=first.call_index,
+        response_turns=response_turns,
+        turn_rewards=tuple(seg.triplet.reward for seg in segments),
+        dropped=dropped,
+    )

@@ -1,0 +1,113 @@
+"""The built-in aggregators, ``transition`` and ``trajectory``, registered as an ordinary plugin.
+
+``transition`` makes one row per call. ``trajectory`` merges consecutive calls of a rollout into
+one row while each call's prompt extends the context (the previous call's prompt + response)
+exactly; the prompt's tail is the observation (tool output, user turn, template tokens), appended
+untrained. Any other call starts a new row, and the break is classified (:mod:`agl_core.mismatch`).
+
+:func:`aggregate_trajectories` takes the merge test as an argument, so an aggregator with its own
+idea of "this call continues the context" keeps everything else — limits, counts, mismatch
+sample — identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from agl_core.aggregation import (
+    Aggregation,
+    AggregationCounts,
+    AggregationSettings,
+    Segment,
+    merged_row,
+    rollout_reward,
+)
+from agl_core.data import CompletedRollout, Triplet
+from agl_core.hookspecs import hookimpl
+from agl_core.mismatch import MismatchLog
+
+__all__ = ["Align", "aggregate_trajectories", "exact_prefix", "trajectory", "transition"]
+
+# align(previous call, next call's prompt ids, settings) -> where the observation starts in the
+# prompt, or None when the prompt does not continue the context (a break).
+Align = Callable[[Triplet, np.ndarray, AggregationSettings], "int | None"]
+
+_NO_OBSERVATION = np.zeros(0, dtype=np.int64)
+_NO_OBSERVATION.flags.writeable = False
+
+
+def exact_prefix(previous: Triplet, prompt_ids: np.ndarray, settings: AggregationSettings) -> int | None:
+    """The context's length when ``prompt_ids`` starts with it id for id, else ``None``."""
+    n_prompt, n_response = len(previous.prompt_ids), len(previous.response_ids)
+    end = n_prompt + n_response
+    if len(prompt_ids) < end:
+        return None
+    if np.array_equal(prompt_ids[:n_prompt], previous.prompt_ids) and np.array_equal(
+        prompt_ids[n_prompt:end], previous.response_ids
+    ):
+        return end
+    return None
+
+
+def aggregate_trajectories(
+    rollouts: Sequence[CompletedRollout], settings: AggregationSettings, align: Align = exact_prefix
+) -> Aggregation:
+    """Merge each rollout's calls into rows wherever ``align`` says a call continues the context."""
+    counts = AggregationCounts()
+    log = MismatchLog(settings, counts)
+    rows = []
+
+    def close(rollout: CompletedRollout, segments: list[Segment]) -> None:
+        row = merged_row(rollout, segments, settings, counts)
+        if row is not None:
+            rows.append(row)
+
+    for rollout in rollouts:
+        rollout_reward(rollout)
+        counts.add_rollout(rollout)
+        calls = rollout.triplets
+        if not calls:
+            continue
+        segments = [Segment(0, calls[0], _NO_OBSERVATION)]
+        n_rows = 1
+        for index in range(1, len(calls)):
+            previous, call = calls[index - 1], calls[index]
+            start = align(previous, call.prompt_ids, settings)
+            if start is None:
+                log.record(rollout, index, previous, call.prompt_ids)
+                close(rollout, segments)
+                segments = [Segment(index, call, _NO_OBSERVATION)]
+                n_rows += 1
+            else:
+                segments.append(Segment(index, call, call.prompt_ids[start:]))
+        close(rollout, segments)
+        if n_rows > 1:
+            counts.counts["training/n_unmerged_rollouts"] += 1
+    return Aggregation(rows, counts.metrics(trajectory=True), log.sample)
+
+
+def trajectory(rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
+    """Merge calls whose prompt extends the context exactly (Agent Lightning's default level)."""
+    return aggregate_trajectories(rollouts, settings, exact_prefix)
+
+
+def transition(rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
+    """One row per call, each carrying the rollout's final reward."""
+    counts = AggregationCounts()
+    rows = []
+    for rollout in rollouts:
+        rollout_reward(rollout)
+        counts.add_rollout(rollout)
+        for index, call in enumerate(rollout.triplets):
+            row = merged_row(rollout, [Segment(index, call, _NO_OBSERVATION)], settings, counts)
+            if row is not None:
+                rows.append(row)
+    return Aggregation(rows, counts.metrics(trajectory=False))
+
+
+@hookimpl
+def agl_register_aggregators(register):
+    register("transition", transition)
+    register("trajectory", trajectory)
