@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from agl_core.data import (
     CompletedRollout,
@@ -50,12 +51,15 @@ from agl_core.data import (
 )
 
 __all__ = [
+    "FAILED_ROLLOUT_POLICIES",
     "METRICS",
     "ParsedEvents",
+    "apply_failed_policy",
     "completed_rollout",
     "completed_rollout_from_record",
     "events_by_attempt",
     "parse_events",
+    "timing_metrics",
 ]
 
 # Metric name -> what it counts. Every anomaly the parser meets increments one of these.
@@ -289,3 +293,60 @@ def completed_rollout_from_record(
         queued_at=status.get("created_at"),
         ended_at=status.get("updated_at"),
     )
+
+
+FAILED_ROLLOUT_POLICIES = ("skip", "train")
+
+
+def apply_failed_policy(
+    rollouts: Sequence[CompletedRollout], policy: str, reward_fillna_value: float
+) -> tuple[list[CompletedRollout], Counter[str]]:
+    """Apply ``agentlightning.failed_rollout_policy`` to terminal rollouts.
+
+    ``skip``: a failed rollout is left out of training. ``train``: it is kept with
+    ``reward_fillna_value`` as its final reward (whatever it reported), so its calls are trained
+    against the fill value. Either way ``training/rollouts/n_failed_{skipped,trained}`` counts it.
+    """
+    if policy not in FAILED_ROLLOUT_POLICIES:
+        raise ValueError(f"agentlightning.failed_rollout_policy must be one of {FAILED_ROLLOUT_POLICIES}, got {policy!r}")
+    counts: Counter[str] = Counter()
+    kept = []
+    for rollout in rollouts:
+        if rollout.state != "failed":
+            kept.append(rollout)
+        elif policy == "skip":
+            counts["training/rollouts/n_failed_skipped"] += 1
+        else:
+            counts["training/rollouts/n_failed_trained"] += 1
+            kept.append(attrs.evolve(rollout, final_reward=reward_fillna_value))
+    return kept, counts
+
+
+def _summary(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    array = np.asarray(values, dtype=np.float64)
+    return {
+        f"{prefix}/mean": float(array.mean()),
+        f"{prefix}/p50": float(np.percentile(array, 50)),
+        f"{prefix}/p90": float(np.percentile(array, 90)),
+        f"{prefix}/max": float(array.max()),
+    }
+
+
+def timing_metrics(rollouts: Sequence[CompletedRollout]) -> dict[str, float]:
+    """``timing/rollout_{queue_wait_s,run_duration_s,total_s}/{mean,p50,p90,max}`` over the rollouts
+    whose timestamps are known (queue wait: queued → first event; run: first event → end)."""
+    waits, runs, totals = [], [], []
+    for r in rollouts:
+        if r.queued_at is not None and r.started_at is not None:
+            waits.append(max(0.0, r.started_at - r.queued_at))
+        if r.started_at is not None and r.ended_at is not None:
+            runs.append(max(0.0, r.ended_at - r.started_at))
+        if r.queued_at is not None and r.ended_at is not None:
+            totals.append(max(0.0, r.ended_at - r.queued_at))
+    return {
+        **_summary("timing/rollout_queue_wait_s", waits),
+        **_summary("timing/rollout_run_duration_s", runs),
+        **_summary("timing/rollout_total_s", totals),
+    }

@@ -1,0 +1,475 @@
+"""Rollout sources backed by the real Agent Lightning gateway: sync and async.
+
+Both create rollouts in batches with client-chosen ids, then learn what finished from the gateway's
+terminal cursor (``GET /api/rollouts/terminal?after=N``): one request per poll however many rollouts
+are pending, with a poll interval that drops to ``poll_interval_min_seconds`` while rollouts finish
+and backs off to ``poll_interval_max_seconds`` while none do. A finished rollout costs one events
+read and one delete (plus a record read when it failed, for its error message).
+
+Every wait is bounded. A rollout still pending ``rollout_timeout_seconds +
+rollout_timeout_grace_seconds`` after its creation is failed on the trainer side. A gateway restart
+(the terminal log shrinks, or a known rollout answers 404) is detected, counted, and the lost
+rollouts are re-created under fresh ids or failed (``gateway.restart_policy``); the registered
+models are registered again. The gateway being unreachable is survived until those deadlines.
+
+Lifecycle hooks run as each rollout is read; what a hook writes is flushed to the gateway after the
+hook returns, with retry, and the rollout's events are re-read when anything was written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from agl_core.config import ConfigError
+from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.event_writer import EventWriter, PendingEvent
+from agl_core.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
+from agl_core.gateway_client import GatewayClient, GatewayError
+from agl_core.rollout_source import RolloutBatch, make_requests, new_id
+
+logger = logging.getLogger(__name__)
+
+CREATE_CHUNK = 256
+TERMINAL_PAGE = 1000
+
+
+def rollout_config(config: Any) -> dict[str, Any]:
+    """The controller-facing config every rollout carries, built once at start.
+
+    ``k8s.job_template`` is the text of ``agentlightning.k8s.job_template_path``; a missing or
+    unreadable file is a :class:`~agl_core.config.ConfigError` before any rollout is created.
+    """
+    agl = config.agentlightning
+    template = None
+    path = agl.k8s.job_template_path
+    if path:
+        try:
+            with open(os.fspath(path), encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError("agentlightning.k8s.job_template_path", f"cannot read {path}: {exc}") from exc
+    return {
+        "timeout_seconds": int(agl.rollout_timeout_seconds),
+        "local": {"agent_class": agl.local.agent_class, "env_map": {k: str(v) for k, v in agl.local.env_map.items()}},
+        "k8s": {"job_template": template},
+    }
+
+
+@attrs.define
+class _Pending:
+    request: RolloutRequest
+    queued_at: float  # wall clock
+    deadline: float  # monotonic
+    reenqueues: int = 0
+
+
+@attrs.define
+class _Group:
+    group_id: str
+    step: int
+    is_train: bool
+    size: int
+    done: dict[str, CompletedRollout | None] = attrs.field(factory=dict)  # None: failed and skipped
+    completed_at: float | None = None  # monotonic, once every member is terminal
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.size
+
+    def rollouts(self) -> list[CompletedRollout]:
+        return [r for r in self.done.values() if r is not None]
+
+
+class GatewayRolloutSource:
+    """Synchronous mode: each ``collect`` enqueues its samples and returns once all of them are terminal."""
+
+    def __init__(self, config: Any, plugins: Any, client: GatewayClient | None = None):
+        agl = config.agentlightning
+        if not agl.agl_base_url and client is None:
+            raise ConfigError("agentlightning.agl_base_url", "the gateway rollout source needs the gateway's URL")
+        self.plugins = plugins
+        self.client = client or GatewayClient.from_config(config)
+        self.rollout_config = rollout_config(config)
+        gateway = agl.gateway
+        self.gateway = gateway
+        self.n = int(config.actor_rollout_ref.rollout.n)
+        self.model_name = config.actor_rollout_ref.model.path
+        self.reward_fillna_value = float(agl.reward_fillna_value)
+        self.failed_rollout_policy = agl.failed_rollout_policy
+        self.deadline_seconds = float(agl.rollout_timeout_seconds) + float(agl.rollout_timeout_grace_seconds)
+        self.pending: dict[str, _Pending] = {}
+        self.terminal: dict[str, str] = {}  # pending rollouts the cursor reported terminal, not yet read
+        self.groups: dict[str, _Group] = {}
+        self.cursor = 0
+        self.poll_interval = float(gateway.poll_interval_min_seconds)
+        self.last_progress = time.monotonic()
+        self.registered: tuple[list[str], int] | None = None
+        self.counts: Counter[str] = Counter()
+        self._requests_at_last_report = Counter(self.client.requests_sent)
+
+    # -- creating -----------------------------------------------------------------------------
+
+    def _enqueue(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> list[_Group]:
+        batches = make_requests(
+            samples, n=self.n, step=step, is_train=is_train, rollout_config=self.rollout_config, plugins=self.plugins
+        )
+        groups = []
+        for requests in batches:
+            group = _Group(requests[0].group_id, step, is_train, len(requests))
+            self.groups[group.group_id] = group
+            groups.append(group)
+        self._create([r for requests in batches for r in requests])
+        return groups
+
+    def _create(self, requests: list[RolloutRequest], reenqueues: int = 0) -> None:
+        for start in range(0, len(requests), CREATE_CHUNK):
+            chunk = requests[start : start + CREATE_CHUNK]
+            self.client.create_rollouts(chunk)
+            now, mono = time.time(), time.monotonic()
+            for r in chunk:
+                self.pending[r.rollout_id] = _Pending(r, now, mono + self.deadline_seconds, reenqueues)
+        self.counts["training/rollouts/n_created"] += len(requests)
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    def _wait(self, done: Any) -> None:
+        """Poll until ``done()``; every pending rollout has a deadline, so this ends."""
+        while not done():
+            progressed = self._poll_once()
+            if done():
+                return
+            low, high = self.gateway.poll_interval_min_seconds, self.gateway.poll_interval_max_seconds
+            self.poll_interval = low if progressed else min(high, self.poll_interval * 1.5)
+            nearest = min((p.deadline for p in self.pending.values()), default=time.monotonic())
+            time.sleep(max(0.0, min(self.poll_interval, nearest - time.monotonic() + 0.01)))
+
+    def _poll_once(self) -> bool:
+        """Read the terminal cursor, process what finished, enforce deadlines. True if anything finished."""
+        finished = 0
+        try:
+            while True:
+                page = self.client.terminal_page(self.cursor, TERMINAL_PAGE)
+                if page["total_terminal"] < self.cursor:
+                    self._recover_from_restart("the terminal log restarted")
+                    return True
+                self.cursor = page["next_after"]
+                for item in page["items"]:
+                    if item["rollout_id"] in self.pending:
+                        self.terminal[item["rollout_id"]] = item["state"]
+                if self.cursor >= page["total_terminal"]:
+                    break
+            for rid, state in list(self.terminal.items()):
+                if rid in self.pending:  # a failed read stays here and is retried at the next poll
+                    self._finish(rid, state)
+                    finished += 1
+            if finished:
+                self.last_progress = time.monotonic()
+            elif self.pending and time.monotonic() - self.last_progress > self.gateway.liveness_check_seconds:
+                self._check_liveness()
+        except GatewayError as exc:
+            if exc.status is not None and exc.status < 500 and exc.status not in (404, 408, 429):
+                raise
+            self.counts["training/gateway/n_poll_errors"] += 1
+            logger.warning("gateway poll failed, will retry until the rollouts' deadlines: %s", exc)
+        return self._expire() + finished > 0
+
+    def _check_liveness(self) -> None:
+        """No progress for a while: does the oldest pending rollout still exist?"""
+        self.last_progress = time.monotonic()
+        oldest = min(self.pending.values(), key=lambda p: p.queued_at)
+        try:
+            self.client.get_rollout(oldest.request.rollout_id)
+        except GatewayError as exc:
+            if not exc.not_found:
+                raise
+            self._recover_from_restart(f"rollout {oldest.request.rollout_id} is unknown to the gateway")
+
+    def _expire(self) -> int:
+        now = time.monotonic()
+        expired = [rid for rid, p in self.pending.items() if p.deadline <= now]
+        for rid in expired:
+            self.counts["training/rollouts/n_timed_out"] += 1
+            self._fail(rid, f"trainer-side timeout: not terminal after {self.deadline_seconds:.0f}s", read_events=True)
+            self._delete(rid)
+        return len(expired)
+
+    # -- gateway restarts ---------------------------------------------------------------------
+
+    def _recover_from_restart(self, why: str) -> None:
+        logger.warning("gateway restart detected (%s); checking %d pending rollouts", why, len(self.pending))
+        self.counts["training/gateway/n_restarts_detected"] += 1
+        self.cursor = 0
+        self.last_progress = time.monotonic()
+        if self.registered is not None:
+            self._register(*self.registered)
+        lost = []
+        for rid in list(self.pending):
+            try:
+                self.client.get_rollout(rid)
+            except GatewayError as exc:
+                if not exc.not_found:
+                    raise
+                lost.append(rid)
+        self._handle_lost(lost)
+
+    def _handle_lost(self, lost: list[str]) -> None:
+        """Re-create each lost rollout under a fresh id (so a stale agent of the old one cannot write
+        into it), or fail it, per ``gateway.restart_policy`` and ``gateway.max_reenqueues``."""
+        for rid in lost:
+            pending = self.pending[rid]
+            if self.gateway.restart_policy == "reenqueue" and pending.reenqueues < self.gateway.max_reenqueues:
+                self._create([attrs.evolve(pending.request, rollout_id=new_id())], pending.reenqueues + 1)
+                del self.pending[rid]
+                self.terminal.pop(rid, None)
+                self.counts["training/rollouts/n_reenqueued"] += 1
+            else:
+                self._fail(rid, "lost by the gateway (restarted) and not re-enqueued", read_events=False)
+            self.counts["training/rollouts/n_lost"] += 1
+
+    # -- finishing ----------------------------------------------------------------------------
+
+    def _finish(self, rid: str, state: str) -> None:
+        pending = self.pending[rid]
+        try:
+            events = self.client.get_events(rid)
+            error = self.client.get_rollout(rid)["rollout"]["status"].get("error_message") if state == "failed" else None
+        except GatewayError as exc:
+            if not exc.not_found:
+                raise
+            self._handle_lost([rid])
+            return
+        rollout = self._build(pending, events, state=state, error=error)
+        writer = EventWriter()
+        if state == "succeeded":
+            self.plugins.on_succeeded(rollout, events_by_attempt(events, rollout.attempt_id or "0"), writer)
+        else:
+            self.plugins.on_failed(rollout, writer)
+        if self._flush(rid, writer, len(events)) and state == "succeeded":
+            try:
+                events = self.client.get_events(rid)
+                rollout = self._build(pending, events, state=state, error=error, count=False)
+            except GatewayError as exc:
+                self.counts["training/hooks/n_reread_failures"] += 1
+                logger.warning("could not re-read events of %s after its hooks wrote some: %s", rid, exc)
+        self._done(rid, rollout)
+        self._delete(rid)
+
+    def _build(self, pending: _Pending, events: list[dict[str, Any]], *, state: str, error: str | None, count: bool = True) -> CompletedRollout:
+        attempts = [e.get("attempt_id") for e in events if isinstance(e, Mapping) and e.get("attempt_id")]
+        rollout, counts = completed_rollout(
+            pending.request,
+            events,
+            state=state,
+            reward_fillna_value=self.reward_fillna_value,
+            error=error,
+            attempt_id=attempts[-1] if attempts else None,
+            queued_at=pending.queued_at,
+            ended_at=time.time(),
+        )
+        if count:
+            self.counts.update(counts)
+        return rollout
+
+    def _fail(self, rid: str, error: str, *, read_events: bool) -> None:
+        pending = self.pending[rid]
+        events: list[dict[str, Any]] = []
+        if read_events:
+            try:
+                events = self.client.get_events(rid)
+            except GatewayError:
+                self.counts["training/gateway/n_event_read_errors"] += 1
+        rollout = self._build(pending, events, state="failed", error=error)
+        writer = EventWriter()
+        self.plugins.on_failed(rollout, writer)
+        if writer.pending:
+            self.counts["training/hooks/n_unflushed_events"] += len(writer.pending)  # the gateway lost the rollout
+        self._done(rid, rollout)
+
+    def _done(self, rid: str, rollout: CompletedRollout) -> None:
+        del self.pending[rid]
+        self.terminal.pop(rid, None)
+        self.counts[f"training/rollouts/n_{rollout.state}"] += 1
+        kept, counts = apply_failed_policy([rollout], self.failed_rollout_policy, self.reward_fillna_value)
+        self.counts.update(counts)
+        group = self.groups[rollout.group_id]
+        group.done[rollout.rollout_id] = kept[0] if kept else None
+        if group.complete:
+            group.completed_at = time.monotonic()
+
+    def _delete(self, rid: str) -> None:
+        try:
+            self.client.delete_rollout(rid)
+        except GatewayError as exc:
+            self.counts["training/gateway/n_delete_errors"] += 1
+            logger.warning("could not delete rollout %s: %s", rid, exc)
+
+    def _flush(self, rid: str, writer: EventWriter, n_events: int) -> int:
+        """Send what the hooks wrote, retrying; an ambiguous failure is checked against the events
+        before re-sending, so nothing is appended twice. Return how many events were sent."""
+        expected = n_events
+
+        def post(event: PendingEvent) -> None:
+            nonlocal expected
+            try:
+                self.client.append_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
+            except GatewayError as exc:
+                if not exc.ambiguous or not self._was_applied(rid, event, expected):
+                    raise
+            expected += 1
+
+        sent = 0
+        for attempt in range(self.gateway.max_retries + 1):
+            try:
+                sent += writer.flush(post)
+                break
+            except GatewayError as exc:
+                if attempt == self.gateway.max_retries or (exc.status is not None and exc.status not in (408, 429, 503)):
+                    self.counts["training/hooks/n_unflushed_events"] += len(writer.pending)
+                    logger.warning("dropping %d hook events of %s: %s", len(writer.pending), rid, exc)
+                    writer.discard()
+                    break
+                time.sleep(self.client._backoff(attempt))
+        self.counts["training/hooks/n_events_written"] += sent
+        return sent
+
+    def _was_applied(self, rid: str, event: PendingEvent, index: int) -> bool:
+        try:
+            events = self.client.get_events(rid)
+        except GatewayError:
+            return False
+        if len(events) <= index:
+            return False
+        got = events[index]
+        return got.get("event_type") == event.event_type and got.get("data") == event.data
+
+    # -- the RolloutSource interface ----------------------------------------------------------
+
+    def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
+        groups = self._enqueue(samples, step=step, is_train=is_train)
+        self._wait(lambda: all(g.complete for g in groups))
+        return self._batch(groups)
+
+    def _batch(self, groups: list[_Group], extra: Mapping[str, float] | None = None) -> RolloutBatch:
+        rollouts = []
+        for group in groups:
+            rollouts.extend(group.rollouts())
+            del self.groups[group.group_id]
+        metrics = {k: float(v) for k, v in self.counts.items()}
+        self.counts.clear()
+        metrics.update(timing_metrics(rollouts))
+        metrics.update(self.plugins.pop_metrics())
+        sent = Counter(self.client.requests_sent)
+        sent.subtract(self._requests_at_last_report)
+        self._requests_at_last_report = Counter(self.client.requests_sent)
+        metrics["training/gateway/n_http_requests"] = float(sum(sent.values()))
+        metrics["training/gateway/poll_interval_s"] = self.poll_interval
+        metrics.update(extra or {})
+        return RolloutBatch(rollouts, metrics)
+
+    def before_weight_update(self) -> dict[str, float]:
+        return {}
+
+    def _register(self, endpoints: list[str], version: int) -> None:
+        if not self.model_name:
+            raise ConfigError("actor_rollout_ref.model.path", "needed to register models with the gateway")
+        previous = self.registered
+        if previous is not None and not set(previous[0]) <= set(endpoints):
+            self.client.delete_models()  # stale endpoints; the gateway only clears all at once
+        self.client.register_models(self.model_name, endpoints, version)
+        self.registered = (list(endpoints), int(version))
+
+    def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
+        """Register ``endpoints`` with ``version`` (upserted, so unchanged endpoints are never absent)."""
+        self._register(list(endpoints), version)
+
+    def close(self) -> None:
+        """Delete every rollout still pending (so no controller keeps running it) and close the client."""
+        for rid in list(self.pending):
+            self._delete(rid)
+        self.pending.clear()
+        self.client.close()
+
+
+class AsyncGatewayRolloutSource(GatewayRolloutSource):
+    """Async mode: ``async_train_batch_size`` training groups stay in flight; a step takes the first
+    ``train_batch_size`` whose rollouts are all terminal, and unfinished groups carry over whole
+    (keeping their original step) while only the difference is topped up. Samples beyond what the
+    top-up needs wait in a backlog for the next step, in order. Validation runs synchronously.
+
+    Around the weight update: :meth:`before_weight_update` pauses the proxy and waits (up to
+    ``gateway.drain_timeout_seconds``) for in-flight model calls to end; :meth:`after_weight_update`
+    registers the new endpoints, then resumes, so agents never see an empty model table.
+    """
+
+    def __init__(self, config: Any, plugins: Any, client: GatewayClient | None = None):
+        super().__init__(config, plugins, client)
+        self.train_batch_size = int(config.data.train_batch_size)
+        self.in_flight = int(config.agentlightning.async_rollout.async_train_batch_size)
+        self.backlog: list[Mapping[str, Any]] = []
+        self.paused = False
+
+    def _train_groups(self) -> list[_Group]:
+        return [g for g in self.groups.values() if g.is_train]
+
+    def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
+        if not is_train:
+            return super().collect(samples, step=step, is_train=False)
+        carried = self._train_groups()
+        n_prev = sum(g.size - len(g.done) for g in carried)
+        self.backlog.extend(samples)
+        need = max(0, self.in_flight - len(carried))
+        take, self.backlog = self.backlog[:need], self.backlog[need:]
+        self._enqueue(take, step=step, is_train=True)
+        target = min(self.train_batch_size, len(self._train_groups()))
+        self._wait(lambda: sum(g.complete for g in self._train_groups()) >= target)
+        ready = sorted((g for g in self._train_groups() if g.complete), key=lambda g: g.completed_at)[:target]
+        rest = [g for g in self._train_groups() if g not in ready]
+        extra = {
+            "training/async/n_prev_carry_over_rollouts": float(n_prev),
+            "training/async/n_completed_rollouts": float(sum(len(g.done) for g in ready)),
+            "training/async/n_new_carry_over_rollouts": float(sum(g.size - len(g.done) for g in rest)),
+            "training/async/new_carry_over_age_max_steps": float(max((step - g.step for g in rest), default=0)),
+            "training/async/n_backlog_samples": float(len(self.backlog)),
+        }
+        return self._batch(ready, extra)
+
+    def before_weight_update(self) -> dict[str, float]:
+        """Pause the proxy and wait for in-flight model calls to reach zero, up to the drain deadline."""
+        start = time.monotonic()
+        state = self.client.pause(self.gateway.pause_retry_after_seconds, reason="weight update")
+        self.paused = True
+        at_pause = int(state.get("inflight", 0))
+        inflight, interval = at_pause, self.gateway.poll_interval_min_seconds
+        deadline = start + self.gateway.drain_timeout_seconds
+        while inflight > 0 and time.monotonic() < deadline:
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(self.gateway.poll_interval_max_seconds, interval * 1.5)
+            inflight = int(self.client.proxy_state().get("inflight", 0))
+        if inflight > 0:
+            logger.warning("drain deadline passed with %d model calls still in flight", inflight)
+        return {
+            "training/async/proxy_inflight_at_pause": float(at_pause),
+            "training/async/proxy_drain_seconds": time.monotonic() - start,
+            "training/async/proxy_inflight_after_drain": float(inflight),
+            "training/async/drain_timed_out": float(inflight > 0),
+        }
+
+    def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
+        super().after_weight_update(endpoints, version)
+        if self.paused:
+            self.client.resume()
+            self.paused = False
+
+
+def gateway_source(config: Any, plugins: Any, client: GatewayClient | None = None) -> GatewayRolloutSource:
+    """The sync or async gateway source, as ``agentlightning.async_rollout.enabled`` says."""
+    if config.agentlightning.async_rollout.enabled:
+        return AsyncGatewayRolloutSource(config, plugins, client)
+    return GatewayRolloutSource(config, plugins, client)
