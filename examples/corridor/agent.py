@@ -1,0 +1,45 @@
+"""The corridor agent, written against the Agent Lightning agent contract.
+
+It is started as ``examples.corridor.agent:CorridorAgent().run()`` and learns everything from its
+environment: ``AGL_OPENAI_BASE_URL`` (an OpenAI-compatible base URL for this rollout),
+``AGL_EVENT_URL`` (where to post its reward), ``AGL_KEY`` (the bearer key) and ``CORRIDOR_SIGNS``
+(the rollout input's ``signs``, mapped by ``agentlightning.local.env_map``). The same class runs
+under agl's embedded rollout source and under the real gateway + controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+
+from examples.corridor.task import SYSTEM_PROMPT, action, observation
+
+MAX_TOKENS = 4
+
+
+class CorridorAgent:
+    def run(self) -> float:
+        base_url = os.environ["AGL_OPENAI_BASE_URL"].rstrip("/")
+        event_url = os.environ["AGL_EVENT_URL"]
+        headers = {"Authorization": f"Bearer {os.environ.get('AGL_KEY', '')}"}
+        signs = json.loads(os.environ["CORRIDOR_SIGNS"])
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        correct = None
+        n_correct = 0
+        with httpx.Client(headers=headers, timeout=300) as client:
+            for junction, sign in enumerate(signs, start=1):
+                messages.append({"role": "user", "content": observation(junction, sign, correct)})
+                response = client.post(
+                    f"{base_url}/chat/completions",
+                    json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS},
+                )
+                response.raise_for_status()
+                reply = response.json()["choices"][0]["message"]["content"]
+                messages.append({"role": "assistant", "content": reply})
+                correct = action(reply) == sign
+                n_correct += correct
+            reward = n_correct / len(signs)
+            client.post(event_url, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
+        return reward
