@@ -1,0 +1,212 @@
+"""Policy losses: the PPO objective a backend minimises, registered as a plugin.
+
+Every loss has the signature::
+
+    loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None)
+        -> (loss, metrics)
+
+over ``[batch, response_len]`` torch tensors (``response_mask`` bool or 0/1; padded positions may
+hold anything, even NaN: they are excluded by ``torch.where`` so no value or gradient leaks).
+``settings`` is a :class:`LossSettings`; ``metrics`` maps ``actor/pg_clipfrac``, ``actor/ppo_kl``
+and ``actor/pg_clipfrac_lower`` to Python floats. Both built-ins share the per-token PPO term
+(:func:`ppo_token_losses`), with ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``:
+
+    l = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    l = min(l, -A * clip_ratio_c)   where A < 0   (dual clip)
+    l = l * w                       with importance weights w = rollout_is_weights, if given
+
+and differ only in how they reduce it over the trained tokens ``T`` of the (micro-)batch:
+
+* ``token_mean``: ``loss = sum_T l / n_tokens * dp_size``, where ``n_tokens`` is
+  ``settings.batch_num_tokens`` (the mini-batch's trained tokens over all data-parallel ranks) or,
+  when unset, the trained tokens of these tensors. This is verl's ``vanilla`` loss with
+  ``token-mean`` aggregation.
+* ``per_rollout_mean``: ``loss = sum_T l * dp_size``. The advantages must already be scaled per
+  rollout by :func:`agl_core.normalization.normalize_advantages`, which makes this sum a mean over
+  rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
+
+Mapping onto verl 0.9.1: verl's policy-loss registry (``verl.trainer.ppo.core_algos.
+register_policy_loss(name)``, looked up by ``get_policy_loss_fn(actor.policy_loss.loss_mode)``)
+calls ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+rollout_is_weights)`` with ``config`` verl's ``ActorConfig`` (``clip_ratio``, ``clip_ratio_low``,
+``clip_ratio_high``, ``clip_ratio_c`` and ``global_batch_info`` = ``{dp_size, batch_num_tokens,
+global_batch_size, loss_scale_factor}``), and expects ``(loss, metrics)`` with the metrics above.
+:func:`as_verl_policy_loss` is the adapter: it builds :class:`LossSettings` from ``config`` with
+:meth:`LossSettings.from_actor_config` and drops ``loss_agg_mode`` (each of our losses fixes its own
+reduction), so ``register_policy_loss(name)(as_verl_policy_loss(loss_fn))`` is all a backend needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from agl_core.config import ConfigError
+from agl_core.hookspecs import hookimpl
+
+__all__ = [
+    "LossSettings",
+    "PolicyLoss",
+    "ppo_token_losses",
+    "per_rollout_mean",
+    "token_mean",
+    "as_verl_policy_loss",
+]
+
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+def _check_clip_ratio_c(_instance: Any, _attribute: Any, value: float) -> None:
+    if not value > 1.0:
+        raise ConfigError("actor_rollout_ref.actor.clip_ratio_c", f"must be greater than 1.0, got {value}")
+
+
+def _config_get(config: Any, name: str, default: Any) -> Any:
+    if hasattr(config, "get"):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+@attrs.frozen
+class LossSettings:
+    """The actor settings a loss reads (``actor_rollout_ref.actor.*``, verl's names and defaults).
+
+    ``clip_ratio_low`` / ``clip_ratio_high`` default to ``clip_ratio``; ``clip_ratio_c`` (> 1) is the
+    dual-clip bound for negative advantages. ``dp_size`` is the data-parallel world size and
+    ``batch_num_tokens`` the trained tokens of the whole mini-batch across ranks (``token_mean``).
+    """
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = attrs.field(default=3.0, validator=_check_clip_ratio_c)
+    dp_size: int = 1
+    batch_num_tokens: Optional[int] = None
+
+    @property
+    def low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    @classmethod
+    def from_actor_config(cls, config: Any) -> LossSettings:
+        """From an actor config: agl's ``actor_rollout_ref.actor`` node or verl's ``ActorConfig``."""
+        batch_info = _config_get(config, "global_batch_info", None) or {}
+        batch_num_tokens = batch_info.get("batch_num_tokens")
+        return cls(
+            clip_ratio=float(_config_get(config, "clip_ratio", 0.2)),
+            clip_ratio_low=_config_get(config, "clip_ratio_low", None),
+            clip_ratio_high=_config_get(config, "clip_ratio_high", None),
+            clip_ratio_c=float(_config_get(config, "clip_ratio_c", 3.0)),
+            dp_size=int(batch_info.get("dp_size") or 1),
+            batch_num_tokens=None if batch_num_tokens is None else int(batch_num_tokens),
+        )
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, values, torch.zeros_like(values)).sum()
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _masked_sum(values, mask) / (mask.sum() + 1e-8)
+
+
+def ppo_token_losses(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    settings: LossSettings,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The per-token dual-clip PPO loss ``l`` (see the module docstring) and its metrics.
+
+    ``actor/ppo_kl`` is the mean of ``old_log_prob - log_prob`` over trained tokens;
+    ``actor/pg_clipfrac`` the fraction of trained tokens where the clipped term wins;
+    ``actor/pg_clipfrac_lower`` the fraction where the dual clip wins (negative advantages).
+    """
+    mask = response_mask.bool()
+    # Padded positions are zeroed before any arithmetic so a NaN there reaches neither value nor gradient.
+    log_ratio = torch.clamp(torch.where(mask, log_prob - old_log_prob, 0.0), min=-20.0, max=20.0)
+    advantages = torch.where(mask, advantages, 0.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - settings.low, 1.0 + settings.high)
+    ppo = torch.maximum(unclipped, clipped)
+    dual = -advantages * settings.clip_ratio_c
+    negative = advantages < 0
+    losses = torch.where(negative, torch.minimum(ppo, dual), ppo)
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean((clipped > unclipped).to(log_prob.dtype), mask).item(),
+        "actor/ppo_kl": _masked_mean(-log_ratio, mask).detach().item(),
+        "actor/pg_clipfrac_lower": _masked_mean(((ppo > dual) & negative).to(log_prob.dtype), mask).item(),
+    }
+    return losses, metrics
+
+
+def token_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    settings: LossSettings,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``sum_T l / n_tokens * dp_size``: the plain PPO loss averaged over trained tokens."""
+    losses, metrics = ppo_token_losses(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
+    mask = response_mask.bool()
+    n_tokens = settings.batch_num_tokens
+    if n_tokens is None:
+        if settings.dp_size > 1:
+            raise ValueError("token_mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
+        n_tokens = mask.sum()
+    return _masked_sum(losses, mask) / n_tokens * settings.dp_size, metrics
+
+
+def per_rollout_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    settings: LossSettings,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``sum_T l * dp_size`` over advantages already scaled per rollout (a mean over rollouts)."""
+    losses, metrics = ppo_token_losses(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
+    return _masked_sum(losses, response_mask.bool()) * settings.dp_size, metrics
+
+
+def as_verl_policy_loss(loss_fn: PolicyLoss) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """``loss_fn`` with verl's policy-loss signature, ready for ``register_policy_loss(name)``."""
+
+    def verl_policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if config is None:
+            raise ValueError(f"policy loss {loss_fn.__name__!r} needs the actor config")
+        settings = LossSettings.from_actor_config(config)
+        return loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
+
+    verl_policy_loss.__name__ = loss_fn.__name__
+    verl_policy_loss.__doc__ = loss_fn.__doc__
+    return verl_policy_loss
+
+
+@hookimpl
+def agl_register_policy_losses(register: Any) -> None:
+    register("per_rollout_mean", per_rollout_mean)
+    register("token_mean", token_mean)
