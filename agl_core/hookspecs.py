@@ -58,8 +58,14 @@ def agl_register_advantage_estimators(register: Register) -> None:
     ``reinforce_baseline``).
 
     ``estimate(rows, settings) -> Advantages``: ``rows`` is a sequence of
-    :class:`~agl_core.data.TrainingRow`; the result holds one float32 array per row, aligned with the
-    row's response, zero wherever ``response_mask`` is 0. See :mod:`agl_core.advantage`.
+    :class:`~agl_core.data.TrainingRow` (every row collected for the step, before any drop; an
+    estimator reads ``rollout_id``, ``group_id``, ``reward``, ``response_mask`` and, when it credits
+    calls separately, ``response_turns``, ``turn_index`` and ``turn_rewards``); ``settings`` is an
+    :class:`~agl_core.advantage.AdvantageSettings` (``algorithm.norm_adv_by_std_in_grpo``,
+    ``algorithm.gamma``). The result is an :class:`~agl_core.advantage.Advantages`: ``per_row``, one
+    read-only float32 array per row aligned with its response and zero wherever ``response_mask`` is
+    0, and ``metrics``. Rows of one rollout that disagree on group or reward, and groups too small
+    for the estimator, are errors that name the rollout or group. See :mod:`agl_core.advantage`.
     """
 
 
@@ -73,7 +79,12 @@ def agl_register_policy_losses(register: Register) -> None:
     ``per_rollout_mean``, ``token_mean``).
 
     ``loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None)
-    -> (loss, metrics)`` over ``[batch, response_len]`` torch tensors. See :mod:`agl_core.losses`.
+    -> (loss, metrics)`` over padded ``[batch, response_len]`` torch tensors; ``settings`` is a
+    :class:`~agl_core.losses.LossSettings`; ``loss`` is a scalar tensor to backpropagate and
+    ``metrics`` maps ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` to
+    floats. Values at padded positions must not reach the loss or its gradient.
+    :func:`agl_core.losses.as_verl_policy_loss` turns such a function into one for verl's
+    policy-loss registry. See :mod:`agl_core.losses`.
     """
 
 
@@ -83,8 +94,10 @@ def agl_register_backends(register: Register) -> None:
 
     Called once per plugin manager. Call ``register(name, backend_factory)``; ``name`` is what
     ``agentlightning.backend`` selects (built-in: ``torch``; ``agl-backend-verl`` adds ``verl``).
-    ``backend_factory(config, plugins)`` returns an object with a ``fit()`` method that trains until
-    the configured number of steps, given the validated config and this plugin manager.
+    ``backend_factory(config, plugins)`` returns an object with a ``fit(on_step)`` method that trains
+    until the configured number of steps, given the validated config and this plugin manager, and
+    calls ``on_step(step, total_steps, metrics)`` after every training step (``metrics``: metric name
+    → float, DESIGN §7 names); ``agl train`` writes them to ``metrics.jsonl`` and the progress bar.
     """
 
 
