@@ -19,12 +19,43 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from agl_core.train import run
+
+    overrides = [f"agentlightning.backend={o[len('backend='):]}" if o.startswith("backend=") else o for o in args.overrides]
+    run_dir = run(args.config, overrides)
+    print(f"agl: run finished; metrics, plot and checkpoints in {run_dir}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from agl_core.plot import plot_metrics
+    from agl_core.train import METRICS_FILE, PLOT_FILE
+
+    source = Path(args.run)
+    metrics = source / METRICS_FILE if source.is_dir() else source
+    if not metrics.is_file():
+        raise FileNotFoundError(f"no metrics file at {metrics}")
+    print(plot_metrics(metrics, args.output or metrics.with_name(PLOT_FILE)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agl", description="Agent Lightning trainer side as a plugin system.")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list registered plugins, their hooks and registry names")
     plugins.add_argument("--hooks", action="append", metavar="FILE", help="also load this hook file (repeatable)")
     plugins.set_defaults(func=_plugins)
+    train = sub.add_parser("train", help="train with the configured backend and plugins")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (backend=NAME selects the backend)")
+    train.set_defaults(func=_train)
+    plot = sub.add_parser("plot", help="draw a run's metrics per step as a PNG")
+    plot.add_argument("run", help="run directory (trainer.default_local_dir) or metrics.jsonl file")
+    plot.add_argument("-o", "--output", help="PNG path (default: metrics.png beside the metrics)")
+    plot.set_defaults(func=_plot)
     return parser
 
 
@@ -39,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agl_core.registry import RegistryError
         from agl_hooks.loader import HookFileError
 
-        if isinstance(exc, (ConfigError, PluginError, RegistryError, HookFileError)):
+        if isinstance(exc, (ConfigError, PluginError, RegistryError, HookFileError, FileNotFoundError)):
             print(f"agl: error: {exc}", file=sys.stderr)
             return 2
         raise

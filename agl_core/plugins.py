@@ -37,7 +37,7 @@ DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
 
 # Import paths of the built-in plugins, registered first under these names.
-DEFAULT_PLUGINS: tuple[str, ...] = ("agl_core.aggregators", "agl_core.advantage", "agl_core.losses")
+DEFAULT_PLUGINS: tuple[str, ...] = ("agl_core.aggregators", "agl_core.advantage", "agl_core.losses", "agl_core.torch_backend")
 
 # registry property -> (hook name, kind, config key selecting an entry)
 REGISTRIES = {

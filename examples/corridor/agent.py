@@ -18,6 +18,10 @@ from examples.corridor.task import SYSTEM_PROMPT, action, observation
 
 MAX_TOKENS = 4
 
+# One connection pool per process: the controller starts a process per rollout, the embedded source
+# runs many rollouts in one process.
+_client = httpx.Client(timeout=300)
+
 
 class CorridorAgent:
     def run(self) -> float:
@@ -28,18 +32,18 @@ class CorridorAgent:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
         correct = None
         n_correct = 0
-        with httpx.Client(headers=headers, timeout=300) as client:
-            for junction, sign in enumerate(signs, start=1):
-                messages.append({"role": "user", "content": observation(junction, sign, correct)})
-                response = client.post(
-                    f"{base_url}/chat/completions",
-                    json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS},
-                )
-                response.raise_for_status()
-                reply = response.json()["choices"][0]["message"]["content"]
-                messages.append({"role": "assistant", "content": reply})
-                correct = action(reply) == sign
-                n_correct += correct
-            reward = n_correct / len(signs)
-            client.post(event_url, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
+        for junction, sign in enumerate(signs, start=1):
+            messages.append({"role": "user", "content": observation(junction, sign, correct)})
+            response = _client.post(
+                f"{base_url}/chat/completions",
+                headers=headers,
+                json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS},
+            )
+            response.raise_for_status()
+            reply = response.json()["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": reply})
+            correct = action(reply) == sign
+            n_correct += correct
+        reward = n_correct / len(signs)
+        _client.post(event_url, headers=headers, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
         return reward

@@ -1,0 +1,64 @@
+"""A PNG of a run's metrics per step: reward first, then the main training metrics.
+
+Reads the run's ``metrics.jsonl`` (one JSON object per step with ``step`` and metric names). A step
+logged twice (a run resumed from an earlier checkpoint repeats the steps after it) is plotted with
+its last values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+PANELS = (
+    ("training/reward", "reward"),
+    ("actor/pg_loss", "policy loss"),
+    ("actor/grad_norm", "grad norm"),
+    ("actor/ppo_kl", "PPO KL"),
+    ("training/n_sample", "training rows"),
+    ("timing/step_s", "step time (s)"),
+)
+
+
+def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
+    """Metrics by step (the last line of a step wins)."""
+    by_step: dict[int, dict[str, float]] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(f"{path} line {number} has no integer 'step'")
+            by_step[record["step"]] = record
+    return dict(sorted(by_step.items()))
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
+    """Write the PNG of ``metrics_path`` to ``out_path`` and return it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_step = read_metrics(metrics_path)
+    if not by_step:
+        raise ValueError(f"{metrics_path} holds no steps to plot")
+    panels = [(key, title) for key, title in PANELS if any(key in m for m in by_step.values())]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True, squeeze=False)
+    for ax, (key, title) in zip(axes[:, 0], panels):
+        points = [(s, m[key]) for s, m in by_step.items() if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,358 @@
+"""The reference backend (``agentlightning.backend: torch``): one process, PyTorch, any local causal LM.
+
+One training step, with every stage reached through the plugin registries:
+
+rollouts (embedded source, or the gateway when ``agl_base_url`` is set) → Triplets → the configured
+aggregator → the configured advantage estimator (on everything collected) → batch shaping → tensors
+→ old log-probs → for each PPO epoch and mini-batch: the configured policy loss (+ optional KL to
+the initial policy) → AdamW step with gradient clipping → lr schedule step → the serving copy of the
+policy gets the new weights.
+
+The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.policy_server.PolicyServer`,
+in-process) or ``vllm`` (:class:`~agl_core.vllm_engine.VllmEngine`). Checkpoints
+(:mod:`agl_core.checkpoint`) hold model, optimizer, scheduler, step, data position and RNG states;
+with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trainer.default_local_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agl_core.advantage import AdvantageSettings
+from agl_core.aggregation import settings_from_config
+from agl_core.batch_shaping import ShapingSettings, shape_batch
+from agl_core.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from agl_core.config import ConfigError
+from agl_core.hookspecs import hookimpl
+from agl_core.losses import LossSettings
+from agl_core.tensorize import pad_responses, tensorize
+
+logger = logging.getLogger(__name__)
+
+OnStep = Callable[[int, int, Mapping[str, float]], None]
+
+
+def load_dataset(path: Any, key: str = "data.train_files") -> list[dict[str, Any]]:
+    """The rows of a JSONL file (one JSON object per line; blank lines skipped)."""
+    if not path:
+        raise ConfigError(key, "no dataset file given")
+    if not isinstance(path, str):
+        raise ConfigError(key, f"must be the path of one JSONL file, got {path!r}")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(key, f"dataset file not found: {path}")
+    rows = []
+    with file.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(key, f"{path} line {number} is not valid JSON: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(key, f"{path} line {number} must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    if not rows:
+        raise ConfigError(key, f"{path} holds no rows")
+    return rows
+
+
+def model_folder(config: Any) -> Path:
+    path = config.actor_rollout_ref.model.path
+    key = "actor_rollout_ref.model.path"
+    if not path:
+        raise ConfigError(key, "the policy's model folder is not set")
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        what = "does not exist" if not folder.exists() else "has no config.json"
+        raise ConfigError(key, f"model folder {path} {what} (a local Hugging Face causal LM folder is needed)")
+    return folder
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("agentlightning.torch.device", f"{name} was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def lr_lambda(optim: Any, total_steps: int) -> Callable[[int], float]:
+    """verl's schedules: linear warmup over ``lr_warmup_steps``, then constant or cosine down to
+    ``min_lr_ratio``."""
+    kind = optim.lr_scheduler_type
+    if kind not in ("constant", "cosine"):
+        raise ConfigError("actor_rollout_ref.actor.optim.lr_scheduler_type", f"must be constant or cosine, got {kind!r}")
+    warmup = max(0, int(optim.lr_warmup_steps))
+    floor = float(optim.min_lr_ratio)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def response_log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``."""
+    width = tensors["responses"].shape[1]
+    logits = model(
+        input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], position_ids=tensors["position_ids"]
+    ).logits[:, -width - 1 : -1, :]
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tensors["responses"][..., None]).squeeze(-1)
+
+
+def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(policy ‖ reference) per token, clamped as verl does."""
+    diff = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
+    return torch.clamp(torch.exp(diff) - diff - 1, min=-10, max=10)
+
+
+class DataOrder:
+    """The training rows in epoch order: reshuffled per epoch from ``(seed, epoch)``, so a position
+    ``(epoch, index)`` names the same rows in every run; an incomplete last batch is skipped."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], batch_size: int, shuffle: bool, seed: int):
+        if len(rows) < batch_size:
+            raise ConfigError("data.train_batch_size", f"is {batch_size}, but the dataset has only {len(rows)} rows")
+        self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
+        self.steps_per_epoch = len(rows) // batch_size
+        self.epoch, self.index = 0, 0
+
+    def next_batch(self) -> list[Mapping[str, Any]]:
+        if self.index >= self.steps_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows)) if self.shuffle else np.arange(len(self.rows))
+        picked = order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
+        self.index += 1
+        return [self.rows[i] for i in picked]
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, position: Mapping[str, int]) -> None:
+        self.epoch, self.index = int(position["epoch"]), int(position["index"])
+
+
+class TorchBackend:
+    """The reference backend; ``fit(on_step)`` trains until the configured number of steps."""
+
+    def __init__(self, config: Any, plugins: Any):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config, self.plugins = config, plugins
+        actor = config.actor_rollout_ref.actor
+        self.aggregate = plugins.aggregators.get(config.agentlightning.trace_aggregator.level)
+        self.estimate = plugins.advantage_estimators.get(config.algorithm.adv_estimator)
+        self.loss_mode = actor.policy_loss.loss_mode
+        self.loss_fn = plugins.policy_losses.get(self.loss_mode)
+        folder = model_folder(config)
+        self.data = DataOrder(
+            load_dataset(config.data.train_files),
+            int(config.data.train_batch_size),
+            bool(config.data.shuffle),
+            int(config.data.seed if config.data.seed is not None else config.trainer.seed),
+        )
+        self.total_steps = int(config.trainer.total_training_steps or config.trainer.total_epochs * self.data.steps_per_epoch)
+        threads = config.agentlightning.torch.num_threads
+        if threads:
+            torch.set_num_threads(int(threads))
+        torch.manual_seed(int(config.trainer.seed))
+        self.device = pick_device(config.agentlightning.torch.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device)
+        self.ref_model = None
+        if actor.use_kl_loss:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
+            self.ref_model.requires_grad_(False)
+        optim = actor.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, self.total_steps))
+        self.loss_settings = LossSettings.from_actor_config(actor)
+        self.advantage_settings = AdvantageSettings.from_config(config)
+        self.aggregation_settings = settings_from_config(config, self.tokenizer)
+        self.run_dir = Path(config.trainer.default_local_dir)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else 0)
+        self.step = 0
+        self.engine: Any = None
+
+    # -- serving --------------------------------------------------------------------------------
+
+    def make_engine(self) -> Any:
+        name = str(self.config.actor_rollout_ref.model.path)
+        if self.config.agentlightning.engine == "vllm":
+            from agl_core.vllm_engine import VllmEngine
+
+            return VllmEngine.from_config(self.config.agentlightning.vllm, self.config.actor_rollout_ref.model.path, name)
+        from agl_core.policy_server import PolicyServer
+
+        return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))
+
+    def make_source(self) -> Any:
+        if self.config.agentlightning.agl_base_url:
+            from agl_core.gateway_source import gateway_source
+
+            return gateway_source(self.config, self.plugins)
+        from agl_core.embedded import EmbeddedRolloutSource
+
+        return EmbeddedRolloutSource(self.config, self.plugins, self.engine.base_url, self.engine.model_name)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.data.position(),
+            "rng": rng_states(),
+        }
+        if hasattr(self.engine, "generator_state"):
+            state["sampler_rng"] = self.engine.generator_state()
+        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
+
+    def resume(self) -> bool:
+        """Continue from the newest checkpoint when ``trainer.resume_mode`` is ``auto``."""
+        if self.config.trainer.resume_mode != "auto":
+            return False
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        state = load_checkpoint(path, self.model)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data.restore(state["data"])
+        restore_rng_states(state["rng"])
+        self.step = int(state["step"])
+        self._sampler_rng = state.get("sampler_rng")
+        logger.info("resumed from %s (step %d)", path, self.step)
+        return True
+
+    # -- training -------------------------------------------------------------------------------
+
+    def fit(self, on_step: OnStep | None = None) -> None:
+        self._sampler_rng = None
+        self.resume()
+        self.engine = self.make_engine()
+        source = None
+        try:
+            self.engine.start()
+            self.engine.push_weights(self.model, self.step)
+            if self._sampler_rng is not None and hasattr(self.engine, "set_generator_state"):
+                self.engine.set_generator_state(self._sampler_rng)
+            source = self.make_source()
+            source.after_weight_update([self.engine.base_url], self.step)
+            save_freq = int(self.config.trainer.save_freq)
+            while self.step < self.total_steps:
+                metrics = self.train_step(source, self.data.next_batch())
+                self.step += 1
+                if save_freq > 0 and (self.step % save_freq == 0 or self.step == self.total_steps):
+                    started = time.perf_counter()
+                    self.save()
+                    metrics["timing/save_s"] = time.perf_counter() - started
+                if on_step is not None:
+                    on_step(self.step, self.total_steps, metrics)
+        finally:
+            if source is not None:
+                source.close()
+            self.engine.close()
+
+    def train_step(self, source: Any, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        step = self.step + 1
+        started = time.perf_counter()
+        batch = source.collect(samples, step=step, is_train=True)
+        metrics: dict[str, float] = dict(batch.metrics)
+        metrics["timing/gen_s"] = time.perf_counter() - started
+        rollouts = batch.rollouts
+        metrics["training/n_rollouts"] = float(len(rollouts))
+        metrics["training/reward"] = float(np.mean([r.final_reward for r in rollouts])) if rollouts else float("nan")
+        aggregation = self.aggregate(rollouts, self.aggregation_settings)
+        metrics.update(aggregation.metrics)
+        metrics["training/n_sample"] = float(len(aggregation.rows))
+        rows = aggregation.rows
+        update_started = time.perf_counter()
+        shaped = None
+        if rows:
+            advantages = self.estimate(rows, self.advantage_settings)
+            metrics.update(advantages.metrics)
+            shaped = shape_batch(rows, advantages, ShapingSettings.from_config(self.config, step))
+            metrics.update(shaped.metrics)
+        if shaped is None or shaped.n_mini_batches == 0:
+            metrics["training/n_skipped_updates"] = 1.0  # nothing trainable survived shaping
+        else:
+            metrics["training/n_skipped_updates"] = 0.0
+            metrics.update(self.update(shaped))
+        self.scheduler.step()
+        self.engine.push_weights(self.model, step)
+        source.after_weight_update([self.engine.base_url], step)
+        metrics["timing/update_s"] = time.perf_counter() - update_started
+        metrics["timing/step_s"] = time.perf_counter() - started
+        return metrics
+
+    def update(self, shaped: Any) -> dict[str, float]:
+        """PPO epochs over the shaped batch's mini-batches; returns the actor metrics."""
+        padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
+        tensors = {k: v.to(self.device) for k, v in padded.tensors.items()}
+        mask = tensors["response_mask"]
+        advantages = pad_responses(shaped.advantages, mask.shape[1], torch.float32).to(self.device)
+        if self.loss_mode == "per_rollout_mean":
+            scales = shaped.row_scales(self.config.agentlightning.loss_normalization)
+            advantages = advantages * torch.as_tensor(scales, dtype=torch.float32, device=self.device)[:, None]
+        with torch.no_grad():
+            self.model.eval()
+            old_log_prob = response_log_probs(self.model, tensors)
+            ref_log_prob = response_log_probs(self.ref_model, tensors) if self.ref_model is not None else None
+        self.model.train()
+        actor = self.config.actor_rollout_ref.actor
+        n_rows = len(shaped.rows)
+        per_mini = n_rows // shaped.n_mini_batches
+        sums: dict[str, float] = {}
+        n_updates = 0
+        for _ in range(int(actor.ppo_epochs)):
+            for start in range(0, n_rows, per_mini):
+                part = slice(start, start + per_mini)
+                mini = {k: v[part] for k, v in tensors.items()}
+                log_prob = response_log_probs(self.model, mini)
+                loss, loss_metrics = self.loss_fn(old_log_prob[part], log_prob, advantages[part], mask[part], self.loss_settings)
+                if ref_log_prob is not None:
+                    trained = mask[part].bool()
+                    kl = torch.where(trained, low_var_kl(log_prob, ref_log_prob[part]), 0.0).sum() / trained.sum().clamp(min=1)
+                    loss = loss + float(actor.kl_loss_coef) * kl
+                    loss_metrics = {**loss_metrics, "actor/kl_loss": kl.item()}
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(actor.grad_clip))
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    sums["actor/n_skipped_nonfinite_grad"] = sums.get("actor/n_skipped_nonfinite_grad", 0.0) + 1.0
+                for name, value in {**loss_metrics, "actor/pg_loss": loss.item(), "actor/grad_norm": float(grad_norm)}.items():
+                    sums[name] = sums.get(name, 0.0) + float(value)
+                n_updates += 1
+        metrics = {k: v if k.startswith("actor/n_") else v / n_updates for k, v in sums.items()}
+        metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["actor/n_updates"] = float(n_updates)
+        n_tokens = int(tensors["attention_mask"].sum())
+        metrics["perf/total_num_tokens"] = float(n_tokens)
+        return metrics
+
+
+@hookimpl
+def agl_register_backends(register: Any) -> None:
+    register("torch", TorchBackend)

@@ -1,0 +1,81 @@
+"""The run driver behind ``agl train``: config → plugin manager → the configured backend's ``fit``.
+
+While the backend trains, each step's metrics are appended to ``metrics.jsonl`` in the run directory
+(``trainer.default_local_dir``) with the step number and the wall time since the run started, a
+progress bar shows step, reward and throughput, and ``metrics.png`` is drawn at the end (also after
+an error, for the steps done) and every ``PLOT_EVERY`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from agl_core.config import load_config, redacted
+from agl_core.plot import plot_metrics
+from agl_core.plugins import PluginManager
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+PLOT_EVERY = 25
+
+
+class MetricsLog:
+    """Appends one JSON line per step and keeps the progress bar up to date."""
+
+    def __init__(self, run_dir: Path, show_progress: bool = True):
+        from tqdm import tqdm
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / METRICS_FILE
+        self.plot_path = run_dir / PLOT_FILE
+        self.started = time.monotonic()
+        self.bar = tqdm(desc="agl train", unit="step", disable=not show_progress, dynamic_ncols=True)
+
+    def __call__(self, step: int, total_steps: int, metrics: Mapping[str, float]) -> None:
+        record = {"step": step, "wall_s": round(time.monotonic() - self.started, 3)}
+        record.update({k: _json_number(v) for k, v in metrics.items()})
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.bar.total != total_steps:
+            self.bar.total = total_steps
+        if self.bar.n == 0 and step > 1:
+            self.bar.update(step - 1)  # a resumed run starts part-way
+        self.bar.update(1)
+        postfix = {"reward": f"{metrics.get('training/reward', float('nan')):.3f}"}
+        step_s = metrics.get("timing/step_s")
+        if step_s:
+            postfix["rollouts/s"] = f"{metrics.get('training/n_rollouts', 0.0) / step_s:.1f}"
+        self.bar.set_postfix(postfix)
+        if step % PLOT_EVERY == 0:
+            plot_metrics(self.path, self.plot_path)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.path.is_file() and self.path.stat().st_size:
+            plot_metrics(self.path, self.plot_path)
+
+
+def _json_number(value: Any) -> Any:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def run(
+    config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = (), show_progress: bool = True
+) -> Path:
+    """Train as the config says; return the run directory (metrics, plot, checkpoints)."""
+    config = load_config(config_path, overrides)
+    manager = PluginManager.from_config(config, plugins)
+    backend = manager.backends.get(config.agentlightning.backend)(config, manager)
+    manager.on_startup(redacted(config))
+    log = MetricsLog(Path(config.trainer.default_local_dir), show_progress)
+    try:
+        backend.fit(log)
+    finally:
+        log.close()
+    return Path(config.trainer.default_local_dir)
