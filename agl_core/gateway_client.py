@@ -130,7 +130,8 @@ class GatewayClient:
 
     # -- transport ----------------------------------------------------------------------------
 
-    def _backoff(self, attempt: int) -> float:
+    def backoff(self, attempt: int) -> float:
+        """The jittered wait before retry number ``attempt + 1``."""
         return min(self.backoff_max_seconds, self.backoff_seconds * 2**attempt) * random.uniform(0.5, 1.0)
 
     def _request(
@@ -156,7 +157,7 @@ class GatewayClient:
                 error = GatewayError(endpoint, response.status_code, _server_message(response))
             if not retry or attempt >= self.max_retries:
                 raise error
-            delay = self._backoff(attempt)
+            delay = self.backoff(attempt)
             attempt += 1
             self.retries[kind] += 1
             logger.warning("%s; retry %d/%d in %.2fs", error, attempt, self.max_retries, delay)

@@ -324,18 +324,20 @@ class GatewayRolloutSource:
                     raise
             expected += 1
 
-        sent = 0
+        total, unflushed = len(writer.pending), 0
         for attempt in range(self.gateway.max_retries + 1):
             try:
-                sent += writer.flush(post)
+                writer.flush(post)
                 break
             except GatewayError as exc:
                 if attempt == self.gateway.max_retries or (exc.status is not None and exc.status not in (408, 429, 503)):
-                    self.counts["training/hooks/n_unflushed_events"] += len(writer.pending)
-                    logger.warning("dropping %d hook events of %s: %s", len(writer.pending), rid, exc)
+                    unflushed = len(writer.pending)
+                    self.counts["training/hooks/n_unflushed_events"] += unflushed
+                    logger.warning("dropping %d hook events of %s: %s", unflushed, rid, exc)
                     writer.discard()
                     break
-                time.sleep(self.client._backoff(attempt))
+                time.sleep(self.client.backoff(attempt))
+        sent = total - unflushed
         self.counts["training/hooks/n_events_written"] += sent
         return sent
 
