@@ -66,8 +66,10 @@ NEXT_PROMPT = ("observation",) * 4 + ("continue", "retokenized", "template", "br
 
 
 def token_ids(min_size: int = 0, max_size: int = 8) -> st.SearchStrategy[list[int]]:
-    """Ids a model could emit: any token of :data:`TOY_TOKENIZER`, canonical or not."""
-    return st.lists(st.integers(0, len(TOY_TOKENIZER) - 1), min_size=min_size, max_size=max_size)
+    """Ids a model could emit: any token of :data:`TOY_TOKENIZER`, often the single characters
+    ``a b c d`` whose neighbours the tokenizer would merge (a non-canonical tokenization)."""
+    token = st.one_of(st.integers(0, len(TOY_TOKENIZER) - 1), st.integers(0, 3))
+    return st.lists(token, min_size=min_size, max_size=max_size)
 
 
 def _lengths_short_or_long(short: int, long: int) -> st.SearchStrategy[tuple[int, int]]:

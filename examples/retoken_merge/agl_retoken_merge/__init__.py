@@ -1,0 +1,75 @@
+"""``retoken_merge``: trajectory aggregation that also merges across retokenization mismatches.
+
+When the next prompt does not start with the previous context id for id, decode the part after
+their common prefix: if the new prompt has a token boundary where the context's text ends, the
+context's own ids stand in for the new prompt's ids up to there, and the rest of the prompt is the
+observation. Everything else (limits, counting, break classification) is agl's trajectory logic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from agl_core import hookimpl
+from agl_core.aggregation import Aggregation, AggregationSettings
+from agl_core.aggregators import aggregate_trajectories, exact_prefix
+from agl_core.data import CompletedRollout, Triplet
+from agl_core.mismatch import common_prefix_length, decode
+
+__all__ = ["realigned_start", "retoken_merge"]
+
+REALIGNED_METRIC = "training/n_realigned_merges"
+
+
+def realigned_start(context: np.ndarray, prompt_ids: np.ndarray, tokenizer) -> int | None:
+    """The index in ``prompt_ids`` where the text of ``context`` ends, if a token boundary is there."""
+    common = common_prefix_length(context, prompt_ids)
+    tail = decode(tokenizer, context[common:])
+    if not tail:
+        return common
+
+    def text_length(end: int) -> int:
+        return len(decode(tokenizer, prompt_ids[common:end]))
+
+    # Decoded length grows with the number of tokens: find the first end long enough, then look at
+    # the next few ends (a multi-byte character may need more than one token to complete).
+    low, high = common + 1, len(prompt_ids)
+    if high < low or text_length(high) < len(tail):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if text_length(middle) >= len(tail):
+            high = middle
+        else:
+            low = middle + 1
+    for end in range(low, min(low + 4, len(prompt_ids)) + 1):
+        if decode(tokenizer, prompt_ids[common:end]) == tail:
+            return end
+    return None
+
+
+def retoken_merge(rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
+    """Trajectory aggregation that re-aligns retokenized context on decoded text."""
+    realigned = 0
+
+    def align(previous: Triplet, prompt_ids: np.ndarray, settings: AggregationSettings) -> int | None:
+        nonlocal realigned
+        start = exact_prefix(previous, prompt_ids, settings)
+        if start is not None or settings.tokenizer is None:
+            return start
+        context = np.concatenate([previous.prompt_ids, previous.response_ids])
+        start = realigned_start(context, prompt_ids, settings.tokenizer)
+        if start is not None:
+            realigned += 1
+        return start
+
+    result = aggregate_trajectories(rollouts, settings, align)
+    return attrs.evolve(result, metrics={**result.metrics, REALIGNED_METRIC: float(realigned)})
+
+
+@hookimpl
+def agl_register_aggregators(register):
+    register("retoken_merge", retoken_merge)
