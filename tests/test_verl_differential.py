@@ -68,7 +68,8 @@ def _padded(arrays, dtype=torch.float32):
 
 
 def _verl_advantages(rows, estimator, norm):
-    mask = _padded([row.response_mask for row in rows])
+    """verl's advantages, computed in float64 so the only rounding left is our float32 result."""
+    mask = _padded([row.response_mask for row in rows], dtype=torch.float64)
     rewards = torch.zeros_like(mask)
     for i, row in enumerate(rows):
         rewards[i, len(row.response_ids) - 1] = row.reward  # the score sits on the last response token
@@ -83,14 +84,14 @@ def _verl_advantages(rows, estimator, norm):
 @settings(max_examples=40, deadline=None)
 @given(rows=single_row_batches(), norm=st.booleans())
 def test_grpo_equals_verl(rows, norm):
-    ours = _padded(grpo(rows, AdvantageSettings(norm_adv_by_std=norm)).per_row)
+    ours = _padded(grpo(rows, AdvantageSettings(norm_adv_by_std=norm)).per_row, dtype=torch.float64)
     torch.testing.assert_close(ours, _verl_advantages(rows, AdvantageEstimator.GRPO, norm), rtol=1e-6, atol=1e-6)
 
 
 @settings(max_examples=40, deadline=None)
 @given(rows=single_row_batches())
 def test_rloo_equals_verl(rows):
-    ours = _padded(rloo(rows, AdvantageSettings()).per_row)
+    ours = _padded(rloo(rows, AdvantageSettings()).per_row, dtype=torch.float64)
     torch.testing.assert_close(ours, _verl_advantages(rows, AdvantageEstimator.RLOO, True), rtol=1e-6, atol=1e-6)
 
 
