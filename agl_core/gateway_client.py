@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -101,6 +102,7 @@ class GatewayClient:
         self.backoff_max_seconds = backoff_max_seconds
         self.requests_sent: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
+        self._count_lock = threading.Lock()  # the client is shared by reader threads
 
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> GatewayClient:
@@ -141,7 +143,8 @@ class GatewayClient:
         endpoint = f"{method} {path}"
         attempt = 0
         while True:
-            self.requests_sent[kind] += 1
+            with self._count_lock:
+                self.requests_sent[kind] += 1
             try:
                 response = self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
@@ -159,7 +162,8 @@ class GatewayClient:
                 raise error
             delay = self.backoff(attempt)
             attempt += 1
-            self.retries[kind] += 1
+            with self._count_lock:
+                self.retries[kind] += 1
             logger.warning("%s; retry %d/%d in %.2fs", error, attempt, self.max_retries, delay)
             time.sleep(delay)
 

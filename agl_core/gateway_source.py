@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from agl_core.rollout_source import RolloutBatch, make_requests, new_id
 logger = logging.getLogger(__name__)
 
 CREATE_CHUNK = 256
+READ_WORKERS = 8  # concurrent events reads / deletes of rollouts that finished together
 TERMINAL_PAGE = 1000
 
 
@@ -105,6 +107,7 @@ class GatewayRolloutSource:
         self.failed_rollout_policy = agl.failed_rollout_policy
         self.deadline_seconds = float(agl.rollout_timeout_seconds) + float(agl.rollout_timeout_grace_seconds)
         self.pending: dict[str, _Pending] = {}
+        self._pool = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="agl-gateway-read")
         self.terminal: dict[str, str] = {}  # pending rollouts the cursor reported terminal, not yet read
         self.groups: dict[str, _Group] = {}
         self.cursor = 0
@@ -165,10 +168,7 @@ class GatewayRolloutSource:
                         self.terminal[item["rollout_id"]] = item["state"]
                 if self.cursor >= page["total_terminal"]:
                     break
-            for rid, state in list(self.terminal.items()):
-                if rid in self.pending:  # a failed read stays here and is retried at the next poll
-                    self._finish(rid, state)
-                    finished += 1
+            finished = self._finish_terminal()
             if finished:
                 self.last_progress = time.monotonic()
             elif self.pending and time.monotonic() - self.last_progress > self.gateway.liveness_check_seconds:
@@ -235,16 +235,38 @@ class GatewayRolloutSource:
 
     # -- finishing ----------------------------------------------------------------------------
 
-    def _finish(self, rid: str, state: str) -> None:
-        pending = self.pending[rid]
+    def _read_terminal(self, rid: str, state: str) -> tuple[list[dict[str, Any]], str | None] | GatewayError:
         try:
             events = self.client.get_events(rid)
             error = self.client.get_rollout(rid)["rollout"]["status"].get("error_message") if state == "failed" else None
         except GatewayError as exc:
-            if not exc.not_found:
-                raise
-            self._handle_lost([rid])
-            return
+            return exc
+        return events, error
+
+    def _finish_terminal(self) -> int:
+        """Read the rollouts the cursor reported (concurrently), run their hooks in order, delete them.
+
+        A read that fails stays in ``self.terminal`` and is retried at the next poll; a 404 means the
+        gateway lost the rollout."""
+        ready = [(rid, state) for rid, state in self.terminal.items() if rid in self.pending]
+        reads = list(self._pool.map(lambda item: self._read_terminal(*item), ready))
+        finished = []
+        for (rid, state), read in zip(ready, reads):
+            if isinstance(read, GatewayError):
+                if read.not_found:
+                    self._handle_lost([rid])
+                elif read.status is not None and read.status < 500 and read.status not in (408, 429):
+                    raise read
+                else:
+                    self.counts["training/gateway/n_event_read_errors"] += 1
+                continue
+            self._finish(rid, state, *read)
+            finished.append(rid)
+        list(self._pool.map(self._delete, finished))
+        return len(finished)
+
+    def _finish(self, rid: str, state: str, events: list[dict[str, Any]], error: str | None) -> None:
+        pending = self.pending[rid]
         rollout = self._build(pending, events, state=state, error=error)
         writer = EventWriter()
         if state == "succeeded":
@@ -259,7 +281,6 @@ class GatewayRolloutSource:
                 self.counts["training/hooks/n_reread_failures"] += 1
                 logger.warning("could not re-read events of %s after its hooks wrote some: %s", rid, exc)
         self._done(rid, rollout)
-        self._delete(rid)
 
     def _build(self, pending: _Pending, events: list[dict[str, Any]], *, state: str, error: str | None, count: bool = True) -> CompletedRollout:
         attempts = [e.get("attempt_id") for e in events if isinstance(e, Mapping) and e.get("attempt_id")]
@@ -396,6 +417,7 @@ class GatewayRolloutSource:
         for rid in list(self.pending):
             self._delete(rid)
         self.pending.clear()
+        self._pool.shutdown()
         self.client.close()
 
 
