@@ -1,0 +1,117 @@
+"""Entry points: :func:`run_ppo` for in-memory datasets, and :class:`VerlBackend` for ``agl train``.
+
+Both start Ray when nobody has (verl's PPO runtime env + ``ray_kwargs.ray_init`` + this package in
+``VERL_USE_EXTERNAL_MODULES``), then run :class:`TaskRunner` as a Ray actor: it builds verl's
+workers exactly as verl's own task runner does, validates the config with verl's
+``validate_config``, and trains with :class:`~agl_backend_verl.trainer.AglRayPPOTrainer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from agl_core.config import ConfigError
+from agl_backend_verl.config import check_types, validate_verl, verl_base
+from agl_backend_verl.trainer import SampleDataset
+from agl_backend_verl.verl_plugins import ray_runtime_env
+
+
+def compose(config: DictConfig) -> DictConfig:
+    """A config validated by the core schema alone, laid over verl's full defaults and re-checked."""
+    base = verl_base()
+    merged = OmegaConf.merge(base, config)
+    assert isinstance(merged, DictConfig)
+    OmegaConf.set_struct(merged, True)
+    check_types(merged, base)
+    validate_verl(merged)
+    return merged
+
+
+def init_ray(config: DictConfig) -> None:
+    """Start Ray as verl's ``run_ppo`` does, with agl's module added to the workers' verl imports."""
+    if ray.is_initialized():
+        return  # the verl.plugins entry point registers agl's plugins in workers of any Ray session
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    ray_init = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {}
+    assert isinstance(ray_init, dict)
+    runtime_env = {**get_ppo_ray_runtime_env(config), **(ray_init.pop("runtime_env", None) or {})}
+    ray.init(runtime_env=ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None})
+
+
+def run_ppo(config: DictConfig, train_dataset: Sequence[Mapping[str, Any]], val_dataset: Sequence[Mapping[str, Any]], plugins: Sequence[Any] = ()) -> None:
+    """Train with verl on in-memory datasets: non-empty lists of JSON-like dicts, each a rollout ``input``."""
+    train = SampleDataset(train_dataset, "train_dataset")
+    val = SampleDataset(val_dataset, "val_dataset")
+    if config.agentlightning.agl_base_url is None:
+        raise ConfigError("agentlightning.agl_base_url", "backend 'verl' runs agents through the gateway: set its URL")
+    init_ray(config)
+    runner = TaskRunner.remote()
+    ray.get(runner.run.remote(config, train.samples, val.samples, list(plugins)))
+
+
+@ray.remote(num_cpus=1)
+class TaskRunner:
+    """Builds verl's workers and runs the trainer, inside the Ray cluster (as verl's task runner)."""
+
+    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> None:
+        from verl.trainer.main_ppo_v0 import BaseTaskRunner
+        from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
+        from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+        from agl_core.gateway_source import gateway_source
+        from agl_core.plugins import PluginManager
+        from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
+
+        OmegaConf.resolve(config)
+        workers = BaseTaskRunner()
+        _, worker_group_cls = workers.add_actor_rollout_worker(config)
+        workers.add_critic_worker(config)
+        workers.add_reward_model_resource_pool(config)
+        workers.add_teacher_model_resource_pool(config)
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        manager = PluginManager.from_config(config, plugins)
+        train = SampleDataset(train_samples, "train_dataset")
+        source = gateway_source(config, manager)
+        try:
+            trainer = AglRayPPOTrainer(
+                config=config,
+                tokenizer=model.tokenizer,
+                processor=model.processor,
+                role_worker_mapping=workers.role_worker_mapping,
+                resource_pool_manager=workers.init_resource_pool_mgr(config),
+                ray_worker_group_cls=worker_group_cls,
+                train_dataset=train,
+                val_dataset=SampleDataset(val_samples, "val_dataset"),
+                collate_fn=collate_samples,
+                train_sampler=create_rl_sampler(config.data, train),
+                plugins=manager,
+                rollout_source=source,
+            )
+            trainer.init_workers()
+            manager.on_startup(config)
+            trainer.fit()
+        finally:
+            source.close()
+
+
+class VerlBackend:
+    """Backend ``verl`` for ``agl train``: the datasets are ``data.train_files`` / ``data.val_files`` (JSONL)."""
+
+    def __init__(self, config: DictConfig, plugins: Any):
+        from agl_core.torch_backend import load_dataset
+
+        self.config = compose(config)
+        self.plugins = plugins
+        self.train = load_dataset(self.config.data.train_files, "data.train_files")
+        self.val = load_dataset(self.config.data.val_files, "data.val_files")
+
+    def fit(self, on_step: Any = None) -> None:
+        """Train; the trainer runs in a Ray actor, so step metrics go to verl's ``trainer.logger``
+        backends, not to ``on_step``. Hook files and entry points are loaded again there from the config."""
+        run_ppo(self.config, self.train, self.val)

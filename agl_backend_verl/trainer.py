@@ -1,0 +1,244 @@
+"""The verl trainer: verl's ``RayPPOTrainer`` (FSDP workers, vLLM replicas) with agl's training step.
+
+One step (:meth:`AglRayPPOTrainer.train_step`), in order: the next dataset batch (async: the
+rollout source tops its in-flight groups up) → replicas resumed → rollouts through the rollout
+source → (async: the gateway paused and drained; sync: leftover replica requests aborted) →
+:meth:`learn`: the configured aggregator → advantages on every collected row
+(:mod:`agl_backend_verl.advantages`) → batch shaping (whole rollouts dropped, marked ones first) →
+tensorise → ``DataProto`` → replicas slept → old log-probs / reference / values through verl's
+workers → per-rollout normalisation (``per_rollout_mean``) → critic / actor update → weights pushed
+→ the replicas' addresses registered with the gateway with ``version`` = step (stale ones deleted
+first; async: the gateway resumed). Validation runs every ``trainer.test_freq`` steps with metrics
+over all validation batches; checkpoints every ``trainer.save_freq``.
+
+Only the calls of :class:`~agl_backend_verl.worker_calls.WorkerCalls` need GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.utils.metric import reduce_metrics
+
+from agl_core.aggregation import settings_from_config
+from agl_core.batch_shaping import ShapingSettings, shape_batch
+from agl_core.data import CompletedRollout
+from agl_core.normalization import normalize_advantages
+from agl_core.tensorize import pad_responses, tensorize
+from agl_backend_verl.advantages import compute_advantages
+from agl_backend_verl.config import validate_verl
+from agl_backend_verl.dataproto import to_dataproto
+from agl_backend_verl.verl_plugins import ensure_registered
+from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
+
+logger = logging.getLogger(__name__)
+
+OnStep = Callable[[int, int, Mapping[str, float]], None]
+PER_ROLLOUT_LOSSES = frozenset({"per_rollout_mean"})
+
+
+class SampleDataset(Dataset):
+    """In-memory dataset rows (JSON-like dicts); each becomes one rollout group's ``input``."""
+
+    def __init__(self, samples: Sequence[Mapping[str, Any]], name: str):
+        if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence) or not samples:
+            raise ValueError(f"{name} must be a non-empty list of dicts, got {type(samples).__name__}")
+        for i, sample in enumerate(samples):
+            if not isinstance(sample, Mapping) or not all(isinstance(k, str) for k in sample):
+                raise ValueError(f"{name}[{i}] must be a dict with string keys, got {sample!r:.80}")
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:
+        return self.samples[index]
+
+
+def collate_samples(samples: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """A batch is the list of its samples: rollouts need the rows as they are, not as tensors."""
+    return list(samples)
+
+
+def rollout_metrics(rollouts: Sequence[CompletedRollout], prefix: str) -> dict[str, float]:
+    rewards = [r.final_reward for r in rollouts if r.final_reward is not None]
+    return {
+        f"{prefix}/n_rollouts": float(len(rollouts)),
+        f"{prefix}/reward": float(np.mean(rewards)) if rewards else float("nan"),
+    }
+
+
+class AglRayPPOTrainer(RayPPOTrainer):
+    """``RayPPOTrainer`` whose rollouts come from agl's rollout source and whose step is agl's.
+
+    ``rollout_source`` is built by the caller (the gateway source); ``worker_calls`` defaults to
+    verl's workers once :meth:`init_workers` has run.
+    """
+
+    def __init__(self, *args: Any, plugins: Any, rollout_source: Any, worker_calls: WorkerCalls | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        validate_verl(self.config)
+        self.plugins = plugins
+        self.source = rollout_source
+        self.calls = worker_calls
+        self.aggregate = plugins.aggregators.get(self.config.agentlightning.trace_aggregator.level)
+        self.loss_mode = str(self.config.actor_rollout_ref.actor.policy_loss.loss_mode)
+        ensure_registered(self.loss_mode)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.is_async = bool(self.config.agentlightning.async_rollout.enabled)
+        self.global_steps = 0
+        self._batches: Iterator[list[Mapping[str, Any]]] | None = None
+        self.epoch = 0
+
+    def init_workers(self) -> None:
+        super().init_workers()
+        self.calls = VerlWorkerCalls(self)
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def _next_batch(self) -> list[Mapping[str, Any]]:
+        while True:
+            if self._batches is None:
+                self._batches = iter(self.train_dataloader)
+            batch = next(self._batches, None)
+            if batch is not None:
+                return batch
+            self._batches = None
+            self.epoch += 1
+
+    def next_samples(self) -> list[Mapping[str, Any]]:
+        """One batch (sync); async, on the first step, enough batches to fill the in-flight groups."""
+        samples = self._next_batch()
+        if self.is_async and self.global_steps == 1:
+            while len(samples) < self.config.agentlightning.async_rollout.async_train_batch_size:
+                samples = samples + self._next_batch()
+        return samples
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _register_replicas(self, version: int) -> None:
+        self.source.after_weight_update(self.calls.rollout_endpoints(), version)
+
+    def fit(self, on_step: OnStep | None = None) -> None:  # type: ignore[override]
+        """Train until ``total_training_steps``; ``on_step(step, total, metrics)`` sees every step."""
+        from omegaconf import OmegaConf
+        from verl.utils.tracking import Tracking
+
+        tracker = Tracking(
+            project_name=self.config.trainer.project_name,
+            experiment_name=self.config.trainer.experiment_name,
+            default_backend=self.config.trainer.logger,
+            config=OmegaConf.to_container(self.config, resolve=True),
+        )
+        self.global_steps = 0
+        self.calls.load_checkpoint()
+        self.calls.push_weights(self.global_steps)
+        self._register_replicas(self.global_steps)
+        if self.config.trainer.get("val_before_train", True):
+            tracker.log(data=self.validate(), step=self.global_steps)
+            if self.config.trainer.get("val_only", False):
+                return
+        test_freq, save_freq = int(self.config.trainer.test_freq), int(self.config.trainer.save_freq)
+        while self.global_steps < self.total_training_steps:
+            self.global_steps += 1
+            last = self.global_steps >= self.total_training_steps
+            started = time.perf_counter()
+            metrics = self.train_step(self.next_samples())
+            if test_freq > 0 and (last or self.global_steps % test_freq == 0):
+                metrics.update(self.validate())
+            if save_freq > 0 and (last or self.global_steps % save_freq == 0):
+                self.calls.save_checkpoint()
+            metrics["timing_s/step"] = time.perf_counter() - started
+            metrics["training/global_step"] = float(self.global_steps)
+            metrics["training/epoch"] = float(self.epoch)
+            tracker.log(data=metrics, step=self.global_steps)
+            if on_step is not None:
+                on_step(self.global_steps, self.total_training_steps, metrics)
+
+    def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Rollouts for ``samples``, then :meth:`learn`, then the new weights served and registered."""
+        step = self.global_steps
+        started = time.perf_counter()
+        self.calls.resume_replicas()
+        collected = self.source.collect(samples, step=step, is_train=True)
+        metrics: dict[str, float] = dict(collected.metrics)
+        if self.is_async:
+            metrics.update(self.source.before_weight_update())  # pause and drain the gateway
+        else:
+            self.calls.abort_replicas()
+        metrics["timing_s/gen"] = time.perf_counter() - started
+        metrics.update(self.learn(collected.rollouts))
+        started = time.perf_counter()
+        self.calls.push_weights(step)
+        self._register_replicas(step)
+        metrics["timing_s/update_weights"] = time.perf_counter() - started
+        return metrics
+
+    def learn(self, rollouts: Sequence[CompletedRollout]) -> dict[str, float]:
+        """Everything between the rollouts and the update, then the update itself."""
+        step = self.global_steps
+        metrics = rollout_metrics(rollouts, "training")
+        aggregation = self.aggregate(rollouts, settings_from_config(self.config, self.tokenizer))
+        metrics.update(aggregation.metrics)
+        rows = aggregation.rows
+        metrics["training/n_sample"] = float(len(rows))
+        shaped = None
+        if rows:
+            advantages = compute_advantages(rows, self.config, self.plugins, self.pad_token_id)
+            metrics.update(advantages.metrics)
+            shaped = shape_batch(rows, advantages, ShapingSettings.from_config(self.config, step))
+            metrics.update(shaped.metrics)
+        self.calls.sleep_replicas()
+        if shaped is None or shaped.n_mini_batches == 0:
+            metrics["training/n_skipped_updates"] = 1.0
+            return metrics
+        metrics["training/n_skipped_updates"] = 0.0
+        started = time.perf_counter()
+        padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
+        batch = to_dataproto(padded, meta_info={"temperature": self.config.actor_rollout_ref.rollout.temperature})
+        width = padded.tensors["responses"].shape[1]
+        batch.batch["advantages"] = pad_responses(shaped.advantages, width, torch.float32)
+        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        if self.config.trainer.balance_batch:
+            self.calls.balance_batch(batch, metrics)
+        old, old_metrics = self.calls.old_log_probs(batch)
+        batch = batch.union(old)
+        metrics.update(old_metrics)
+        if self.use_reference_policy:
+            batch = batch.union(self.calls.ref_log_probs(batch))
+        if self.use_critic:
+            values = self.calls.values(batch)
+            batch = batch.union(values)
+            batch.batch["returns"] = batch.batch["advantages"].clone()
+        if self.loss_mode in PER_ROLLOUT_LOSSES:
+            batch.batch["advantages"] = normalize_advantages(
+                batch.batch["advantages"],
+                batch.batch["response_mask"],
+                list(batch.non_tensor_batch["rollout_ids"]),
+                mode=self.config.agentlightning.loss_normalization,
+                n_mini_batches=shaped.n_mini_batches,
+            )
+        if self.use_critic:
+            metrics.update(reduce_metrics(self.calls.update_critic(batch)))
+        if self.config.trainer.critic_warmup <= step:
+            metrics.update(reduce_metrics(self.calls.update_actor(batch)))
+        metrics["timing_s/update"] = time.perf_counter() - started
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """One validation pass over every validation batch; metrics over all of them."""
+        rollouts: list[CompletedRollout] = []
+        self.calls.resume_replicas()
+        for samples in self.val_dataloader:
+            rollouts.extend(self.source.collect(samples, step=self.global_steps, is_train=False).rollouts)
+        if not self.is_async:
+            self.calls.abort_replicas()
+        return rollout_metrics(rollouts, "val")

@@ -1,0 +1,243 @@
+"""The verl trainer's loop on CPU: the real ``RayPPOTrainer`` subclass, real verl code and agl stages,
+with only the GPU-only worker calls (:class:`~agl_backend_verl.worker_calls.WorkerCalls`) faked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.verl
+
+pytest.importorskip("verl")
+
+from omegaconf import OmegaConf  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402
+from verl.trainer.ppo.ray_trainer import Role  # noqa: E402
+
+from agl_backend_verl.config import load_verl_config  # noqa: E402
+from agl_backend_verl.trainer import AglRayPPOTrainer, SampleDataset, collate_samples  # noqa: E402
+from agl_core.config import ConfigError  # noqa: E402
+from agl_core.data import CompletedRollout, Triplet  # noqa: E402
+from agl_core.plugins import PluginManager  # noqa: E402
+from agl_core.rollout_source import RolloutBatch, make_requests  # noqa: E402
+
+N = 4
+
+
+class FakeWorkers:
+    """The GPU-only calls, recorded; the actor update runs verl's registered policy loss for real."""
+
+    def __init__(self, config):
+        self.config = config
+        self.calls: list[tuple] = []
+        self.updated: list[DataProto] = []
+        self.losses: list[float] = []
+
+    def rollout_endpoints(self):
+        return ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"]
+
+    def resume_replicas(self):
+        self.calls.append(("resume",))
+
+    def abort_replicas(self):
+        self.calls.append(("abort",))
+
+    def sleep_replicas(self):
+        self.calls.append(("sleep",))
+
+    def old_log_probs(self, batch):
+        self.calls.append(("old_log_probs", len(batch)))
+        return DataProto.from_dict(tensors={"old_log_probs": batch.batch["rollout_log_probs"].clone()}), {"perf/mfu/actor_infer": 0.0}
+
+    def ref_log_probs(self, batch):
+        raise AssertionError("no reference policy is configured")
+
+    def values(self, batch):
+        raise AssertionError("no critic is configured")
+
+    def balance_batch(self, batch, metrics):
+        self.calls.append(("balance", len(batch)))
+        batch.reorder(__import__("torch").arange(len(batch) - 1, -1, -1))
+
+    def update_critic(self, batch):
+        raise AssertionError("no critic is configured")
+
+    def update_actor(self, batch):
+        import torch
+
+        self.calls.append(("update_actor", len(batch)))
+        self.updated.append(batch)
+        actor = OmegaConf.to_container(self.config.actor_rollout_ref.actor, resolve=True)
+        actor["global_batch_info"] = {"dp_size": 1}
+        loss_fn = get_policy_loss_fn(self.config.actor_rollout_ref.actor.policy_loss.loss_mode)
+        old = batch.batch["old_log_probs"]
+        loss, metrics = loss_fn(old, old + 0.01 * torch.ones_like(old), batch.batch["advantages"], batch.batch["response_mask"], config=OmegaConf.create(actor))
+        self.losses.append(float(loss))
+        return {**metrics, "actor/pg_loss": [float(loss)]}
+
+    def push_weights(self, version):
+        self.calls.append(("push", version))
+
+    def save_checkpoint(self):
+        self.calls.append(("save",))
+
+    def load_checkpoint(self):
+        self.calls.append(("load",))
+
+
+class FakeSource:
+    """A rollout source whose agents answer at once: each rollout makes two model calls (the second
+    continues the first, so they merge) and earns ``sample["target"]`` minus its index."""
+
+    def __init__(self, config, plugins):
+        self.config, self.plugins = config, plugins
+        self.registered: list[tuple[list[str], int]] = []
+        self.collected: list[tuple[int, bool, int]] = []
+        self.rng = np.random.default_rng(0)
+
+    def collect(self, samples, *, step, is_train):
+        groups = make_requests(samples, n=N, step=step, is_train=is_train, rollout_config={}, plugins=self.plugins)
+        self.collected.append((step, is_train, len(samples)))
+        rollouts = []
+        for group in groups:
+            for k, request in enumerate(group):
+                prompt = self.rng.integers(3, 60, 5)
+                first = self.rng.integers(3, 60, 4)
+                observation = self.rng.integers(3, 60, 2)
+                second = self.rng.integers(3, 60, 3)
+                triplets = [
+                    Triplet(prompt_ids=prompt, response_ids=first, response_log_probs=-self.rng.random(4)),
+                    Triplet(prompt_ids=np.concatenate([prompt, first, observation]), response_ids=second, response_log_probs=-self.rng.random(3)),
+                ]
+                rollouts.append(
+                    CompletedRollout(
+                        rollout_id=request.rollout_id,
+                        group_id=request.group_id,
+                        state="succeeded",
+                        triplets=triplets,
+                        final_reward=float(request.input["target"]) - k,
+                        step=step,
+                        is_train=is_train,
+                    )
+                )
+        return RolloutBatch(rollouts, {"training/fake_source/n_collects": 1.0})
+
+    def before_weight_update(self):
+        return {}
+
+    def after_weight_update(self, endpoints, version):
+        self.registered.append((list(endpoints), version))
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def make_trainer(tokenizer, *overrides, estimator=None):
+    config = load_verl_config(
+        None,
+        [
+            "data.train_batch_size=2",
+            "data.val_batch_size=2",
+            "data.shuffle=false",
+            "data.dataloader_num_workers=0",
+            f"actor_rollout_ref.rollout.n={N}",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.model.path=/models/tiny",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=2",
+            "trainer.save_freq=1",
+            "trainer.logger=[console]",
+            "trainer.device=cpu",
+            "agentlightning.agl_base_url=http://127.0.0.1:1",
+            *overrides,
+        ],
+    )
+    if estimator is not None:  # a config that did not come through load_verl_config
+        config.algorithm.adv_estimator = estimator
+    plugins = PluginManager(load_entrypoints=False)
+    train = SampleDataset([{"target": t} for t in (1, 2, 3, 4, 5, 6)], "train_dataset")
+    val = SampleDataset([{"target": t} for t in (10, 20, 30, 40, 50)], "val_dataset")
+    workers = FakeWorkers(config)
+    source = FakeSource(config, plugins)
+    trainer = AglRayPPOTrainer(
+        config=config,
+        tokenizer=tokenizer,
+        role_worker_mapping={Role.ActorRollout: object},
+        resource_pool_manager=None,
+        train_dataset=train,
+        val_dataset=val,
+        collate_fn=collate_samples,
+        plugins=plugins,
+        rollout_source=source,
+        worker_calls=workers,
+    )
+    return trainer, workers, source
+
+
+def test_fit_runs_every_stage_in_order(tokenizer):
+    trainer, workers, source = make_trainer(tokenizer)
+    seen = []
+    trainer.fit(on_step=lambda step, total, metrics: seen.append((step, total, dict(metrics))))
+
+    # weights pushed and replicas registered with version = step, first for step 0
+    assert [v for _, v in source.registered] == [0, 1, 2]
+    assert all(endpoints == workers.rollout_endpoints() for endpoints, _ in source.registered)
+    step_calls = workers.calls[workers.calls.index(("push", 0)) :]
+    first_step = step_calls[step_calls.index(("resume",), 3) :]  # after the initial validation
+    names = [c[0] for c in first_step]
+    assert names[:7] == ["resume", "abort", "sleep", "balance", "old_log_probs", "update_actor", "push"]
+    assert ("save",) in workers.calls and workers.calls.count(("save",)) == 2
+
+    # validation before training and at test_freq: all 5 validation samples over 3 batches
+    val_collects = [c for c in source.collected if not c[1]]
+    assert [c[2] for c in val_collects] == [2, 2, 1, 2, 2, 1]
+    step2 = seen[-1][2]
+    assert step2["val/n_rollouts"] == 5
+    assert step2["val/reward"] == pytest.approx(30.0)
+    assert [s for s, _, _ in seen] == [1, 2]
+
+    # the trained batch: whole rollouts, a whole number of mini-batches, float32 scores
+    metrics = seen[0][2]
+    assert metrics["training/n_rollouts"] == 2 * N
+    assert metrics["training/n_sample_trained"] % N == 0
+    batch = workers.updated[0]
+    assert batch.batch["token_level_scores"].dtype.__str__() == "torch.float32"
+    assert set(batch.non_tensor_batch["rollout_ids"]) and len(batch) == metrics["training/n_sample_trained"]
+    assert "actor/pg_clipfrac" in metrics and "actor/ppo_kl" in metrics
+
+
+def test_advantages_are_normalised_per_rollout_before_the_update(tokenizer):
+    trainer, workers, _ = make_trainer(tokenizer, "trainer.val_before_train=false", "trainer.test_freq=-1")
+    trainer.fit()
+    batch = workers.updated[0]
+    advantages = batch.batch["advantages"]
+    mask = batch.batch["response_mask"].bool()
+    rollout_ids = list(batch.non_tensor_batch["rollout_ids"])
+    n_rollouts = len(set(rollout_ids))
+    n_mini = len(batch) // N
+    raw = batch.batch["returns"] if "returns" in batch.batch else None
+    assert raw is None  # no critic: returns are not needed
+    # per_rollout_mean with 'rollouts' normalisation: each rollout's scale sums to M / R over its tokens
+    for rid in set(rollout_ids):
+        rows = [i for i, r in enumerate(rollout_ids) if r == rid]
+        tokens = int(mask[rows].sum())
+        values = advantages[rows][mask[rows]]
+        assert values.abs().sum() == pytest.approx(abs(float(values[0])) * tokens, rel=1e-5)
+    grpo_like = [float(advantages[i][mask[i]][0]) * int(mask[[j for j, r in enumerate(rollout_ids) if r == rollout_ids[i]]].sum()) * n_rollouts / n_mini for i in range(len(batch))]
+    # undoing the scale gives verl's grpo on rewards target - k (k = 0..3): (1.5 - k) / std([0, 1, 2, 3])
+    expected = {round((1.5 - k) / (np.std([0, 1, 2, 3], ddof=1) + 1e-6), 3) for k in range(N)}
+    assert {round(v, 3) for v in grpo_like} <= expected
+    assert len({round(v, 3) for v in grpo_like}) >= 2
+
+
+def test_remax_is_rejected_with_a_clear_error(tokenizer):
+    with pytest.raises(ConfigError, match="REMAX"):
+        make_trainer(tokenizer, estimator="remax")
