@@ -37,8 +37,15 @@ class EventWriter:
     def pending(self) -> tuple[PendingEvent, ...]:
         return tuple(self._pending)
 
-    def discard(self) -> None:
-        self._pending.clear()
+    def discard(self, keep: int = 0) -> int:
+        """Drop the queued events after the first ``keep`` (all by default); return how many went.
+
+        The plugin manager marks ``len(writer.pending)`` before each plugin's hook and discards back
+        to that mark when the hook raises, so a failing hook writes nothing.
+        """
+        dropped = len(self._pending) - keep
+        del self._pending[keep:]
+        return max(dropped, 0)
 
     def flush(self, post: Callable[[PendingEvent], Any]) -> int:
         """Send every queued event through ``post`` in order; return how many were sent.

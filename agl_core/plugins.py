@@ -48,6 +48,8 @@ REGISTRIES = {
 }
 
 HOOK_FAILURES_METRIC = "training/n_hook_failures"
+# Events a hook queued before it raised: discarded (a failing hook writes nothing), and counted.
+DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
 
 
 class PluginError(Exception):
@@ -87,6 +89,7 @@ class PluginManager:
         self._sources: dict[str, str] = {}
         self._registries: dict[str, Registry] = {}
         self.hook_failures: Counter[str] = Counter()
+        self.discarded_hook_events = 0
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
         for module_name in DEFAULT_PLUGINS if builtins is None else builtins:
@@ -201,10 +204,14 @@ class PluginManager:
     def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call every implementation in plugin order, isolating failures; return (plugin, result)."""
         results = []
+        writer = kwargs.get("writer")
         for impl in _in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
+            mark = len(writer.pending) if writer is not None else 0
             try:
                 result = impl.function(*[kwargs[arg] for arg in impl.argnames])
             except Exception:
+                if writer is not None:
+                    self.discarded_hook_events += writer.discard(keep=mark)
                 self._record_failure(hook_name, impl.plugin_name, subject)
                 continue
             results.append((impl.plugin_name, result))
@@ -244,11 +251,16 @@ class PluginManager:
         self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
 
     def pop_metrics(self) -> dict[str, float]:
-        """Hook-failure counts since the last call, under ``training/n_hook_failures[/hook]``."""
-        metrics: dict[str, float] = {HOOK_FAILURES_METRIC: float(sum(self.hook_failures.values()))}
+        """Hook-failure counts since the last call (``training/n_hook_failures[/hook]``) and the number
+        of events discarded because the hook that queued them raised."""
+        metrics: dict[str, float] = {
+            HOOK_FAILURES_METRIC: float(sum(self.hook_failures.values())),
+            DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_hook_events),
+        }
         for hook_name, count in self.hook_failures.items():
             metrics[f"{HOOK_FAILURES_METRIC}/{hook_name}"] = float(count)
         self.hook_failures.clear()
+        self.discarded_hook_events = 0
         return metrics
 
     # -- introspection ------------------------------------------------------------------------

@@ -142,6 +142,32 @@ def test_a_raising_hook_does_not_stop_the_others(tmp_path, caplog):
     assert f"hookfile:{boom.resolve()}" in caplog.text and "boom" in caplog.text
 
 
+def test_a_raising_hook_writes_nothing_but_the_others_write(tmp_path):
+    half = write(
+        tmp_path,
+        "half.py",
+        """
+        from agl_core import hookimpl
+
+        @hookimpl
+        def agl_on_failed(rollout, writer):
+            writer.add_event(rollout.rollout_id, "0", "note", {"written": "before the crash"})
+            raise RuntimeError("crash after writing")
+        """,
+    )
+    mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
+    v1 = write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE)
+    manager = manager_with(v1, half, mod)
+    writer = EventWriter()
+    writer.add_event("r0", "0", "earlier", {})
+    manager.on_failed(CompletedRollout(rollout_id="r3", group_id="g", state="failed"), writer)
+    assert [e.event_type for e in writer.pending] == ["earlier"]
+    metrics = manager.pop_metrics()
+    assert metrics["training/hooks/n_discarded_events"] == 1
+    assert metrics["training/n_hook_failures/agl_on_failed"] == 1
+    assert module_of(manager, mod).CALLS[-1] == ("module-failed", "r3"), "plugins after the failing one still run"
+
+
 def test_enqueue_rewrite_may_not_change_ids(tmp_path):
     bad = write(
         tmp_path,
