@@ -22,8 +22,13 @@ def test_plugins_lists_builtins_with_their_hooks_and_names():
     assert out.returncode == 0, out.stderr
     from agl_core.plugins import DEFAULT_PLUGINS
 
+    assert DEFAULT_PLUGINS, "the built-in aggregators, estimators, losses and backend are plugins"
     for name in DEFAULT_PLUGINS:
         assert f"{name}  [built-in]" in out.stdout
+    assert "aggregators: trajectory, transition" in out.stdout
+    assert "policy_losses: per_rollout_mean, token_mean" in out.stdout
+    assert "backends: torch" in out.stdout
+    assert "[entry point" not in out.stdout, "autoload is off"
 
 
 def test_plugins_shows_a_hook_file(tmp_path):
