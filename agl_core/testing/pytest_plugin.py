@@ -6,8 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from agl_core.plugins import PluginManager
+
+# Select with ``--hypothesis-profile agl-thorough`` to run every contract property on 1,000 traces.
+settings.register_profile("agl-thorough", max_examples=1000, deadline=None)
 
 
 @pytest.fixture
