@@ -73,7 +73,7 @@ class VllmEngine:
         weights_dir: str | os.PathLike[str] | None = None,
     ):
         self.model_name = model_name
-        self.model_path = Path(model_path)
+        self.model_path = Path(model_path).resolve()
         self.python = Path(python) if python else default_vllm_python()
         self.startup_timeout_seconds = startup_timeout_seconds
         self.pause_timeout_seconds = pause_timeout_seconds
