@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from agl_backend_verl.config import load_verl_config
 from agl_core import hookimpl
 
 
 def verl_backend(config: Any, plugins: Any) -> Any:
-    """The verl backend for a validated config (see :func:`agl_backend_verl.run.backend`)."""
+    """The verl backend for a config built by :func:`load_verl_config` (see :class:`agl_backend_verl.run.VerlBackend`)."""
     from agl_backend_verl.run import VerlBackend
 
     return VerlBackend(config, plugins)
+
+
+# ``agl train`` validates a verl run against verl's full config, not the core schema.
+verl_backend.load_config = load_verl_config  # type: ignore[attr-defined]
 
 
 @hookimpl

@@ -3,32 +3,22 @@
 Both start Ray when nobody has (verl's PPO runtime env + ``ray_kwargs.ray_init`` + this package in
 ``VERL_USE_EXTERNAL_MODULES``), then run :class:`TaskRunner` as a Ray actor: it builds verl's
 workers exactly as verl's own task runner does, validates the config with verl's
-``validate_config``, and trains with :class:`~agl_backend_verl.trainer.AglRayPPOTrainer`.
+``validate_config``, and trains with :class:`~agl_backend_verl.trainer.AglRayPPOTrainer`. The actor
+streams each step's ``(step, total_steps, metrics)`` back to the driver as it finishes (a Ray
+streaming generator), where ``on_step`` sees them, as ``agl train``'s ``metrics.jsonl`` needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
 from omegaconf import DictConfig, OmegaConf
 
 from agl_core.config import ConfigError
-from agl_backend_verl.config import check_types, validate_verl, verl_base
-from agl_backend_verl.trainer import SampleDataset
+from agl_backend_verl.trainer import OnStep, SampleDataset
 from agl_backend_verl.verl_plugins import ray_runtime_env
-
-
-def compose(config: DictConfig) -> DictConfig:
-    """A config validated by the core schema alone, laid over verl's full defaults and re-checked."""
-    base = verl_base()
-    merged = OmegaConf.merge(base, config)
-    assert isinstance(merged, DictConfig)
-    OmegaConf.set_struct(merged, True)
-    check_types(merged, base)
-    validate_verl(merged)
-    return merged
 
 
 def init_ray(config: DictConfig) -> None:
@@ -43,22 +33,57 @@ def init_ray(config: DictConfig) -> None:
     ray.init(runtime_env=ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None})
 
 
-def run_ppo(config: DictConfig, train_dataset: Sequence[Mapping[str, Any]], val_dataset: Sequence[Mapping[str, Any]], plugins: Sequence[Any] = ()) -> None:
-    """Train with verl on in-memory datasets: non-empty lists of JSON-like dicts, each a rollout ``input``."""
+def check_gpus(config: DictConfig) -> None:
+    """verl's actor pool takes ``trainer.nnodes × trainer.n_gpus_per_node`` GPUs of the Ray cluster;
+    say so plainly before any worker is built (verl itself would fail inside its Ray actor)."""
+    needed = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    available = ray.cluster_resources().get("GPU", 0)
+    if available < needed:
+        raise ConfigError(
+            "trainer.n_gpus_per_node",
+            f"backend 'verl' trains on GPUs: it needs trainer.nnodes x trainer.n_gpus_per_node = {needed} "
+            f"in the Ray cluster, which has {available:g} (verl cannot train on CPU)",
+        )
+
+
+def run_ppo(
+    config: DictConfig,
+    train_dataset: Sequence[Mapping[str, Any]],
+    val_dataset: Sequence[Mapping[str, Any]],
+    plugins: Sequence[Any] = (),
+    on_step: OnStep | None = None,
+) -> None:
+    """Train with verl on in-memory datasets: non-empty lists of JSON-like dicts, each a rollout ``input``.
+
+    ``config`` comes from :func:`~agl_backend_verl.config.load_verl_config`; ``on_step(step,
+    total_steps, metrics)`` runs in this process after every step (step 0: validation before training).
+    """
     train = SampleDataset(train_dataset, "train_dataset")
     val = SampleDataset(val_dataset, "val_dataset")
     if config.agentlightning.agl_base_url is None:
         raise ConfigError("agentlightning.agl_base_url", "backend 'verl' runs agents through the gateway: set its URL")
+    if OmegaConf.is_missing(config.actor_rollout_ref.rollout, "name"):
+        raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
     init_ray(config)
-    runner = TaskRunner.remote()
-    ray.get(runner.run.remote(config, train.samples, val.samples, list(plugins)))
+    check_gpus(config)
+    relay_steps(TaskRunner.remote(), config, train.samples, val.samples, list(plugins), on_step)
+
+
+def relay_steps(runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list, on_step: OnStep | None) -> None:
+    """Run ``runner.run`` (a :class:`TaskRunner` actor) and hand each step it streams to ``on_step``
+    as soon as it arrives; an error in the actor is raised here."""
+    for ref in runner.run.options(num_returns="streaming").remote(config, train_samples, val_samples, plugins):
+        step, total, metrics = ray.get(ref)
+        if on_step is not None:
+            on_step(step, total, metrics)
 
 
 @ray.remote(num_cpus=1)
 class TaskRunner:
     """Builds verl's workers and runs the trainer, inside the Ray cluster (as verl's task runner)."""
 
-    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> None:
+    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[tuple[int, int, dict[str, float]]]:
+        """Train, yielding ``(step, total_steps, metrics)`` after each step."""
         from verl.trainer.main_ppo_v0 import BaseTaskRunner
         from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
         from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -95,7 +120,7 @@ class TaskRunner:
             )
             trainer.init_workers()
             manager.on_startup(config)
-            trainer.fit()
+            yield from trainer.steps()
         finally:
             source.close()
 
@@ -106,12 +131,17 @@ class VerlBackend:
     def __init__(self, config: DictConfig, plugins: Any):
         from agl_core.torch_backend import load_dataset
 
-        self.config = compose(config)
+        if "ray_kwargs" not in config:
+            raise ConfigError(
+                "agentlightning.backend",
+                "backend 'verl' needs the config built by agl_backend_verl.config.load_verl_config (agl train does this)",
+            )
+        self.config = config
         self.plugins = plugins
-        self.train = load_dataset(self.config.data.train_files, "data.train_files")
-        self.val = load_dataset(self.config.data.val_files, "data.val_files")
+        self.train = load_dataset(config.data.train_files, "data.train_files")
+        self.val = load_dataset(config.data.val_files, "data.val_files")
 
-    def fit(self, on_step: Any = None) -> None:
-        """Train; the trainer runs in a Ray actor, so step metrics go to verl's ``trainer.logger``
-        backends, not to ``on_step``. Hook files and entry points are loaded again there from the config."""
-        run_ppo(self.config, self.train, self.val)
+    def fit(self, on_step: OnStep | None = None) -> None:
+        """Train; each step's metrics come back from the Ray actor to ``on_step``. Hook files and
+        entry points are loaded again there from the config."""
+        run_ppo(self.config, self.train, self.val, on_step=on_step)

@@ -127,7 +127,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.source.after_weight_update(self.calls.rollout_endpoints(), version)
 
     def fit(self, on_step: OnStep | None = None) -> None:  # type: ignore[override]
-        """Train until ``total_training_steps``; ``on_step(step, total, metrics)`` sees every step."""
+        """Train until ``total_training_steps``; ``on_step(step, total, metrics)`` sees every step
+        (and a validation before the first step, as step 0)."""
+        for step, total, metrics in self.steps():
+            if on_step is not None:
+                on_step(step, total, metrics)
+
+    def steps(self) -> Iterator[tuple[int, int, dict[str, float]]]:
+        """Train, yielding ``(step, total_steps, metrics)`` after each step (step 0: the validation
+        before training); every step is also logged to verl's ``trainer.logger`` backends."""
         from omegaconf import OmegaConf
         from verl.utils.tracking import Tracking
 
@@ -142,7 +150,9 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.calls.push_weights(self.global_steps)
         self._register_replicas(self.global_steps)
         if self.config.trainer.get("val_before_train", True):
-            tracker.log(data=self.validate(), step=self.global_steps)
+            metrics = self.validate()
+            tracker.log(data=metrics, step=self.global_steps)
+            yield self.global_steps, self.total_training_steps, metrics
             if self.config.trainer.get("val_only", False):
                 return
         test_freq, save_freq = int(self.config.trainer.test_freq), int(self.config.trainer.save_freq)
@@ -159,8 +169,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
             metrics["training/global_step"] = float(self.global_steps)
             metrics["training/epoch"] = float(self.epoch)
             tracker.log(data=metrics, step=self.global_steps)
-            if on_step is not None:
-                on_step(self.global_steps, self.total_training_steps, metrics)
+            yield self.global_steps, self.total_training_steps, metrics
 
     def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Rollouts for ``samples``, then :meth:`learn`, then the new weights served and registered."""

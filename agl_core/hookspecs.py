@@ -97,7 +97,14 @@ def agl_register_backends(register: Register) -> None:
     ``backend_factory(config, plugins)`` returns an object with a ``fit(on_step)`` method that trains
     until the configured number of steps, given the validated config and this plugin manager, and
     calls ``on_step(step, total_steps, metrics)`` after every training step (``metrics``: metric name
-    → float, DESIGN §7 names); ``agl train`` writes them to ``metrics.jsonl`` and the progress bar.
+    → float, DESIGN §7 names; a validation before the first step is reported as step 0); ``agl
+    train`` writes them to ``metrics.jsonl`` and the progress bar.
+
+    A backend with a config schema larger than the core's gives its factory a ``load_config(path,
+    overrides)`` attribute returning the validated ``DictConfig`` (errors: ``ConfigError`` naming the
+    key). ``agl train`` reads ``agentlightning.backend`` first and, when the selected factory has
+    this attribute, validates the run with it instead of :func:`agl_core.config.load_config`; the
+    factory is then given that config.
     """
 
 

@@ -1,8 +1,9 @@
 """The run driver behind ``agl train``: config → plugin manager → the configured backend's ``fit``.
 
 While the backend trains, each step's metrics are appended to ``metrics.jsonl`` in the run directory
-(``trainer.default_local_dir``) with the step number and the wall time since the run started, a
-progress bar shows step, reward and throughput, and ``metrics.png`` is drawn at the end (also after
+(``trainer.default_local_dir``) with the step number and the wall time since the run started (a
+validation before the first step is logged as step 0), a progress bar shows step, reward,
+validation reward and throughput, and ``metrics.png`` is drawn at the end (also after
 an error, for the steps done) and every ``PLOT_EVERY`` steps.
 """
 
@@ -45,8 +46,11 @@ class MetricsLog:
             self.bar.total = total_steps
         if self.bar.n == 0 and step > 1:
             self.bar.update(step - 1)  # a resumed run starts part-way
-        self.bar.update(1)
+        if step > 0:
+            self.bar.update(1)
         postfix = {"reward": f"{metrics.get('training/reward', float('nan')):.3f}"}
+        if "val/reward" in metrics:
+            postfix["val"] = f"{metrics['val/reward']:.3f}"
         step_s = metrics.get("timing/step_s")
         if step_s:
             postfix["rollouts/s"] = f"{metrics.get('training/n_rollouts', 0.0) / step_s:.1f}"
@@ -69,8 +73,7 @@ def run(
     config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = (), show_progress: bool = True
 ) -> Path:
     """Train as the config says; return the run directory (metrics, plot, checkpoints)."""
-    config = load_config(config_path, overrides)
-    manager = PluginManager.from_config(config, plugins)
+    config, manager = resolve_config(config_path, overrides, plugins)
     backend = manager.backends.get(config.agentlightning.backend)(config, manager)
     manager.on_startup(redacted(config))
     log = MetricsLog(Path(config.trainer.default_local_dir), show_progress)
@@ -79,3 +82,39 @@ def run(
     finally:
         log.close()
     return Path(config.trainer.default_local_dir)
+
+
+def resolve_config(
+    config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = ()
+) -> tuple[Any, PluginManager]:
+    """The run's validated config and its plugin manager.
+
+    The backend is read first (``agentlightning.backend`` from the overrides, else the YAML, else the
+    schema's default), so that a backend whose factory has a ``load_config(path, overrides)``
+    attribute validates the run against its own schema (verl: verl's full config); every other
+    backend's run is validated against the core schema by :func:`~agl_core.config.load_config`.
+    """
+    from omegaconf import OmegaConf
+
+    from agl_core.config import default_config
+
+    raw = _unvalidated(config_path, overrides)
+    hooks = OmegaConf.select(raw, "agentlightning.hooks", default=None, throw_on_resolution_failure=False)
+    if not isinstance(hooks, str) and not (OmegaConf.is_list(hooks) and all(isinstance(h, str) for h in hooks)):
+        hooks = None  # malformed: validation names the key
+    manager = PluginManager.from_config({"agentlightning": {"hooks": hooks}}, plugins)
+    name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
+    factory = manager.backends.get(default_config().agentlightning.backend if name is None else name)
+    return getattr(factory, "load_config", load_config)(config_path, overrides), manager
+
+
+def _unvalidated(config_path: str | None, overrides: Sequence[str]) -> Any:
+    """The YAML with the overrides merged over it, unchecked; empty when either cannot be read (the
+    loader then reports why, naming the file or key)."""
+    from omegaconf import OmegaConf
+
+    try:
+        user = OmegaConf.load(config_path) if config_path is not None and Path(config_path).is_file() else {}
+        return OmegaConf.merge(user, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+    except Exception:
+        return OmegaConf.create()

@@ -202,10 +202,11 @@ def test_fit_runs_every_stage_in_order(tokenizer):
     step2 = seen[-1][2]
     assert step2["val/n_rollouts"] == 5
     assert step2["val/reward"] == pytest.approx(30.0)
-    assert [s for s, _, _ in seen] == [1, 2]
+    assert [s for s, _, _ in seen] == [0, 1, 2]  # step 0: the validation before training
+    assert seen[0][2]["val/n_rollouts"] == 5
 
     # the trained batch: whole rollouts, a whole number of mini-batches, float32 scores
-    metrics = seen[0][2]
+    metrics = seen[1][2]
     assert metrics["training/n_rollouts"] == 2 * N
     assert metrics["training/n_sample_trained"] % N == 0
     batch = workers.updated[0]
