@@ -118,10 +118,10 @@ def stack(policy_dir: Path):
         gateway.stop()
 
 
-def train(stack, policy_dir: Path, run_dir: Path, *overrides: str) -> list[dict]:
-    """``agl train`` the corridor example through the stack; return its per-step metrics."""
-    gateway, engine, controller = stack
-    args = [
+def train_command(stack, policy_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """``agl train`` of the corridor example through the stack."""
+    gateway, engine, _ = stack
+    return [
         sys.executable, "-m", "agl_core.cli", "train", str(REPO_ROOT / "examples" / "corridor" / "config.yaml"),
         f"agentlightning.agl_base_url={gateway.url}",
         f"agentlightning.agl_key={gateway.key}",
@@ -139,6 +139,12 @@ def train(stack, policy_dir: Path, run_dir: Path, *overrides: str) -> list[dict]
         f"trainer.default_local_dir={run_dir}",
         *overrides,
     ]  # fmt: skip
+
+
+def train(stack, policy_dir: Path, run_dir: Path, *overrides: str) -> list[dict]:
+    """Run ``agl train`` to the end; return its per-step metrics."""
+    _, engine, controller = stack
+    args = train_command(stack, policy_dir, run_dir, *overrides)
     result = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (
         f"agl train failed:\n{result.stderr[-4000:]}\n--- controller log:\n{controller.log_text()}"
@@ -283,3 +289,26 @@ def test_weight_push_and_reregistration_leave_no_503_window(stack, policy_dir: P
         assert control[503] > 0, "the hammer must be able to see a 503 window when there is one"
     finally:
         source.client.close()
+
+
+def test_a_vllm_crash_mid_run_fails_training_clearly_and_the_server_comes_back(stack, policy_dir: Path, tmp_path: Path):
+    _, engine, _ = stack
+    metrics = tmp_path / "metrics.jsonl"
+    args = train_command(stack, policy_dir, tmp_path, "trainer.total_training_steps=20")
+    trainer = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            assert trainer.poll() is None, trainer.stderr.read()[-4000:]
+            time.sleep(0.2)
+        engine.kill()  # mid-run: step 2's rollouts are in flight
+        _, stderr = trainer.communicate(timeout=300)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(timeout=30)
+    assert trainer.returncode != 0
+    assert "VllmEngineError" in stderr and "during a weight push" in stderr, stderr[-4000:]
+    assert len(metrics.read_text().splitlines()) < 20
+    engine.start()  # what an operator (or a supervisor) does: the server comes back on the latest weights
+    assert engine.is_alive() and engine.restarts == 1
