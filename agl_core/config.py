@@ -188,10 +188,16 @@ class ActorConfig:
 
 
 @dataclass
+class ValKwargsConfig:
+    temperature: float = 0.0  # embedded validation rollouts: 0 is greedy (verl's default)
+
+
+@dataclass
 class RolloutSamplingConfig:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
 @dataclass
@@ -215,6 +221,7 @@ class TrainerConfig:
     total_training_steps: Optional[int] = None
     save_freq: int = -1
     test_freq: int = -1
+    val_before_train: bool = True  # with data.val_files: validate once before the first step
     project_name: str = "agl"
     experiment_name: str = "run"
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
@@ -394,6 +401,9 @@ def _validate_torch_backend_keys(cfg: DictConfig) -> None:
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise ConfigError("agentlightning.torch.device", f"must be auto, cpu, cuda or cuda:N, got {device!r}")
     _choice(cfg, "trainer.resume_mode", ("auto", "disable"))
+    _positive(cfg, "data.val_batch_size", allow_none=True)
+    if not cfg.actor_rollout_ref.rollout.val_kwargs.temperature >= 0:
+        raise ConfigError("actor_rollout_ref.rollout.val_kwargs.temperature", "must be 0 (greedy) or more")
 
 
 def _validate_engine_keys(cfg: DictConfig) -> None:

@@ -6,8 +6,10 @@ controller's contract — in a thread pool, with the contract's environment: ``A
 (``…/proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1``), ``AGL_EVENT_URL``
 (``…/api/rollouts/{rid}/attempt/{aid}/events``), ``AGL_KEY`` and the ``local.env_map`` fields of the
 rollout input. Those URLs point at a small local server with the gateway's routes: the proxy
-forwards each model call to the inference engine (forcing ``return_token_ids``, the training
-temperature and, in train mode, ``logprobs``, as the gateway does) and records a ``model_request``
+forwards each model call to the inference engine (forcing ``return_token_ids``, the mode's
+temperature — ``actor_rollout_ref.rollout.temperature`` in train mode,
+``actor_rollout_ref.rollout.val_kwargs.temperature`` in val mode, 0 being greedy — and, in train
+mode, ``logprobs``, as the gateway does with its ``default_proxy.{train,val}.temperature``) and records a ``model_request``
 event of the gateway's shape; agents post ``reward`` events to the event route. The events are then
 parsed by :mod:`agl_core.events`, so everything downstream is what the gateway path produces.
 
@@ -174,12 +176,14 @@ def load_agent_class(path: str | None) -> type:
 class _Recorder:
     """The events of open rollouts, and the forwarding of model calls to the engine."""
 
-    def __init__(self, key: str, upstream: str, model_name: str, temperature: float, max_connections: int):
+    def __init__(
+        self, key: str, upstream: str, model_name: str, temperature: Mapping[str, float], max_connections: int
+    ):
         self.key = key
         self.upstream = upstream
         self.model_name = model_name
         self.version = 0
-        self.temperature = temperature
+        self.temperature = dict(temperature)  # by proxy mode: train, val
         self.events: dict[str, list[dict[str, Any]]] = {}
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
@@ -207,7 +211,7 @@ class _Recorder:
             return rollout_id in self.events
 
     def proxy(self, rollout_id: str, attempt_id: str, mode: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        prepared = {**body, "model": self.model_name, "temperature": self.temperature, "return_token_ids": True}
+        prepared = {**body, "model": self.model_name, "temperature": self.temperature[mode], "return_token_ids": True}
         if mode == "train":
             prepared["logprobs"] = True
         if prepared.get("stream"):
@@ -334,7 +338,10 @@ class EmbeddedRolloutSource:
             key=agl.agl_key or secrets.token_hex(16),
             upstream=engine_url,
             model_name=model_name,
-            temperature=float(config.actor_rollout_ref.rollout.temperature),
+            temperature={
+                "train": float(config.actor_rollout_ref.rollout.temperature),
+                "val": float(config.actor_rollout_ref.rollout.val_kwargs.temperature),
+            },
             max_connections=workers,
         )
         self.server = LocalHTTPServer(("127.0.0.1", 0), _handler_for(self.recorder))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 PANELS = (
     ("training/reward", "reward"),
+    ("val/reward", "validation reward"),
     ("actor/pg_loss", "policy loss"),
     ("actor/grad_norm", "grad norm"),
     ("actor/ppo_kl", "PPO KL"),

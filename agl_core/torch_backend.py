@@ -8,6 +8,14 @@ aggregator → the configured advantage estimator (on everything collected) → 
 the initial policy) → AdamW step with gradient clipping → lr schedule step → the serving copy of the
 policy gets the new weights.
 
+Validation (``data.val_files``): before the first step when ``trainer.val_before_train`` is set, and
+after every ``trainer.test_freq``-th step and the last, one rollout per validation row
+(``is_train=False``; the embedded source samples them at
+``actor_rollout_ref.rollout.val_kwargs.temperature``, 0 = greedy), in batches of
+``data.val_batch_size`` (all rows at once when unset). ``val/reward`` is the mean final reward over
+every validation rollout of every batch (Agent Lightning v1.0 keeps only the last batch's); the
+sources' counters are summed over the batches under ``val/`` instead of ``training/``.
+
 The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.policy_server.PolicyServer`,
 in-process) or ``vllm`` (:class:`~agl_core.vllm_engine.VllmEngine`). Checkpoints
 (:mod:`agl_core.checkpoint`) hold model, optimizer, scheduler, step, data position and RNG states;
@@ -168,6 +176,7 @@ class TorchBackend:
             int(config.data.seed if config.data.seed is not None else config.trainer.seed),
         )
         self.total_steps = int(config.trainer.total_training_steps or config.trainer.total_epochs * self.data.steps_per_epoch)
+        self.val_rows = load_dataset(config.data.val_files, "data.val_files") if config.data.val_files else []
         threads = config.agentlightning.torch.num_threads
         if threads:
             torch.set_num_threads(int(threads))
@@ -259,9 +268,14 @@ class TorchBackend:
             source = self.make_source()
             source.after_weight_update([self.engine.base_url], self.step)
             save_freq = int(self.config.trainer.save_freq)
+            test_freq = int(self.config.trainer.test_freq)
+            if self.val_rows and self.config.trainer.val_before_train and self.step == 0 and on_step is not None:
+                on_step(0, self.total_steps, self.validate(source))
             while self.step < self.total_steps:
                 metrics = self.train_step(source, self.data.next_batch())
                 self.step += 1
+                if self.val_rows and test_freq > 0 and (self.step % test_freq == 0 or self.step == self.total_steps):
+                    metrics.update(self.validate(source))
                 if save_freq > 0 and (self.step % save_freq == 0 or self.step == self.total_steps):
                     started = time.perf_counter()
                     self.save()
@@ -272,6 +286,29 @@ class TorchBackend:
             if source is not None:
                 source.close()
             self.engine.close()
+
+    def validate(self, source: Any) -> dict[str, float]:
+        """One rollout per validation row with the current weights; ``val/*`` metrics over all batches."""
+        started = time.perf_counter()
+        size = int(self.config.data.val_batch_size or len(self.val_rows))
+        rewards: list[float] = []
+        counts: dict[str, float] = {}
+        n_batches = 0
+        for start in range(0, len(self.val_rows), size):
+            batch = source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
+            rewards.extend(r.final_reward for r in batch.rollouts)
+            for name, value in batch.metrics.items():
+                if name.startswith("training/"):
+                    key = "val/" + name[len("training/") :]
+                    counts[key] = counts.get(key, 0.0) + value
+            n_batches += 1
+        return {
+            **counts,
+            "val/reward": float(np.mean(rewards)) if rewards else float("nan"),
+            "val/n_rollouts": float(len(rewards)),
+            "val/n_batches": float(n_batches),
+            "timing/val_s": time.perf_counter() - started,
+        }
 
     def train_step(self, source: Any, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         step = self.step + 1

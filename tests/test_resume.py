@@ -39,6 +39,8 @@ def _overrides(policy, run_dir, steps):
         f"trainer.default_local_dir={run_dir}",
         f"trainer.total_training_steps={steps}",
         "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
         "data.train_batch_size=2",
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",

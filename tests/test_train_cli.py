@@ -59,8 +59,10 @@ def test_a_short_run_writes_metrics_plot_and_checkpoint(policy, tmp_path, capsys
     run_dir = tmp_path / "run"
     assert main(["train", CONFIG, *_small(policy, run_dir), "trainer.save_freq=2"]) == 0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2]
-    for line in lines:
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    # the example validates before training (step 0) and after the last step, one rollout per val row
+    assert lines[0]["val/n_rollouts"] == lines[2]["val/n_rollouts"] == 32 and "val/reward" not in lines[1]
+    for line in lines[1:]:
         assert line["training/n_rollouts"] == 4
         assert 0.0 <= line["training/reward"] <= 1.0
         assert line["training/n_sample"] >= line["training/n_rollouts"]

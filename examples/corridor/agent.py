@@ -5,6 +5,10 @@ environment: ``AGL_OPENAI_BASE_URL`` (an OpenAI-compatible base URL for this rol
 ``AGL_EVENT_URL`` (where to post its reward), ``AGL_KEY`` (the bearer key) and ``CORRIDOR_SIGNS``
 (the rollout input's ``signs``, mapped by ``agentlightning.local.env_map``). The same class runs
 under agl's embedded rollout source and under the real gateway + controller.
+
+Besides the final reward (the fraction of right turns) it reports each junction's own reward,
+``1 / len(signs)`` for a right turn and 0 otherwise, tagged with the model call that made the turn
+(``data.call_index``), so a turn-aware estimator (``turn_grpo``) can credit each turn for itself.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class CorridorAgent:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
         correct = None
         n_correct = 0
+        rewards = []
         for junction, sign in enumerate(signs, start=1):
             messages.append({"role": "user", "content": observation(junction, sign, correct)})
             response = _client.post(
@@ -44,6 +49,8 @@ class CorridorAgent:
             messages.append({"role": "assistant", "content": reply})
             correct = action(reply) == sign
             n_correct += correct
+            rewards.append({"value": (1.0 if correct else 0.0) / len(signs), "call_index": junction - 1})
         reward = n_correct / len(signs)
-        _client.post(event_url, headers=headers, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
+        for data in [*rewards, {"value": reward}]:
+            _client.post(event_url, headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
         return reward

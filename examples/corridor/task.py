@@ -48,4 +48,7 @@ def make_dataset(path: Path, n_rows: int, n_junctions: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    make_dataset(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("dataset.jsonl"), 256, 3, 0)
+    # python examples/corridor/task.py [DIR]: the training rows (dataset.jsonl) and validation rows (val.jsonl)
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+    make_dataset(out / "dataset.jsonl", 256, 3, 0)
+    make_dataset(out / "val.jsonl", 32, 3, 1)

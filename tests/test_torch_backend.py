@@ -1,0 +1,263 @@
+"""The reference backend's step pipeline on the corridor's tiny policy, checked exactly."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from agl_core import hookimpl
+from agl_core.config import load_config
+from agl_core.data import TrainingRow
+from agl_core.plugins import PluginManager
+from agl_core.registry import RegistryError
+from agl_core.tensorize import tensorize
+from agl_core.torch_backend import TorchBackend, response_log_probs
+from agl_core.train import run
+from tests.corridor_policy import build_corridor_policy
+
+CONFIG = "examples/corridor/config.yaml"
+SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["right", "right", "left"]}]
+
+# DESIGN §7 names every step of the reference backend reports.
+STEP_METRICS = [
+    "training/reward",
+    "training/n_sample",
+    "training/n_rollouts",
+    "training/n_rollouts_w_trace",
+    "training/n_rollouts_w_reward",
+    "training/n_truncated_sample",
+    "training/n_skipped_empty_rows",
+    "training/n_turns",
+    "training/n_sample_collected",
+    "training/n_sample_trained",
+    "training/n_sample_dropped/marked",
+    "training/n_sample_dropped/same_reward",
+    "training/n_sample_dropped/random",
+    "training/n_groups",
+    "training/n_zero_adv_groups",
+    "training/n_unmerged_rollouts",
+    "training/n_trace_merge_mismatch_rows",
+    "training/rollout_level_advantage/n_rows",
+    "training/rollout_level_advantage/n_rollouts",
+    "training/rollout_level_advantage/n_multi_row_rollouts",
+    "training/rollout_level_advantage/max_rows_per_rollout",
+    "response_length/training/avg_by_turn",
+    "response_length/training/max_by_turn",
+    "response_length/training/min_by_turn",
+    "timing/rollout_queue_wait_s/mean",
+    "timing/rollout_run_duration_s/p90",
+    "timing/rollout_total_s/max",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac_lower",
+]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return build_corridor_policy(tmp_path_factory.mktemp("policy"))
+
+
+def _config(policy, run_dir, *extra):
+    return load_config(
+        CONFIG,
+        [
+            f"actor_rollout_ref.model.path={policy}",
+            f"trainer.default_local_dir={run_dir}",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "agentlightning.torch.num_threads=1",
+            *extra,
+        ],
+    )
+
+
+class Running:
+    """A backend with its engine and rollout source started, as ``fit`` starts them."""
+
+    def __init__(self, config):
+        self.backend = TorchBackend(config, PluginManager.from_config(config, load_entrypoints=False))
+        self.backend.engine = self.backend.make_engine()
+        self.backend.engine.start()
+        self.backend.engine.push_weights(self.backend.model, 0)
+        self.source = self.backend.make_source()
+
+    def close(self):
+        self.source.close()
+        self.backend.engine.close()
+
+
+@pytest.fixture
+def running(policy, tmp_path):
+    started = []
+
+    def start(*extra):
+        started.append(Running(_config(policy, tmp_path, *extra)))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.close()
+
+
+def _served_log_probs(engine, prompt, response):
+    """What the serving engine says the response's log-probs are (greedy decode of ``prompt``)."""
+    body = httpx.post(
+        f"{engine.base_url}/completions",
+        json={"prompt": prompt, "max_tokens": len(response), "temperature": 0, "logprobs": 1, "return_token_ids": True},
+        timeout=60,
+    ).json()
+    return body["choices"][0]["token_ids"], body["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def _tensors_of(prompt, response, pad):
+    """The backend's tensors for one prompt + response, every response token trained."""
+    row = TrainingRow(
+        prompt_ids=prompt, response_ids=response, response_mask=[1] * len(response), reward=0.0, rollout_id="r", group_id="g"
+    )
+    return tensorize([row], pad_token_id=pad).tensors
+
+
+class NoisyRewardAgent:
+    """One model call, then a random reward: every group has reward variance, so a step must learn."""
+
+    def run(self):
+        import os
+        import random
+
+        headers = {"Authorization": f"Bearer {os.environ['AGL_KEY']}"}
+        messages = [{"role": "user", "content": "junction 1 : the sign points left"}]
+        body = {"model": "policy", "messages": messages, "max_tokens": 3}
+        httpx.post(f"{os.environ['AGL_OPENAI_BASE_URL']}/chat/completions", json=body, headers=headers, timeout=60).raise_for_status()
+        data = {"value": random.random()}
+        httpx.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
+
+
+def test_a_step_changes_the_weights_and_the_engine_serves_them(running):
+    r = running("agentlightning.local.agent_class=tests.test_torch_backend:NoisyRewardAgent")
+    backend = r.backend
+    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    text = backend.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "junction 1 : the sign points left"}], tokenize=False, add_generation_prompt=True
+    )
+    prompt = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
+    old_ids, old_served = _served_log_probs(backend.engine, prompt, [0, 0])
+
+    metrics = backend.train_step(r.source, SAMPLES)
+
+    assert metrics["training/n_skipped_updates"] == 0.0 and metrics["actor/n_updates"] == 1.0
+    changed = [k for k, v in backend.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the optimizer step changed no weight"
+    ids, served = _served_log_probs(backend.engine, prompt, [0, 0])
+    tensors = _tensors_of(prompt, ids, backend.pad_token_id)
+    with torch.no_grad():
+        backend.model.eval()
+        expected = response_log_probs(backend.model, tensors)[0, : len(ids)].tolist()
+    assert served == pytest.approx(expected, abs=1e-5)
+    assert (ids, served) != (old_ids, old_served)
+    assert backend.engine.version == 1
+
+
+def test_every_design_metric_is_reported_and_rows_merge_one_per_rollout(running):
+    r = running()
+    metrics = r.backend.train_step(r.source, SAMPLES)
+    missing = [name for name in STEP_METRICS if name not in metrics]
+    assert not missing
+    assert metrics["training/n_rollouts"] == 8 and metrics["training/n_groups"] == 2
+    assert metrics["training/n_turns"] == 24  # 8 rollouts x 3 junctions
+    # the word-level tokenizer re-renders replies exactly, unless a reply holds a special token
+    assert metrics["training/n_sample"] == 8 + metrics["training/n_trace_merge_mismatch_rows"]
+
+
+def test_marked_rows_are_dropped_whole_and_counted(running):
+    r = running("agentlightning.trace_aggregator.trajectory_max_prompt_length=8")  # every prompt is longer
+    metrics = r.backend.train_step(r.source, SAMPLES)
+    assert metrics["training/n_sample_dropped/marked"] == metrics["training/n_sample"] > 0
+    assert metrics["training/n_sample_trained"] == 0
+    assert metrics["training/n_skipped_updates"] == 1.0 and "actor/pg_loss" not in metrics
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("algorithm.adv_estimator=nope", ["grpo", "rloo", "reinforce", "reinforce_baseline", "turn_grpo"]),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", ["per_rollout_mean", "token_mean"]),
+    ],
+)
+def test_unknown_names_fail_listing_what_is_registered(policy, tmp_path, override, names):
+    config = _config(policy, tmp_path, override)
+    with pytest.raises(RegistryError) as info:
+        TorchBackend(config, PluginManager.from_config(config, load_entrypoints=False))
+    message = str(info.value)
+    assert "'nope'" in message and all(name in message for name in names)
+
+
+class RowRewardAgent:
+    """Reports its row's id / 10 as the reward, without calling the model: known validation rewards."""
+
+    def run(self):
+        import os
+
+        headers = {"Authorization": f"Bearer {os.environ['AGL_KEY']}"}
+        data = {"value": int(os.environ["ROW_ID"]) / 10}
+        httpx.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
+
+
+class SeenTemperatures:
+    """Records the sampling temperature of every model call, by whether the rollout trains."""
+
+    def __init__(self):
+        self.by_mode: dict[bool, set[float]] = {True: set(), False: set()}
+
+    @hookimpl
+    def agl_on_succeeded(self, rollout, events, writer):
+        for event in events["0"]:
+            if event["event_type"] == "model_request":
+                self.by_mode[rollout.is_train].add(event["data"]["request"]["temperature"])
+
+
+def _val_file(tmp_path, n):
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "signs": ["left", "right", "left"]}) + "\n" for i in range(n)))
+    return path
+
+
+def test_val_reward_is_the_mean_over_every_validation_batch(running, tmp_path):
+    r = running(
+        f"data.val_files={_val_file(tmp_path, 5)}",
+        "data.val_batch_size=2",
+        "agentlightning.local.agent_class=tests.test_torch_backend:RowRewardAgent",
+        "agentlightning.local.env_map.ROW_ID=input.id",
+    )
+    metrics = r.backend.validate(r.source)
+    assert metrics["val/n_batches"] == 3 and metrics["val/n_rollouts"] == 5  # 2 + 2 + 1, one rollout per row
+    assert metrics["val/reward"] == pytest.approx((0 + 1 + 2 + 3 + 4) / 10 / 5)  # the last batch alone: 0.4
+    assert metrics["val/rollouts/n_succeeded"] == 5 and metrics["val/n_rollouts_w_reward"] == 5
+
+
+def test_validation_samples_at_the_val_temperature_and_training_at_the_rollout_one(policy, tmp_path):
+    seen = SeenTemperatures()
+    overrides = _overrides_for_fit(policy, tmp_path, f"data.val_files={_val_file(tmp_path, 3)}", "trainer.test_freq=2")
+    run(CONFIG, overrides, plugins=[seen], show_progress=False)
+    assert seen.by_mode == {True: {1.0}, False: {0.0}}
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], "val/reward" in line) for line in lines] == [(0, True), (1, False), (2, True), (3, True)]
+    assert all(line["val/n_rollouts"] == 3 for line in lines if "val/reward" in line)
+    assert (tmp_path / "run" / "metrics.png").stat().st_size > 1000
+
+
+def _overrides_for_fit(policy, tmp_path, *extra):
+    return [
+        f"actor_rollout_ref.model.path={policy}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=-1",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        *extra,
+    ]
