@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_core.config import AgentLightningConfig, ConfigError, load_config
+from agl_core.config import AgentLightningConfig, ConfigError, default_config, load_config
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
 
@@ -68,8 +68,9 @@ def _verl_defaults() -> DictConfig:
 def verl_base() -> DictConfig:
     """verl's defaults + the typed ``agentlightning`` section + :data:`OVERLAY`, in struct mode.
 
-    Free-form mappings that verl leaves empty by default (``override_config``, ``engine_kwargs``...)
-    stay open, so users can fill them as they would with Hydra's ``+key=value``.
+    Free-form mappings left empty by default (verl's ``override_config``, ``engine_kwargs``...; agl's
+    ``agentlightning.local.env_map``) stay open, so users can fill them as they would with Hydra's
+    ``+key=value``.
     """
     agl = OmegaConf.structured(AgentLightningConfig)
     agl.backend = "verl"
@@ -77,7 +78,7 @@ def verl_base() -> DictConfig:
     assert isinstance(cfg, DictConfig)
     OmegaConf.set_struct(cfg, True)
     for key, node in _walk(cfg):
-        if isinstance(node, DictConfig) and len(node) == 0 and not key.startswith("agentlightning"):
+        if isinstance(node, DictConfig) and len(node) == 0:
             OmegaConf.set_struct(node, False)
     return cfg
 
@@ -126,8 +127,11 @@ def _type_name(value: Any) -> str | None:
 def check_types(cfg: DictConfig, base: DictConfig) -> None:
     """Each value must have the type of its default in ``base`` (an int is accepted for a float).
 
-    Defaults that are ``None`` or interpolations carry no type and accept anything.
+    Defaults that are ``None`` or interpolations carry no type and accept anything. verl writes some
+    float settings with an int default (``rollout.top_p: 1``, ``val_kwargs.temperature: 0``); a float
+    is accepted there when the core schema types the same key as a float.
     """
+    core = default_config()
     for key, default in _walk(base):
         expected = _type_name(default)
         if expected is None:
@@ -135,6 +139,8 @@ def check_types(cfg: DictConfig, base: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, throw_on_missing=False)
         got = _type_name(value)
         if value is None or got == expected or (expected == "float" and got == "int"):
+            continue
+        if expected == "int" and got == "float" and isinstance(OmegaConf.select(core, key, default=None), float):
             continue
         raise ConfigError(key, f"must be a {expected} like verl's default {default!r}, got {got or type(value).__name__} {value!r}")
 

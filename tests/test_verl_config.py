@@ -117,3 +117,11 @@ def test_missing_verl_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError) as info:
         verl_config.generated_defaults_path()
     assert info.value.key == "agentlightning.backend"
+
+
+def test_floats_where_verl_writes_an_int_default_are_accepted_only_for_float_settings():
+    cfg = verl_config.load_verl_config(None, ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.val_kwargs.temperature=0.0"])
+    assert cfg.actor_rollout_ref.rollout.top_p == 0.9
+    with pytest.raises(ConfigError) as refused:
+        verl_config.load_verl_config(None, ["actor_rollout_ref.rollout.top_k=0.5"])
+    assert refused.value.key == "actor_rollout_ref.rollout.top_k"
