@@ -72,3 +72,83 @@ def test_resume_mode_disable_starts_over(policy, tmp_path):
     again = SeenInputs()
     run(CONFIG, [*_overrides(policy, tmp_path, 1), "trainer.resume_mode=disable"], plugins=[again], show_progress=False)
     assert sorted(again.by_step) == [1]
+
+
+SEEN_HOOK = '''
+import json
+import os
+
+from agl_core import hookimpl
+
+
+@hookimpl
+def agl_on_enqueue(request):
+    with open(os.environ["SEEN_FILE"], "a") as f:
+        f.write(json.dumps({"step": request.step, "id": request.input["id"]}) + "\\n")
+'''
+
+
+def _expected_batches(overrides, steps):
+    """The dataset rows each step trains on, from the data order alone (no run needed)."""
+    from agl_core.config import load_config
+    from agl_core.torch_backend import DataOrder, load_dataset
+
+    config = load_config(CONFIG, overrides)
+    order = DataOrder(load_dataset(config.data.train_files), int(config.data.train_batch_size), True, int(config.trainer.seed))
+    return {step: [row["id"] for row in order.next_batch()] for step in range(1, steps + 1)}
+
+
+def _seen(path):
+    by_step: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        ids = by_step.setdefault(record["step"], [])
+        if record["id"] not in ids:
+            ids.append(record["id"])
+    return by_step
+
+
+def test_a_killed_agl_train_restarts_from_its_last_checkpoint(policy, tmp_path):
+    """SIGKILL ``agl train`` once the step-2 checkpoint is on disk; the restart trains steps 3 and 4
+    on the rows a straight run would have used."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    hook = tmp_path / "seen_hook.py"
+    hook.write_text(SEEN_HOOK)
+    run_dir = tmp_path / "run"
+    overrides = [*_overrides(policy, run_dir, 4), "trainer.test_freq=-1", f"agentlightning.hooks={hook}"]
+    command = [sys.executable, "-m", "agl_core.cli", "train", CONFIG, *overrides]
+
+    def start(seen_file):
+        env = {**os.environ, "SEEN_FILE": str(seen_file), "AGL_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    first = start(tmp_path / "first.jsonl")
+    try:
+        deadline = time.monotonic() + 120
+        marker = run_dir / "latest_checkpointed_iteration.txt"
+        while not (marker.is_file() and marker.read_text().strip() == "2"):
+            assert first.poll() is None, first.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no step-2 checkpoint within 120 s"
+            time.sleep(0.02)
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        first.wait()
+    steps_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    second = start(tmp_path / "second.jsonl")
+    _, err = second.communicate(timeout=180)
+    assert second.returncode == 0, err.decode()[-2000:]
+
+    expected = _expected_batches(overrides, 4)
+    assert _seen(tmp_path / "first.jsonl")[1] == expected[1] and _seen(tmp_path / "first.jsonl")[2] == expected[2]
+    assert _seen(tmp_path / "second.jsonl") == {3: expected[3], 4: expected[4]}
+    steps_after = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps_after[: len(steps_before)] == steps_before and steps_before[:2] == [1, 2]
+    assert steps_after[len(steps_before) :] == [3, 4]
+    assert latest_checkpoint(run_dir).name == "global_step_4"
