@@ -151,6 +151,7 @@ def train(stack, policy_dir: Path, run_dir: Path, *overrides: str) -> list[dict]
         f"\n--- vLLM log:\n{engine.log_tail()}"
     )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["step"] >= 1]  # step 0 is the validation before training
     assert len(rows) == STEPS
     return rows
 
