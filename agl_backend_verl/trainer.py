@@ -21,17 +21,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.metric import reduce_metrics
 
-from agl_core.aggregation import settings_from_config
-from agl_core.batch_shaping import ShapingSettings, shape_batch
 from agl_core.data import CompletedRollout
-from agl_core.normalization import normalize_advantages
-from agl_core.tensorize import pad_responses, tensorize
+from agl_core.pipeline import StepPipeline, rollout_metrics
+from agl_core.tensorize import tensorize
 from agl_backend_verl.advantages import compute_advantages
 from agl_backend_verl.config import validate_verl
 from agl_backend_verl.dataproto import to_dataproto
@@ -41,7 +38,6 @@ from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 logger = logging.getLogger(__name__)
 
 OnStep = Callable[[int, int, Mapping[str, float]], None]
-PER_ROLLOUT_LOSSES = frozenset({"per_rollout_mean"})
 
 
 class SampleDataset(Dataset):
@@ -67,14 +63,6 @@ def collate_samples(samples: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     return list(samples)
 
 
-def rollout_metrics(rollouts: Sequence[CompletedRollout], prefix: str) -> dict[str, float]:
-    rewards = [r.final_reward for r in rollouts if r.final_reward is not None]
-    return {
-        f"{prefix}/n_rollouts": float(len(rollouts)),
-        f"{prefix}/reward": float(np.mean(rewards)) if rewards else float("nan"),
-    }
-
-
 class AglRayPPOTrainer(RayPPOTrainer):
     """``RayPPOTrainer`` whose rollouts come from agl's rollout source and whose step is agl's.
 
@@ -88,10 +76,14 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.plugins = plugins
         self.source = rollout_source
         self.calls = worker_calls
-        self.aggregate = plugins.aggregators.get(self.config.agentlightning.trace_aggregator.level)
-        self.loss_mode = str(self.config.actor_rollout_ref.actor.policy_loss.loss_mode)
-        ensure_registered(self.loss_mode)
+        ensure_registered(str(self.config.actor_rollout_ref.actor.policy_loss.loss_mode))
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.pipeline = StepPipeline(
+            self.config,
+            plugins,
+            self.tokenizer,
+            estimate=lambda rows: compute_advantages(rows, self.config, plugins, self.pad_token_id),
+        )
         self.is_async = bool(self.config.agentlightning.async_rollout.enabled)
         self.global_steps = 0
         self._batches: Iterator[list[Mapping[str, Any]]] | None = None
@@ -192,28 +184,17 @@ class AglRayPPOTrainer(RayPPOTrainer):
 
     def learn(self, rollouts: Sequence[CompletedRollout]) -> dict[str, float]:
         """Everything between the rollouts and the update, then the update itself."""
-        step = self.global_steps
-        metrics = rollout_metrics(rollouts, "training")
-        aggregation = self.aggregate(rollouts, settings_from_config(self.config, self.tokenizer))
-        metrics.update(aggregation.metrics)
-        rows = aggregation.rows
-        metrics["training/n_sample"] = float(len(rows))
-        shaped = None
-        if rows:
-            advantages = compute_advantages(rows, self.config, self.plugins, self.pad_token_id)
-            metrics.update(advantages.metrics)
-            shaped = shape_batch(rows, advantages, ShapingSettings.from_config(self.config, step))
-            metrics.update(shaped.metrics)
+        prepared = self.pipeline.prepare(rollouts, self.global_steps)
+        metrics = dict(prepared.metrics)
+        shaped = prepared.shaped
         self.calls.sleep_replicas()
-        if shaped is None or shaped.n_mini_batches == 0:
-            metrics["training/n_skipped_updates"] = 1.0
+        if shaped is None:
             return metrics
-        metrics["training/n_skipped_updates"] = 0.0
         started = time.perf_counter()
         padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
         batch = to_dataproto(padded, meta_info={"temperature": self.config.actor_rollout_ref.rollout.temperature})
         width = padded.tensors["responses"].shape[1]
-        batch.batch["advantages"] = pad_responses(shaped.advantages, width, torch.float32)
+        batch.batch["advantages"] = prepared.advantages(width, normalized=False)
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
         batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
         if self.config.trainer.balance_batch:
@@ -227,17 +208,10 @@ class AglRayPPOTrainer(RayPPOTrainer):
             values = self.calls.values(batch)
             batch = batch.union(values)
             batch.batch["returns"] = batch.batch["advantages"].clone()
-        if self.loss_mode in PER_ROLLOUT_LOSSES:
-            batch.batch["advantages"] = normalize_advantages(
-                batch.batch["advantages"],
-                batch.batch["response_mask"],
-                list(batch.non_tensor_batch["rollout_ids"]),
-                mode=self.config.agentlightning.loss_normalization,
-                n_mini_batches=shaped.n_mini_batches,
-            )
+        batch.batch["advantages"] = prepared.advantages(width)  # scaled per rollout for per-rollout losses
         if self.use_critic:
             metrics.update(reduce_metrics(self.calls.update_critic(batch)))
-        if self.config.trainer.critic_warmup <= step:
+        if self.config.trainer.critic_warmup <= self.global_steps:
             metrics.update(reduce_metrics(self.calls.update_actor(batch)))
         metrics["timing_s/update"] = time.perf_counter() - started
         return metrics

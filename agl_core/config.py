@@ -58,6 +58,8 @@ class TraceAggregatorConfig:
     # characters each sample field keeps.
     mismatch_sample_size: int = 20
     mismatch_max_length: int = 2000
+    # Append every step's sampled breaks as JSON lines here (null: keep them only in memory).
+    mismatch_log_path: Optional[str] = None
 
 
 @dataclass

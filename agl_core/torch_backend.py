@@ -35,14 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from agl_core.advantage import AdvantageSettings
-from agl_core.aggregation import settings_from_config
-from agl_core.batch_shaping import ShapingSettings, shape_batch
 from agl_core.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.config import ConfigError
 from agl_core.hookspecs import hookimpl
 from agl_core.losses import LossSettings
-from agl_core.tensorize import pad_responses, tensorize
+from agl_core.data import CompletedRollout
+from agl_core.pipeline import PreparedBatch, StepPipeline, rollout_metrics
+from agl_core.tensorize import tensorize
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +163,7 @@ class TorchBackend:
 
         self.config, self.plugins = config, plugins
         actor = config.actor_rollout_ref.actor
-        self.aggregate = plugins.aggregators.get(config.agentlightning.trace_aggregator.level)
-        self.estimate = plugins.advantage_estimators.get(config.algorithm.adv_estimator)
-        self.loss_mode = actor.policy_loss.loss_mode
-        self.loss_fn = plugins.policy_losses.get(self.loss_mode)
+        self.loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
         folder = model_folder(config)
         self.data = DataOrder(
             load_dataset(config.data.train_files),
@@ -194,8 +190,7 @@ class TorchBackend:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, self.total_steps))
         self.loss_settings = LossSettings.from_actor_config(actor)
-        self.advantage_settings = AdvantageSettings.from_config(config)
-        self.aggregation_settings = settings_from_config(config, self.tokenizer)
+        self.pipeline = StepPipeline(config, plugins, self.tokenizer)
         self.run_dir = Path(config.trainer.default_local_dir)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else 0)
@@ -291,12 +286,12 @@ class TorchBackend:
         """One rollout per validation row with the current weights; ``val/*`` metrics over all batches."""
         started = time.perf_counter()
         size = int(self.config.data.val_batch_size or len(self.val_rows))
-        rewards: list[float] = []
+        rollouts: list[CompletedRollout] = []
         counts: dict[str, float] = {}
         n_batches = 0
         for start in range(0, len(self.val_rows), size):
             batch = source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
-            rewards.extend(r.final_reward for r in batch.rollouts)
+            rollouts.extend(batch.rollouts)
             for name, value in batch.metrics.items():
                 if name.startswith("training/"):
                     key = "val/" + name[len("training/") :]
@@ -304,8 +299,7 @@ class TorchBackend:
             n_batches += 1
         return {
             **counts,
-            "val/reward": float(np.mean(rewards)) if rewards else float("nan"),
-            "val/n_rollouts": float(len(rewards)),
+            **rollout_metrics(rollouts, "val"),
             "val/n_batches": float(n_batches),
             "timing/val_s": time.perf_counter() - started,
         }
@@ -316,25 +310,11 @@ class TorchBackend:
         batch = source.collect(samples, step=step, is_train=True)
         metrics: dict[str, float] = dict(batch.metrics)
         metrics["timing/gen_s"] = time.perf_counter() - started
-        rollouts = batch.rollouts
-        metrics["training/n_rollouts"] = float(len(rollouts))
-        metrics["training/reward"] = float(np.mean([r.final_reward for r in rollouts])) if rollouts else float("nan")
-        aggregation = self.aggregate(rollouts, self.aggregation_settings)
-        metrics.update(aggregation.metrics)
-        metrics["training/n_sample"] = float(len(aggregation.rows))
-        rows = aggregation.rows
         update_started = time.perf_counter()
-        shaped = None
-        if rows:
-            advantages = self.estimate(rows, self.advantage_settings)
-            metrics.update(advantages.metrics)
-            shaped = shape_batch(rows, advantages, ShapingSettings.from_config(self.config, step))
-            metrics.update(shaped.metrics)
-        if shaped is None or shaped.n_mini_batches == 0:
-            metrics["training/n_skipped_updates"] = 1.0  # nothing trainable survived shaping
-        else:
-            metrics["training/n_skipped_updates"] = 0.0
-            metrics.update(self.update(shaped))
+        prepared = self.pipeline.prepare(batch.rollouts, step)
+        metrics.update(prepared.metrics)
+        if prepared.shaped is not None:
+            metrics.update(self.update(prepared))
         self.scheduler.step()
         self.engine.push_weights(self.model, step)
         source.after_weight_update([self.engine.base_url], step)
@@ -342,15 +322,13 @@ class TorchBackend:
         metrics["timing/step_s"] = time.perf_counter() - started
         return metrics
 
-    def update(self, shaped: Any) -> dict[str, float]:
-        """PPO epochs over the shaped batch's mini-batches; returns the actor metrics."""
+    def update(self, prepared: PreparedBatch) -> dict[str, float]:
+        """PPO epochs over the prepared batch's mini-batches; returns the actor metrics."""
+        shaped = prepared.shaped
         padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
         tensors = {k: v.to(self.device) for k, v in padded.tensors.items()}
         mask = tensors["response_mask"]
-        advantages = pad_responses(shaped.advantages, mask.shape[1], torch.float32).to(self.device)
-        if self.loss_mode == "per_rollout_mean":
-            scales = shaped.row_scales(self.config.agentlightning.loss_normalization)
-            advantages = advantages * torch.as_tensor(scales, dtype=torch.float32, device=self.device)[:, None]
+        advantages = prepared.advantages(mask.shape[1]).to(self.device)
         with torch.no_grad():
             self.model.eval()
             old_log_prob = response_log_probs(self.model, tensors)

@@ -1,0 +1,108 @@
+"""The backend-agnostic middle of a training step: completed rollouts → what the update trains on.
+
+Every backend runs :class:`StepPipeline` between its rollouts and its update, so aggregation,
+advantage estimation on everything collected (DESIGN §6 item 3), batch shaping and the per-rollout
+normalisation are one piece of code on every backend; only the update itself is the backend's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from agl_core.advantage import Advantages, AdvantageSettings
+from agl_core.aggregation import settings_from_config, write_mismatches_jsonl
+from agl_core.batch_shaping import ShapedBatch, ShapingSettings, shape_batch
+from agl_core.data import CompletedRollout, TrainingRow
+from agl_core.tensorize import pad_responses
+
+# Losses that expect their advantages scaled per rollout (agl_core.normalization) before the update.
+PER_ROLLOUT_LOSSES = frozenset({"per_rollout_mean"})
+
+
+def rollout_metrics(rollouts: Sequence[CompletedRollout], prefix: str) -> dict[str, float]:
+    """``{prefix}/n_rollouts`` and ``{prefix}/reward`` (the mean final reward) of a set of rollouts."""
+    rewards = [r.final_reward for r in rollouts if r.final_reward is not None]
+    return {
+        f"{prefix}/n_rollouts": float(len(rollouts)),
+        f"{prefix}/reward": float(np.mean(rewards)) if rewards else float("nan"),
+    }
+
+
+@attrs.frozen
+class PreparedBatch:
+    """What one step trains on. ``shaped`` is ``None`` when nothing trainable survived shaping (the
+    update is skipped and counted in ``training/n_skipped_updates``). ``row_scales`` holds each kept
+    row's per-rollout normalisation factor, or ``None`` when the loss does not use one."""
+
+    shaped: ShapedBatch | None
+    row_scales: np.ndarray | None
+    metrics: dict[str, float]
+
+    def advantages(self, width: int, *, normalized: bool = True) -> torch.Tensor:
+        """The kept rows' advantages as a ``[rows, width]`` float32 tensor, right-padded like the
+        responses, scaled per rollout unless ``normalized`` is false (e.g. critic returns)."""
+        if self.shaped is None:
+            raise ValueError("no trainable rows in this step: check PreparedBatch.shaped before asking for advantages")
+        padded = pad_responses(self.shaped.advantages, width, torch.float32)
+        if normalized and self.row_scales is not None:
+            padded = padded * torch.as_tensor(self.row_scales, dtype=torch.float32)[:, None]
+        return padded
+
+
+class StepPipeline:
+    """Aggregator → advantage estimator (on every collected row) → batch shaping → normalisation.
+
+    ``estimate`` overrides how advantages are computed (the verl backend routes verl-native estimator
+    names through verl); by default the estimator named by ``algorithm.adv_estimator`` is used.
+    Trajectory breaks are appended to ``agentlightning.trace_aggregator.mismatch_log_path`` when set.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        plugins: Any,
+        tokenizer: Any = None,
+        estimate: Callable[[Sequence[TrainingRow]], Advantages] | None = None,
+    ):
+        self.config = config
+        aggregator = config.agentlightning.trace_aggregator
+        self.aggregate = plugins.aggregators.get(aggregator.level)
+        self.aggregation_settings = settings_from_config(config, tokenizer)
+        self.mismatch_log_path = aggregator.mismatch_log_path
+        if estimate is None:
+            estimator = plugins.advantage_estimators.get(config.algorithm.adv_estimator)
+            settings = AdvantageSettings.from_config(config)
+
+            def estimate(rows: Sequence[TrainingRow]) -> Advantages:
+                return estimator(rows, settings)
+
+        self.estimate = estimate
+        loss_mode = str(config.actor_rollout_ref.actor.policy_loss.loss_mode)
+        self.normalization = str(config.agentlightning.loss_normalization) if loss_mode in PER_ROLLOUT_LOSSES else None
+
+    def prepare(self, rollouts: Sequence[CompletedRollout], step: int) -> PreparedBatch:
+        metrics = rollout_metrics(rollouts, "training")
+        aggregation = self.aggregate(rollouts, self.aggregation_settings)
+        metrics.update(aggregation.metrics)
+        if self.mismatch_log_path and aggregation.mismatches:
+            write_mismatches_jsonl(os.path.expanduser(self.mismatch_log_path), aggregation.mismatches)
+        rows = aggregation.rows
+        metrics["training/n_sample"] = float(len(rows))
+        shaped = None
+        if rows:
+            advantages = self.estimate(rows)
+            metrics.update(advantages.metrics)
+            shaped = shape_batch(rows, advantages, ShapingSettings.from_config(self.config, step))
+            metrics.update(shaped.metrics)
+        if shaped is None or shaped.n_mini_batches == 0:
+            metrics["training/n_skipped_updates"] = 1.0
+            return PreparedBatch(None, None, metrics)
+        metrics["training/n_skipped_updates"] = 0.0
+        scales = shaped.row_scales(self.normalization) if self.normalization else None
+        return PreparedBatch(shaped, scales, metrics)

@@ -1,0 +1,86 @@
+"""The step pipeline shared by every backend: rollouts → rows → advantages → shaped, normalised batch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from agl_core.config import load_config
+from agl_core.data import CompletedRollout, Triplet
+from agl_core.normalization import rollout_scales
+from agl_core.pipeline import StepPipeline, rollout_metrics
+from agl_core.plugins import PluginManager
+
+
+def rollout(rid, group, reward, calls):
+    triplets = [Triplet(prompt_ids=p, response_ids=r, response_log_probs=[-0.5] * len(r)) for p, r in calls]
+    return CompletedRollout(rollout_id=rid, group_id=group, state="succeeded", triplets=triplets, final_reward=reward)
+
+
+def batch():
+    """Two groups of two rollouts; r0 breaks its trajectory (two rows), the others merge into one."""
+    return [
+        rollout("r0", "g0", 1.0, [([1, 2], [3, 4]), ([9, 9], [5])]),
+        rollout("r1", "g0", 0.0, [([1, 2], [3]), ([1, 2, 3, 7], [6, 6])]),
+        rollout("r2", "g1", 1.0, [([1], [2, 2, 2])]),
+        rollout("r3", "g1", 0.5, [([1], [2])]),
+    ]
+
+
+def config(*overrides):
+    return load_config(
+        overrides=["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", *overrides]
+    )
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return PluginManager(load_entrypoints=False)
+
+
+def test_rollouts_to_a_normalised_batch(plugins):
+    prepared = StepPipeline(config(), plugins).prepare(batch(), step=1)
+    assert prepared.metrics["training/n_rollouts"] == 4
+    assert prepared.metrics["training/reward"] == pytest.approx(0.625)
+    assert prepared.metrics["training/n_sample"] == 5
+    assert prepared.metrics["training/n_skipped_updates"] == 0
+    shaped = prepared.shaped
+    ids = [row.rollout_id for row in shaped.rows]
+    expected = rollout_scales(ids, [row.n_trained_tokens for row in shaped.rows], mode="rollouts", n_mini_batches=shaped.n_mini_batches)
+    np.testing.assert_allclose(prepared.row_scales, expected)
+    width = max(len(row.response_ids) for row in shaped.rows)
+    raw = prepared.advantages(width, normalized=False)
+    scaled = prepared.advantages(width)
+    torch.testing.assert_close(scaled, raw * torch.as_tensor(expected, dtype=torch.float32)[:, None])
+    assert raw.abs().sum() > 0, "grpo gives non-zero advantages to groups with different rewards"
+
+
+def test_token_mean_is_not_normalised_per_rollout(plugins):
+    prepared = StepPipeline(config("actor_rollout_ref.actor.policy_loss.loss_mode=token_mean"), plugins).prepare(batch(), step=1)
+    assert prepared.row_scales is None
+    width = max(len(row.response_ids) for row in prepared.shaped.rows)
+    torch.testing.assert_close(prepared.advantages(width), prepared.advantages(width, normalized=False))
+
+
+def test_nothing_trainable_skips_the_update(plugins):
+    prepared = StepPipeline(config(), plugins).prepare([], step=1)
+    assert prepared.shaped is None and prepared.metrics["training/n_skipped_updates"] == 1
+    with pytest.raises(ValueError, match="no trainable rows"):
+        prepared.advantages(8)
+
+
+def test_trajectory_breaks_are_logged_as_json_lines(plugins, tmp_path):
+    path = tmp_path / "logs" / "mismatches.jsonl"
+    pipeline = StepPipeline(config(f"agentlightning.trace_aggregator.mismatch_log_path={path}"), plugins)
+    pipeline.prepare(batch(), step=1)
+    pipeline.prepare(batch(), step=2)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(m["rollout_id"], m["turn_index"], m["kind"]) for m in lines] == [("r0", 1, "other")] * 2
+
+
+def test_rollout_metrics_ignore_missing_rewards():
+    rollouts = [rollout("a", "g", 1.0, []), CompletedRollout(rollout_id="b", group_id="g", state="failed")]
+    assert rollout_metrics(rollouts, "val") == {"val/n_rollouts": 2.0, "val/reward": 1.0}
