@@ -36,7 +36,6 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import httpx
@@ -46,7 +45,7 @@ from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.event_writer import EventWriter, PendingEvent
 from agl_core.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
 from agl_core.gateway_source import rollout_config
-from agl_core.policy_server import LocalHTTPServer
+from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
 from agl_core.rollout_source import RolloutBatch, make_requests
 
 logger = logging.getLogger(__name__)
@@ -254,9 +253,9 @@ class _Recorder:
         return response.status_code, payload
 
 
-def _handler_for(recorder: _Recorder) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def _handler_for(recorder: _Recorder) -> type[JSONRequestHandler]:
+    class Handler(JSONRequestHandler):
+        server_label = "embedded gateway"
 
         def _authorised(self) -> bool:
             auth = self.headers.get("authorization", "")
@@ -265,53 +264,42 @@ def _handler_for(recorder: _Recorder) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/healthz":
-                return self._send(200, {"status": "ok"})
+                return self.send_json(200, {"status": "ok"})
             if not self._authorised():
-                return self._send(401, {"detail": "Unauthorized"})
+                return self.send_json(401, {"detail": "Unauthorized"})
             match = EVENTS_ROUTE.match(self.path.split("?")[0])
             if match is None:
-                return self._send(404, {"detail": "Not Found"})
+                return self.send_json(404, {"detail": "Not Found"})
             with recorder.lock:
                 events = recorder.events.get(match.group(1))
                 events = None if events is None else list(events)
-            self._send(404, {"detail": "Rollout not found"}) if events is None else self._send(200, events)
+            self.send_json(404, {"detail": "Rollout not found"}) if events is None else self.send_json(200, events)
 
         def do_POST(self) -> None:
-            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            raw = self.read_body()
             if not self._authorised():
-                return self._send(401, {"detail": "Unauthorized"})
+                return self.send_json(401, {"detail": "Unauthorized"})
             try:
                 body = json.loads(raw) if raw else {}
             except json.JSONDecodeError:
-                return self._send(400, {"detail": "Invalid JSON in request body"})
+                return self.send_json(400, {"detail": "Invalid JSON in request body"})
             if not isinstance(body, dict):
-                return self._send(400, {"detail": "Request body must be a JSON object"})
+                return self.send_json(400, {"detail": "Request body must be a JSON object"})
             if match := PROXY_ROUTE.match(self.path):
                 rollout_id, attempt_id, mode, path = match.groups()
                 if mode not in ("train", "val"):
-                    return self._send(404, {"detail": f"Unsupported proxy mode: {mode}"})
+                    return self.send_json(404, {"detail": f"Unsupported proxy mode: {mode}"})
                 if not recorder.is_open(rollout_id):
-                    return self._send(404, {"detail": f"Rollout not found: {rollout_id}"})
-                return self._send(*recorder.proxy(rollout_id, attempt_id, mode, path, body))
+                    return self.send_json(404, {"detail": f"Rollout not found: {rollout_id}"})
+                return self.send_json(*recorder.proxy(rollout_id, attempt_id, mode, path, body))
             if (match := EVENTS_ROUTE.match(self.path)) and match.group(2):
                 event_type, data = body.get("event_type"), body.get("data", {})
                 if not isinstance(event_type, str) or not event_type or not isinstance(data, dict):
-                    return self._send(422, {"detail": "an event needs a string event_type and an object data"})
+                    return self.send_json(422, {"detail": "an event needs a string event_type and an object data"})
                 if not recorder.record(match.group(1), match.group(2), event_type, data):
-                    return self._send(404, {"detail": f"Rollout not found: {match.group(1)}"})
-                return self._send(201, {"event_type": event_type, "data": data})
-            self._send(404, {"detail": "Not Found"})
-
-        def _send(self, status: int, payload: Any) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.debug("embedded gateway: " + format, *args)
+                    return self.send_json(404, {"detail": f"Rollout not found: {match.group(1)}"})
+                return self.send_json(201, {"event_type": event_type, "data": data})
+            self.send_json(404, {"detail": "Not Found"})
 
     return Handler
 

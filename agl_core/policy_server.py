@@ -24,11 +24,12 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import attrs
 import torch
+
+from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class PolicyServer:
         self._batch_wait_s = batch_wait_s
         self._generator = torch.Generator().manual_seed(seed)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: LocalHTTPServer | None = None
         self._threads: list[threading.Thread] = []
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
@@ -420,49 +421,30 @@ def _stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return ids
 
 
-class LocalHTTPServer(ThreadingHTTPServer):
-    """A threaded HTTP server whose listen backlog holds a whole batch of concurrent agents."""
-
-    daemon_threads = True
-    request_queue_size = 1024
-
-
-def _handler_for(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def _handler_for(server: PolicyServer) -> type[JSONRequestHandler]:
+    class Handler(JSONRequestHandler):
+        server_label = "policy server"
 
         def do_GET(self) -> None:
             if self.path in ("/health", "/v1/health"):
-                self._send(200, {})
+                self.send_json(200, {})
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": server.model_name, "object": "model", "max_model_len": server.max_model_len}]})
+                self.send_json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model", "max_model_len": server.max_model_len}]})
             else:
-                self._send(404, RequestError(f"unknown route {self.path}", status=404).body())
+                self.send_json(404, RequestError(f"unknown route {self.path}", status=404).body())
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
-            raw = self.rfile.read(length)
+            raw = self.read_body()
             try:
                 try:
                     body = json.loads(raw) if raw else {}
                 except json.JSONDecodeError as exc:
                     raise RequestError(f"request body is not valid JSON: {exc}") from None
-                self._send(200, server.handle(self.path, body))
+                self.send_json(200, server.handle(self.path, body))
             except RequestError as err:
-                self._send(err.status, err.body())
+                self.send_json(err.status, err.body())
             except Exception as exc:
                 logger.exception("policy server failed on %s", self.path)
-                self._send(500, RequestError(f"internal error: {exc}", status=500).body())
-
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.debug("policy server: " + format, *args)
+                self.send_json(500, RequestError(f"internal error: {exc}", status=500).body())
 
     return Handler
