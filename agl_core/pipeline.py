@@ -34,6 +34,30 @@ def rollout_metrics(rollouts: Sequence[CompletedRollout], prefix: str) -> dict[s
     }
 
 
+def staleness_metrics(rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
+    """How many weight updates behind the policy trained at ``step`` each trained model call was.
+
+    A call records the ``version`` (training step) of the weights that served it; step ``step``
+    updates the weights of version ``step - 1``, so a call's staleness is ``step - 1 - version``: 0
+    when every call used the current weights (sync mode), more for calls carried over in async mode.
+    Calls without a version are counted, not guessed.
+    """
+    lags, missing = [], 0
+    for rollout in rollouts:
+        for triplet in rollout.triplets:
+            version = triplet.metadata.get("model_version")
+            if isinstance(version, int) and not isinstance(version, bool):
+                lags.append(step - 1 - version)
+            else:
+                missing += 1
+    metrics = {"training/async/n_calls_wo_model_version": float(missing)}
+    if lags:
+        metrics["training/async/staleness_max_steps"] = float(max(lags))
+        metrics["training/async/staleness_mean_steps"] = float(np.mean(lags))
+        metrics["training/async/n_stale_calls"] = float(sum(lag > 0 for lag in lags))
+    return metrics
+
+
 @attrs.frozen
 class PreparedBatch:
     """What one step trains on. ``shaped`` is ``None`` when nothing trainable survived shaping (the
@@ -88,6 +112,7 @@ class StepPipeline:
 
     def prepare(self, rollouts: Sequence[CompletedRollout], step: int) -> PreparedBatch:
         metrics = rollout_metrics(rollouts, "training")
+        metrics.update(staleness_metrics(rollouts, step))
         aggregation = self.aggregate(rollouts, self.aggregation_settings)
         metrics.update(aggregation.metrics)
         if self.mismatch_log_path and aggregation.mismatches:

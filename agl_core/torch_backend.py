@@ -16,8 +16,16 @@ after every ``trainer.test_freq``-th step and the last, one rollout per validati
 every validation rollout of every batch (Agent Lightning v1.0 keeps only the last batch's); the
 sources' counters are summed over the batches under ``val/`` instead of ``training/``.
 
+Async rollout (``agentlightning.async_rollout.enabled``; gateway only): a run's first step hands the
+source enough batches to keep ``async_train_batch_size`` groups in flight, later steps one batch (the
+source tops up and carries unfinished groups over); the gateway is paused and drained between the
+rollouts and the update, and resumed once the new weights are registered. Every step reports the
+staleness of the calls it trains (``training/async/staleness_*``, from the shared pipeline).
+
 The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.policy_server.PolicyServer`,
-in-process) or ``vllm`` (:class:`~agl_core.vllm_engine.VllmEngine`). Checkpoints
+in-process) or ``vllm`` (:class:`~agl_core.vllm_engine.VllmEngine`). A vLLM server that dies
+mid-step fails that step's rollouts (counted) and is restarted at the weight push
+(``training/engine/n_restarts``). Checkpoints
 (:mod:`agl_core.checkpoint`) hold model, optimizer, scheduler, step, data position and RNG states;
 with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trainer.default_local_dir``.
 """
@@ -42,6 +50,7 @@ from agl_core.losses import LossSettings
 from agl_core.data import CompletedRollout
 from agl_core.pipeline import PreparedBatch, StepPipeline, rollout_metrics
 from agl_core.tensorize import tensorize
+from agl_core.vllm_engine import VllmEngineError
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +205,12 @@ class TorchBackend:
         self.pad_token_id = int(pad if pad is not None else 0)
         self.step = 0
         self.engine: Any = None
+        self.is_async = bool(config.agentlightning.async_rollout.enabled)
+        if self.is_async and not config.agentlightning.agl_base_url:
+            raise ConfigError(
+                "agentlightning.async_rollout.enabled",
+                "async rollout runs through the gateway: set agentlightning.agl_base_url (the embedded source is sync only)",
+            )
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -266,8 +281,10 @@ class TorchBackend:
             test_freq = int(self.config.trainer.test_freq)
             if self.val_rows and self.config.trainer.val_before_train and self.step == 0 and on_step is not None:
                 on_step(0, self.total_steps, self.validate(source))
+            first = True
             while self.step < self.total_steps:
-                metrics = self.train_step(source, self.data.next_batch())
+                metrics = self.train_step(source, self.next_samples(first))
+                first = False
                 self.step += 1
                 if self.val_rows and test_freq > 0 and (self.step % test_freq == 0 or self.step == self.total_steps):
                     metrics.update(self.validate(source))
@@ -281,6 +298,15 @@ class TorchBackend:
             if source is not None:
                 source.close()
             self.engine.close()
+
+    def next_samples(self, first: bool) -> list[Mapping[str, Any]]:
+        """The next batch; async, at a run's first step, enough batches to put
+        ``async_train_batch_size`` groups in flight (the source keeps what it cannot start yet)."""
+        samples = self.data.next_batch()
+        if self.is_async and first:
+            while len(samples) < int(self.config.agentlightning.async_rollout.async_train_batch_size):
+                samples += self.data.next_batch()
+        return samples
 
     def validate(self, source: Any) -> dict[str, float]:
         """One rollout per validation row with the current weights; ``val/*`` metrics over all batches."""
@@ -310,17 +336,33 @@ class TorchBackend:
         batch = source.collect(samples, step=step, is_train=True)
         metrics: dict[str, float] = dict(batch.metrics)
         metrics["timing/gen_s"] = time.perf_counter() - started
+        metrics.update(source.before_weight_update())  # async: pause the gateway, drain in-flight calls
         update_started = time.perf_counter()
         prepared = self.pipeline.prepare(batch.rollouts, step)
         metrics.update(prepared.metrics)
         if prepared.shaped is not None:
             metrics.update(self.update(prepared))
         self.scheduler.step()
-        self.engine.push_weights(self.model, step)
-        source.after_weight_update([self.engine.base_url], step)
+        metrics.update(self.serve_weights(source, step))
         metrics["timing/update_s"] = time.perf_counter() - update_started
         metrics["timing/step_s"] = time.perf_counter() - started
         return metrics
+
+    def serve_weights(self, source: Any, version: int) -> dict[str, float]:
+        """Push the weights and register the engine with ``version``. A vLLM server that died (its
+        rollouts this step failed and were counted) is started again (an attached one: waited for,
+        up to ``agentlightning.vllm.startup_timeout_seconds``) and pushed to once more; a second
+        failure ends training."""
+        restarts = 0
+        try:
+            self.engine.push_weights(self.model, version)
+        except VllmEngineError as exc:
+            logger.warning("weight push failed, restarting the vLLM engine: %s", exc)
+            self.engine.start()
+            self.engine.push_weights(self.model, version)
+            restarts = 1
+        source.after_weight_update([self.engine.base_url], version)
+        return {"training/engine/n_restarts": float(restarts)}
 
     def update(self, prepared: PreparedBatch) -> dict[str, float]:
         """PPO epochs over the prepared batch's mini-batches; returns the actor metrics."""

@@ -55,7 +55,8 @@ class VllmEngine:
     ``model_path`` is the folder the server first loads (weights, config and tokenizer); the
     tokenizer always comes from it, weights from the latest push. With ``url`` the engine attaches
     to that server and never starts or stops it (the server must be able to read the pushed
-    weights folder). ``restarts`` counts how often :meth:`start` had to bring a dead server back.
+    weights folder). ``restarts`` counts how often :meth:`start` had to bring a dead server back; a
+    restarted server keeps its port (one picked at the first start when ``port`` is 0).
     """
 
     def __init__(
@@ -143,7 +144,9 @@ class VllmEngine:
                 f"agentlightning.vllm.python: {self.python} does not exist; build the vLLM venv with {VENV_SCRIPT} "
                 "or point AGL_VLLM_PYTHON / agentlightning.vllm.python at a python that has vLLM installed"
             )
-        port = self._port or free_port()
+        if not self._port:
+            self._port = free_port()  # kept, so a restarted server answers at the URL the gateway has registered
+        port = self._port
         weights = self._latest_weights or self.model_path
         args = [
             str(self.python), "-m", "vllm.entrypoints.openai.api_server",

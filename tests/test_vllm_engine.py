@@ -78,12 +78,14 @@ def test_push_serves_the_pushed_weights_with_a_cleared_prefix_cache(engine: Vllm
 def test_a_killed_server_restarts_on_the_latest_pushed_weights(engine: VllmEngine, model_dir: Path):
     policy = _perturbed(model_dir, seed=7)
     engine.push_weights(policy, version=2)
+    url = engine.base_url
     engine.kill()
     assert not engine.is_alive()
     with pytest.raises(VllmEngineError, match="during a weight push"):
         engine.push_weights(policy, version=3)
     engine.start()
     assert engine.is_alive() and engine.restarts == 1
+    assert engine.base_url == url  # the address the gateway has registered still reaches it
     ids, served = complete(engine, PROMPT_IDS, MAX_TOKENS, seed=2)
     assert engine.version == 3
     assert _max_abs_diff(served, forward_log_probs(policy, PROMPT_IDS, ids)) < LOG_PROB_TOLERANCE

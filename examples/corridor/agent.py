@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import httpx
 
 from examples.corridor.task import SYSTEM_PROMPT, action, observation
 
 MAX_TOKENS = 4
+MAX_PAUSED_WAITS = 60  # a paused gateway (weight update) answers 429 with Retry-After; wait that out
 
 # One connection pool per process: the controller starts a process per rollout, the embedded source
 # runs many rollouts in one process.
@@ -39,12 +41,7 @@ class CorridorAgent:
         rewards = []
         for junction, sign in enumerate(signs, start=1):
             messages.append({"role": "user", "content": observation(junction, sign, correct)})
-            response = _client.post(
-                f"{base_url}/chat/completions",
-                headers=headers,
-                json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS},
-            )
-            response.raise_for_status()
+            response = _chat(f"{base_url}/chat/completions", headers, messages)
             reply = response.json()["choices"][0]["message"]["content"]
             messages.append({"role": "assistant", "content": reply})
             correct = action(reply) == sign
@@ -54,3 +51,14 @@ class CorridorAgent:
         for data in [*rewards, {"value": reward}]:
             _client.post(event_url, headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
         return reward
+
+
+def _chat(url: str, headers: dict[str, str], messages: list[dict[str, str]]) -> httpx.Response:
+    """One chat call; while the gateway is paused for a weight update, retry after the wait it asks for."""
+    for _ in range(MAX_PAUSED_WAITS):
+        response = _client.post(url, headers=headers, json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS})
+        if response.status_code != 429:
+            break
+        time.sleep(float(response.headers.get("Retry-After", "1")))
+    response.raise_for_status()
+    return response
