@@ -221,7 +221,7 @@ def train(stack, policy_dir: Path, run_dir: Path, *overrides: str) -> list[dict]
 def report(title: str, rows: list[dict], keys: tuple[str, ...]) -> None:
     print(f"\n{title}")
     for row in rows:
-        values = {k.rsplit("/", 1)[-1]: round(v, 3) if isinstance(v := row.get(k), float) else v for k in keys}
+        values = {k.removeprefix("training/"): round(v, 3) if isinstance(v := row.get(k), float) else v for k in keys}
         print(f"  step {row.get('step')}: {values}")
 
 
