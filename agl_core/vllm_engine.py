@@ -17,8 +17,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from agl_core.processes import free_port, kill_process_group, stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm_venv.sh"
@@ -41,12 +41,6 @@ def default_vllm_python() -> Path:
     """``$AGL_VLLM_PYTHON``, else the venv ``scripts/vllm_venv.sh`` builds (``.venvs/vllm``)."""
     configured = os.environ.get("AGL_VLLM_PYTHON")
     return Path(configured) if configured else REPO_ROOT / ".venvs" / "vllm" / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmEngine:
@@ -203,22 +197,14 @@ class VllmEngine:
 
     def kill(self) -> None:
         """An abrupt crash of a started server (SIGKILL to its process group), as a fault would."""
-        process = self.process
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=STOP_WAIT_SECONDS)
+        if self.process is not None:
+            kill_process_group(self.process, STOP_WAIT_SECONDS)
 
     def _stop_process(self) -> None:
         process, self.process = self.process, None
         atexit.unregister(self._stop_process)
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_WAIT_SECONDS)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=STOP_WAIT_SECONDS)
+        if process is not None:
+            stop_process_group(process, STOP_WAIT_SECONDS)
 
     def close(self) -> None:
         """Stop a started server (never an attached one) and delete the pushed weights."""

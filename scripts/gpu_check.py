@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from examples.corridor.build_policy import build  # noqa: E402
-from tests.gateway_server import GatewayServer, gateway_bin  # noqa: E402
+from agl_core.processes import stop_process_group  # noqa: E402
+from tests.gateway_server import Controller, GatewayServer  # noqa: E402
 
 RUN_VERL = REPO_ROOT / "examples" / "corridor" / "run_verl.sh"
 STEPS = 2
@@ -71,52 +71,6 @@ def train_command(gateway_url: str, key: str, policy_dir: Path, run_dir: Path) -
         "ray_kwargs.ray_init.num_cpus=8",
     ]
     return ["bash", str(RUN_VERL), *overrides], env
-
-
-class Controller:
-    """``agl-controller runner_type=local`` against one gateway; stopped by PID (its process group)."""
-
-    def __init__(self, gateway: GatewayServer, log_path: Path):
-        self.gateway = gateway
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        args = [
-            str(gateway_bin("agl-controller")),
-            "runner_type=local",
-            f"agl_server.url={self.gateway.url}",
-            f"agl_server.key={self.gateway.key}",
-            "local_runner.poll_interval=0.2",
-            f"local_runner.maximum_size={CONTROLLER_POOL}",
-            "hydra.run.dir=.",
-            "hydra.output_subdir=null",
-            "hydra/job_logging=disabled",
-            "hydra/hydra_logging=disabled",
-        ]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}  # the agent is imported from the checkout
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_path.parent, env=env, start_new_session=True
-            )
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is not None:
-            stop_group(process)
-
-
-def stop_group(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
-    """SIGTERM the process group that ``process`` leads (started with ``start_new_session``), then
-    SIGKILL it after ``grace`` seconds."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 def preflight() -> str | None:
@@ -168,7 +122,7 @@ def main() -> int:
     run_dir = work / "run"
     # The gateway's model name must be the trainer's model path (verl's vLLM serves it under that name).
     gateway = GatewayServer(key="gpu-check-key", model_name=str(policy_dir))
-    controller = Controller(gateway, work / "controller.log")
+    controller = Controller(gateway, CONTROLLER_POOL, work / "controller.log")
     train_log = work / "train.log"
     trainer = None
     try:
@@ -186,7 +140,7 @@ def main() -> int:
         problems = [f"agl train did not finish within {args.timeout:g}s"]
     finally:
         if trainer is not None:
-            stop_group(trainer)
+            stop_process_group(trainer, grace=30)
         controller.stop()
         gateway_log = gateway.log_text()
         gateway.stop()

@@ -7,14 +7,14 @@ when missing). It is stopped by its PID, never by name.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from agl_core.processes import free_port, kill_process_group, stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GATEWAY_VENV = Path(os.environ.get("AGL_GATEWAY_VENV", REPO_ROOT / ".venvs" / "gateway"))
@@ -29,12 +29,6 @@ def gateway_bin(name: str = "agl-server") -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} missing after scripts/gateway_venv.sh")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GatewayServer:
@@ -79,21 +73,14 @@ class GatewayServer:
     def stop(self) -> None:
         """SIGTERM then SIGKILL, by PID (and its own process group, which only it leads)."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        if process is not None:
+            stop_process_group(process, grace=10)
 
     def kill(self) -> None:
         """An abrupt crash: SIGKILL by PID, no shutdown."""
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        if process is not None:
+            kill_process_group(process, wait=10)
 
     def restart(self) -> None:
         self.kill()
@@ -108,3 +95,41 @@ class GatewayServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         os.unlink(self._log.name)
+
+
+class Controller:
+    """One ``agl-controller runner_type=local`` against ``gateway``, running at most ``pool`` agents at
+    once; the agents (``examples.corridor.agent``...) are imported from this checkout. Stopped by PID."""
+
+    def __init__(self, gateway: GatewayServer, pool: int, log_path: Path | None = None):
+        self.gateway = gateway
+        self.pool = pool
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix="agl-controller-", suffix=".log")[1])
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        args = [
+            str(gateway_bin("agl-controller")),
+            "runner_type=local",
+            f"agl_server.url={self.gateway.url}",
+            f"agl_server.key={self.gateway.key}",
+            "local_runner.poll_interval=0.2",
+            f"local_runner.maximum_size={self.pool}",
+            "hydra.run.dir=.",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_path.parent, env=env, start_new_session=True
+            )
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None:
+            stop_process_group(process, grace=15)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]

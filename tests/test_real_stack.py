@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -31,7 +30,7 @@ from agl_core.gateway_source import AsyncGatewayRolloutSource
 from agl_core.plugins import PluginManager
 from agl_core.vllm_engine import VllmEngine
 from examples.corridor.build_policy import build
-from tests.gateway_server import REPO_ROOT, GatewayServer, gateway_bin
+from tests.gateway_server import REPO_ROOT, Controller, GatewayServer
 from tests.realstack_fixtures import vllm_python
 
 pytestmark = pytest.mark.realstack
@@ -71,48 +70,6 @@ FAULT_METRICS = (
 NO_VALIDATION = ("trainer.val_before_train=false", "trainer.test_freq=-1")
 
 
-class Controller:
-    """One ``agl-controller runner_type=local`` process, stopped by PID (its process group)."""
-
-    def __init__(self, gateway: GatewayServer):
-        self.gateway = gateway
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="agl-controller-", suffix=".log", delete=False)
-
-    def start(self) -> None:
-        args = [
-            str(gateway_bin("agl-controller")),
-            "runner_type=local",
-            f"agl_server.url={self.gateway.url}",
-            f"agl_server.key={self.gateway.key}",
-            "local_runner.poll_interval=0.2",
-            f"local_runner.maximum_size={POOL}",
-            "hydra.run.dir=.",
-            "hydra.output_subdir=null",
-            "hydra/job_logging=disabled",
-            "hydra/hydra_logging=disabled",
-        ]
-        # The agent (examples.corridor.agent) is imported by the controller's python from the checkout.
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        self.process = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(), env=env, start_new_session=True
-        )
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-
-    def log_text(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-4000:]
-
-
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("corridor") / "policy", seed=0)
@@ -124,7 +81,7 @@ def stack(policy_dir: Path):
     model_name = str(policy_dir)  # the registered model name must equal the trainer's model path
     gateway = GatewayServer(model_name=model_name)
     engine = VllmEngine(policy_dir, model_name, python=vllm_python(), startup_timeout_seconds=600)
-    controller = Controller(gateway)
+    controller = Controller(gateway, POOL)
     try:
         gateway.start()
         engine.start()
