@@ -155,13 +155,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
             metrics = self.train_step(self.next_samples())
             if test_freq > 0 and (last or self.global_steps % test_freq == 0):
                 metrics.update(self.validate())
-            if save_freq > 0 and (last or self.global_steps % save_freq == 0):
-                self.calls.save_checkpoint()
             metrics["timing_s/step"] = time.perf_counter() - started
             metrics["training/global_step"] = float(self.global_steps)
             metrics["training/epoch"] = float(self.epoch)
             tracker.log(data=metrics, step=self.global_steps)
+            # Logged before checkpointed: a run killed in between redoes this step after resuming, and
+            # the run log (agl_core.train.MetricsLog) replaces its line.
             yield self.global_steps, self.total_training_steps, metrics
+            if save_freq > 0 and (last or self.global_steps % save_freq == 0):
+                self.calls.save_checkpoint()
 
     def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Rollouts for ``samples``, then :meth:`learn`, then the new weights served and registered."""

@@ -288,12 +288,14 @@ class TorchBackend:
                 self.step += 1
                 if self.val_rows and test_freq > 0 and (self.step % test_freq == 0 or self.step == self.total_steps):
                     metrics.update(self.validate(source))
+                # The step is logged before it is checkpointed: a run killed in between resumes from
+                # the previous checkpoint, redoes this step, and the run log replaces its line.
+                if on_step is not None:
+                    on_step(self.step, self.total_steps, metrics)
                 if save_freq > 0 and (self.step % save_freq == 0 or self.step == self.total_steps):
                     started = time.perf_counter()
                     self.save()
-                    metrics["timing/save_s"] = time.perf_counter() - started
-                if on_step is not None:
-                    on_step(self.step, self.total_steps, metrics)
+                    logger.info("checkpoint of step %d saved in %.2f s", self.step, time.perf_counter() - started)
         finally:
             if source is not None:
                 source.close()

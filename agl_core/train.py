@@ -35,9 +35,13 @@ class MetricsLog:
         self.path = run_dir / METRICS_FILE
         self.plot_path = run_dir / PLOT_FILE
         self.started = time.monotonic()
+        self._logged = False
         self.bar = tqdm(desc="agl train", unit="step", disable=not show_progress, dynamic_ncols=True)
 
     def __call__(self, step: int, total_steps: int, metrics: Mapping[str, float]) -> None:
+        if not self._logged:
+            self._forget_from(step)
+            self._logged = True
         record = {"step": step, "wall_s": round(time.monotonic() - self.started, 3)}
         record.update({k: _json_number(v) for k, v in metrics.items()})
         with self.path.open("a", encoding="utf-8") as f:
@@ -57,6 +61,16 @@ class MetricsLog:
         self.bar.set_postfix(postfix)
         if step % PLOT_EVERY == 0:
             plot_metrics(self.path, self.plot_path)
+
+    def _forget_from(self, step: int) -> None:
+        """Drop lines of steps >= ``step`` left by an earlier run of this directory that was killed
+        after logging them but before checkpointing them: this run redoes those steps."""
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] < step]
+        if len(kept) != len(lines):
+            self.path.write_text("".join(kept), encoding="utf-8")
 
     def close(self) -> None:
         self.bar.close()

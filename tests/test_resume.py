@@ -149,6 +149,6 @@ def test_a_killed_agl_train_restarts_from_its_last_checkpoint(policy, tmp_path):
     assert _seen(tmp_path / "first.jsonl")[1] == expected[1] and _seen(tmp_path / "first.jsonl")[2] == expected[2]
     assert _seen(tmp_path / "second.jsonl") == {3: expected[3], 4: expected[4]}
     steps_after = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps_after[: len(steps_before)] == steps_before and steps_before[:2] == [1, 2]
-    assert steps_after[len(steps_before) :] == [3, 4]
+    assert steps_before[:2] == [1, 2], "a step is logged before its checkpoint is written"
+    assert steps_after == [1, 2, 3, 4], "one line per step, whatever the first run logged after its checkpoint"
     assert latest_checkpoint(run_dir).name == "global_step_4"

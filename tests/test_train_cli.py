@@ -72,3 +72,20 @@ def test_a_short_run_writes_metrics_plot_and_checkpoint(policy, tmp_path, capsys
     (run_dir / "metrics.png").unlink()
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "metrics.png").is_file()
+
+
+def test_the_run_log_replaces_lines_of_steps_a_restart_redoes(tmp_path):
+    """A run killed after logging step 3 but before checkpointing it resumes at step 2 and redoes 3:
+    the log keeps one line per step, the redone one."""
+    import json
+
+    from agl_core.train import MetricsLog
+
+    first = MetricsLog(tmp_path, show_progress=False)
+    for step in (0, 1, 2, 3):
+        first(step, 4, {"training/reward": float(step)})
+    restarted = MetricsLog(tmp_path, show_progress=False)
+    restarted(3, 4, {"training/reward": 30.0})
+    restarted(4, 4, {"training/reward": 40.0})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["training/reward"]) for line in lines] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
