@@ -155,7 +155,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
             metrics = self.train_step(self.next_samples())
             if test_freq > 0 and (last or self.global_steps % test_freq == 0):
                 metrics.update(self.validate())
-            metrics["timing_s/step"] = time.perf_counter() - started
+            metrics["timing/step_s"] = time.perf_counter() - started
             metrics["training/global_step"] = float(self.global_steps)
             metrics["training/epoch"] = float(self.epoch)
             tracker.log(data=metrics, step=self.global_steps)
@@ -176,12 +176,12 @@ class AglRayPPOTrainer(RayPPOTrainer):
             metrics.update(self.source.before_weight_update())  # pause and drain the gateway
         else:
             self.calls.abort_replicas()
-        metrics["timing_s/gen"] = time.perf_counter() - started
+        metrics["timing/gen_s"] = time.perf_counter() - started
         metrics.update(self.learn(collected.rollouts))
         started = time.perf_counter()
         self.calls.push_weights(step)
         self._register_replicas(step)
-        metrics["timing_s/update_weights"] = time.perf_counter() - started
+        metrics["timing/update_weights_s"] = time.perf_counter() - started
         return metrics
 
     def learn(self, rollouts: Sequence[CompletedRollout]) -> dict[str, float]:
@@ -215,7 +215,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
             metrics.update(reduce_metrics(self.calls.update_critic(batch)))
         if self.config.trainer.critic_warmup <= self.global_steps:
             metrics.update(reduce_metrics(self.calls.update_actor(batch)))
-        metrics["timing_s/update"] = time.perf_counter() - started
+        metrics["timing/update_s"] = time.perf_counter() - started
         return metrics
 
     def validate(self) -> dict[str, float]:
