@@ -7,9 +7,10 @@ its last values.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from agl_core.jsonl import read_json_objects
 
 PANELS = (
     ("training/reward", "reward"),
@@ -25,17 +26,10 @@ PANELS = (
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     """Metrics by step (the last line of a step wins)."""
     by_step: dict[int, dict[str, float]] = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError(f"{path} line {number} has no integer 'step'")
-            by_step[record["step"]] = record
+    for number, record in read_json_objects(path):
+        if not isinstance(record.get("step"), int):
+            raise ValueError(f"{path} line {number} has no integer 'step'")
+        by_step[record["step"]] = record
     return dict(sorted(by_step.items()))
 
 

@@ -32,7 +32,6 @@ with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trai
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -45,9 +44,10 @@ import torch
 
 from agl_core.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.config import ConfigError
-from agl_core.hookspecs import hookimpl
-from agl_core.losses import LossSettings
 from agl_core.data import CompletedRollout
+from agl_core.hookspecs import hookimpl
+from agl_core.jsonl import read_json_objects
+from agl_core.losses import LossSettings
 from agl_core.pipeline import PreparedBatch, StepPipeline, rollout_metrics
 from agl_core.tensorize import tensorize
 from agl_core.vllm_engine import VllmEngineError
@@ -66,18 +66,10 @@ def load_dataset(path: Any, key: str = "data.train_files") -> list[dict[str, Any
     file = Path(path)
     if not file.is_file():
         raise ConfigError(key, f"dataset file not found: {path}")
-    rows = []
-    with file.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(key, f"{path} line {number} is not valid JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise ConfigError(key, f"{path} line {number} must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    try:
+        rows = [row for _, row in read_json_objects(file)]
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
     if not rows:
         raise ConfigError(key, f"{path} holds no rows")
     return rows
