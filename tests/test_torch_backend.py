@@ -167,7 +167,11 @@ def test_every_design_metric_is_reported_and_rows_merge_one_per_rollout(running)
     metrics = r.backend.train_step(r.source, SAMPLES)
     missing = [name for name in STEP_METRICS if name not in metrics]
     assert not missing
-    assert metrics["training/n_rollouts"] == 8 and metrics["training/n_groups"] == 2
+    assert metrics["training/n_rollouts"] == 8
+    # n_groups counts the groups in the trained batch (as Agent Lightning v1.0 does): shaping may drop a
+    # whole group whose rewards are all equal, and only then is it below the 2 groups collected.
+    dropped = sum(metrics[f"training/n_sample_dropped/{why}"] for why in ("marked", "same_reward", "random"))
+    assert metrics["training/n_groups"] == 2 or (metrics["training/n_groups"] == 1 and dropped >= 4)
     assert metrics["training/n_turns"] == 24  # 8 rollouts x 3 junctions
     # the word-level tokenizer re-renders replies exactly, unless a reply holds a special token
     assert metrics["training/n_sample"] == 8 + metrics["training/n_trace_merge_mismatch_rows"]
