@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agl_core.config import load_config, redacted
+from agl_core.jsonl import read_json_objects
 from agl_core.plot import plot_metrics
 from agl_core.plugins import PluginManager
 
@@ -67,10 +68,10 @@ class MetricsLog:
         after logging them but before checkpointing them: this run redoes those steps."""
         if not self.path.is_file():
             return
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] < step]
-        if len(kept) != len(lines):
-            self.path.write_text("".join(kept), encoding="utf-8")
+        records = [record for _, record in read_json_objects(self.path)]
+        kept = [record for record in records if record["step"] < step]
+        if len(kept) != len(records):
+            self.path.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
 
     def close(self) -> None:
         self.bar.close()
