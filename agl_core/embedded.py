@@ -13,6 +13,11 @@ mode, ``logprobs``, as the gateway does with its ``default_proxy.{train,val}.tem
 event of the gateway's shape; agents post ``reward`` events to the event route. The events are then
 parsed by :mod:`agl_core.events`, so everything downstream is what the gateway path produces.
 
+A model call that names no ``seed`` is given one, derived from ``trainer.seed``, the step, the
+rollout's place in the batch and the call's place in the rollout. Thread scheduling then cannot
+change what is sampled, so a seeded run repeats (up to the float noise of batching different prompts
+together).
+
 Environment variables are per process, but agents here share one. While the source is open,
 ``os.environ`` is replaced by a mapping that shows each agent thread its own contract variables over
 the real environment (other threads see the real one), so agent code that reads ``os.environ``
@@ -39,6 +44,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import httpx
+import numpy as np
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
@@ -176,14 +182,16 @@ class _Recorder:
     """The events of open rollouts, and the forwarding of model calls to the engine."""
 
     def __init__(
-        self, key: str, upstream: str, model_name: str, temperature: Mapping[str, float], max_connections: int
+        self, key: str, upstream: str, model_name: str, temperature: Mapping[str, float], max_connections: int, seed: int
     ):
         self.key = key
         self.upstream = upstream
         self.model_name = model_name
         self.version = 0
         self.temperature = dict(temperature)  # by proxy mode: train, val
+        self.seed = seed
         self.events: dict[str, list[dict[str, Any]]] = {}
+        self.places: dict[str, tuple[int, int, int]] = {}  # rollout id -> (step, is_train, index in batch)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -209,8 +217,29 @@ class _Recorder:
         with self.lock:
             return rollout_id in self.events
 
+    def open(self, rollout_id: str, place: tuple[int, int, int]) -> None:
+        with self.lock:
+            self.events[rollout_id] = []
+            self.places[rollout_id] = place
+
+    def close(self, rollout_id: str) -> list[dict[str, Any]]:
+        with self.lock:
+            self.places.pop(rollout_id, None)
+            return self.events.pop(rollout_id, [])
+
+    def call_seed(self, rollout_id: str) -> int | None:
+        """The seed of the rollout's next model call, or None for a rollout that is not open."""
+        with self.lock:
+            place = self.places.get(rollout_id)
+            if place is None:
+                return None
+            n_calls = sum(e["event_type"] == "model_request" for e in self.events[rollout_id])
+        return int(np.random.SeedSequence([self.seed, *place, n_calls]).generate_state(1)[0])
+
     def proxy(self, rollout_id: str, attempt_id: str, mode: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         prepared = {**body, "model": self.model_name, "temperature": self.temperature[mode], "return_token_ids": True}
+        if prepared.get("seed") is None:
+            prepared["seed"] = self.call_seed(rollout_id)
         if mode == "train":
             prepared["logprobs"] = True
         if prepared.get("stream"):
@@ -331,6 +360,7 @@ class EmbeddedRolloutSource:
                 "val": float(config.actor_rollout_ref.rollout.val_kwargs.temperature),
             },
             max_connections=workers,
+            seed=int(config.trainer.seed),
         )
         self.server = LocalHTTPServer(("127.0.0.1", 0), _handler_for(self.recorder))
         self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -366,22 +396,20 @@ class EmbeddedRolloutSource:
         queued_at = time.time()
         futures: dict[str, Future[None]] = {}
         errors: dict[str, str] = {}
-        for request in requests:
+        for index, request in enumerate(requests):
             try:
                 env = self.agent_env(request)
             except KeyError as exc:
                 errors[request.rollout_id] = f"local subprocess spawn failed: {exc.args[0]}"
                 continue
-            with self.recorder.lock:
-                self.recorder.events[request.rollout_id] = []
+            self.recorder.open(request.rollout_id, (step, int(is_train), index))
             futures[request.rollout_id] = self.pool.submit(self._run_agent, env)
         _, not_done = wait_futures(futures.values(), timeout=self.deadline_seconds)
         rollouts = []
         for request in requests:
             rid = request.rollout_id
             future = futures.get(rid)
-            with self.recorder.lock:
-                events = self.recorder.events.pop(rid, [])
+            events = self.recorder.close(rid)
             if future is None:
                 state, error = "failed", errors[rid]
             elif future in not_done:

@@ -6,7 +6,8 @@ gateways: the prompt's token ids (top level for chat, on the choice for completi
 (``logprobs.content[*].logprob`` for chat, ``logprobs.token_logprobs`` for completions). Chat prompts
 are rendered with the tokenizer's chat template, then tokenized without extra special tokens, as
 vLLM does; generation stops at the model's end-of-sequence tokens (which are kept in ``token_ids``),
-at ``stop`` strings or at ``max_tokens``.
+at ``stop`` strings or at ``max_tokens``. A request's ``seed`` gives it its own random stream, as
+in vLLM, so the same prompt and seed sample the same tokens whichever requests share its batch.
 
 Concurrent requests are batched: handler threads queue their prompts and one generation thread
 decodes whatever is waiting as one left-padded batch with a KV cache. The server owns a copy of
@@ -54,6 +55,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
+    seed: int | None = None
 
 
 @attrs.frozen
@@ -67,16 +69,24 @@ class Generation:
 # -- batched sampling ------------------------------------------------------------------------------
 
 
-def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row: greedy where temperature is 0, else nucleus sampling at that temperature."""
+def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row: greedy where temperature is 0, else nucleus sampling at that temperature.
+
+    ``uniforms`` holds one draw in [0, 1) per row; inverting the nucleus's cumulative distribution
+    with it makes each row's token depend on its own draw alone.
+    """
     greedy = logits.argmax(-1)
     probs = torch.softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     outside = sorted_probs.cumsum(-1) - sorted_probs > top_p[:, None]
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    picked = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(-1)
-    sampled = order.gather(-1, picked[:, None]).squeeze(-1)
+    cdf = sorted_probs.masked_fill(outside, 0.0).cumsum(-1)
+    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).clamp(max=logits.shape[-1] - 1)
+    sampled = order.gather(-1, picked).squeeze(-1)
     return torch.where(temperature > 0, sampled, greedy)
+
+
+def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    return torch.cat([torch.rand(1, generator=g) for g in generators])
 
 
 @torch.no_grad()
@@ -90,7 +100,10 @@ def generate_batch(
     decode: Any,
     generator: torch.Generator,
 ) -> list[Generation]:
-    """Generate for every prompt at once (left-padded, KV-cached); log-probs are the raw model's."""
+    """Generate for every prompt at once (left-padded, KV-cached); log-probs are the raw model's.
+
+    A prompt whose params carry a ``seed`` samples from its own generator; the others share ``generator``.
+    """
     batch = len(prompts)
     width = max(len(p) for p in prompts)
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
@@ -104,6 +117,7 @@ def generate_batch(
     max_tokens = torch.tensor([p.max_tokens for p in params])
     stops = torch.tensor(list(stop_token_ids), dtype=torch.long)
     with_stop_strings = [i for i, p in enumerate(params) if p.stop]
+    generators = [generator if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
 
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
     cache = out.past_key_values
@@ -113,7 +127,7 @@ def generate_batch(
     stopped = torch.zeros(batch, dtype=torch.bool)
     tokens, token_log_probs = [], []
     for step in range(int(max_tokens.max())):
-        token = _sample(logits, temperature, top_p, generator)
+        token = _sample(logits, temperature, top_p, _uniforms(generators))
         tokens.append(token)
         token_log_probs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
         lengths = torch.where(done, lengths, lengths + 1)
@@ -355,7 +369,10 @@ class PolicyServer:
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop must be a string or a list of non-empty strings", param="stop")
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop))
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2**63), got {seed!r}", param="seed")
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop), seed=seed)
 
     def _response(self, body: Mapping[str, Any], chat: bool, prompt_ids: list[int], result: Generation) -> dict[str, Any]:
         with_ids = bool(body.get("return_token_ids"))

@@ -42,10 +42,15 @@ def engine(tmp_path_factory):
     server.close()
 
 
-def _source(engine, agent, n=2, plugins=()):
+def _source(engine, agent, n=2, plugins=(), overrides=()):
     server, folder = engine
     cfg = load_config(
-        overrides=[f"agentlightning.local.agent_class={agent}", f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.model.path={folder}"]
+        overrides=[
+            f"agentlightning.local.agent_class={agent}",
+            f"actor_rollout_ref.rollout.n={n}",
+            f"actor_rollout_ref.model.path={folder}",
+            *overrides,
+        ]
     )
     cfg.agentlightning.local.env_map = {"CORRIDOR_SIGNS": "input.signs"}
     manager = PluginManager.from_config(cfg, plugins, load_entrypoints=False)
@@ -71,6 +76,28 @@ def test_corridor_agent_rollouts_become_triplets_and_rewards(engine):
     assert batch.metrics["training/events/n_calls"] == 18
     assert batch.metrics["training/n_rollouts_w_reward"] == 6
     assert not isinstance(os.environ, ThreadEnviron)  # restored on close
+
+
+def _sampled(source, step):
+    batch = source.collect(SAMPLES, step=step, is_train=True)
+    return [[t.response_ids.tolist() for t in r.triplets] for r in batch.rollouts]
+
+
+def test_sampling_is_seeded_per_call_so_thread_scheduling_cannot_change_it(engine):
+    """One worker (every call alone) and eight (calls batched together) sample the same tokens."""
+    agent = "examples.corridor.agent:CorridorAgent"
+    alone = _source(engine, agent, n=3, overrides=["agentlightning.embedded.max_workers=1"])
+    together = _source(engine, agent, n=3, overrides=["agentlightning.embedded.max_workers=8"])
+    reseeded = _source(engine, agent, n=3, overrides=["trainer.seed=1"])
+    try:
+        first = _sampled(alone, step=4)
+        assert _sampled(together, step=4) == first
+        assert _sampled(together, step=5) != first
+        assert _sampled(reseeded, step=4) != first
+    finally:
+        for source in (alone, together, reseeded):
+            source.close()
+    assert len({str(r) for r in first}) > 1  # the rollouts of a group differ: each has its own seeds
 
 
 def test_each_thread_sees_its_own_contract_environment(engine):

@@ -95,6 +95,8 @@ def test_stop_string_ends_generation_and_is_cut_from_text(served):
         ({"messages": [{"role": "user", "content": "hi"}], "model": "other"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, 400, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": "7"}, 400, "seed"),
     ],
 )
 def test_bad_requests_get_vllm_error_bodies(served, body, status, param):
@@ -154,3 +156,32 @@ def test_batched_sampling_matches_the_unbatched_distribution(served):
     for a, b in zip(together, alone):
         assert a.token_ids == b.token_ids
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-4)
+
+
+def test_a_seeded_request_samples_the_same_tokens_in_any_batch(served):
+    """A request's seed fixes its tokens whatever shares its batch; unseeded requests draw from the server's stream."""
+    server, model, tokenizer = served
+    from agl_core.policy_server import generate_batch
+
+    prompts = [[21, 225, 22], [3, 89, 507, 203, 59, 76, 283, 315], [40, 41]]
+    kwargs = dict(stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode)
+    seeded = [SamplingParams(8, temperature=1.0, seed=11), SamplingParams(8, temperature=1.0, seed=12), SamplingParams(8, temperature=1.0)]
+    together = generate_batch(model, prompts, seeded, generator=torch.Generator().manual_seed(0), **kwargs)
+    alone = [generate_batch(model, [p], [s], generator=torch.Generator().manual_seed(5), **kwargs)[0] for p, s in zip(prompts[:2], seeded)]
+    assert [g.token_ids for g in together[:2]] == [g.token_ids for g in alone]
+    reseeded = generate_batch(model, prompts[:1], [SamplingParams(8, temperature=1.0, seed=13)], generator=torch.Generator(), **kwargs)
+    assert reseeded[0].token_ids != together[0].token_ids
+
+
+def test_sampling_follows_the_distribution(served):
+    """Inverse-CDF sampling draws each token with its softmax probability, nucleus-truncated by top_p."""
+    from agl_core.policy_server import _sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(20000)
+    counts = torch.bincount(_sample(logits, ones, ones, uniforms), minlength=4).float() / 20000
+    assert counts.tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.015)
+    nucleus = torch.bincount(_sample(logits, ones, ones * 0.7, uniforms), minlength=4).float() / 20000
+    assert nucleus.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0], abs=0.015)
+    assert _sample(logits[:1], torch.zeros(1), ones[:1], uniforms[:1]).item() == 0  # temperature 0 is greedy
