@@ -185,6 +185,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
+    entropy_coeff: float = 0.0  # weight of the entropy bonus subtracted from the policy loss
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
@@ -355,6 +356,9 @@ def validate(cfg: DictConfig) -> None:
     url = agl.agl_base_url
     if url is not None and not str(url).startswith(("http://", "https://")):
         raise ConfigError("agentlightning.agl_base_url", f"must be an http(s) URL or null, got {url!r}")
+    entropy_coeff = OmegaConf.select(cfg, "actor_rollout_ref.actor.entropy_coeff")
+    if not 0 <= entropy_coeff < float("inf"):
+        raise ConfigError("actor_rollout_ref.actor.entropy_coeff", f"must be a finite number of 0 or more, got {entropy_coeff!r}")
     clip_c = OmegaConf.select(cfg, "actor_rollout_ref.actor.clip_ratio_c")
     if clip_c is not None and clip_c <= 1.0:
         raise ConfigError("actor_rollout_ref.actor.clip_ratio_c", f"must be greater than 1.0, got {clip_c}")

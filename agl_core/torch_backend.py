@@ -5,7 +5,8 @@ One training step, with every stage reached through the plugin registries:
 rollouts (embedded source, or the gateway when ``agl_base_url`` is set) → Triplets → the configured
 aggregator → the configured advantage estimator (on everything collected) → batch shaping → tensors
 → old log-probs → for each PPO epoch and mini-batch: the configured policy loss (+ optional KL to
-the initial policy) → AdamW step with gradient clipping → lr schedule step → the serving copy of the
+the initial policy, − ``actor.entropy_coeff`` × the policy's entropy, weighted over tokens as the
+loss is; ``actor/entropy`` is reported either way) → AdamW step with gradient clipping → lr schedule step → the serving copy of the
 policy gets the new weights.
 
 Validation (``data.val_files``): before the first step when ``trainer.val_before_train`` is set, and
@@ -48,6 +49,7 @@ from agl_core.data import CompletedRollout
 from agl_core.hookspecs import hookimpl
 from agl_core.jsonl import read_json_objects
 from agl_core.losses import LossSettings
+from agl_core.normalization import token_weights
 from agl_core.pipeline import PreparedBatch, StepPipeline, rollout_metrics
 from agl_core.tensorize import tensorize
 from agl_core.vllm_engine import VllmEngineError
@@ -115,13 +117,23 @@ def lr_lambda(optim: Any, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def response_log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``."""
+def response_distributions(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``."""
     width = tensors["responses"].shape[1]
     logits = model(
         input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], position_ids=tensors["position_ids"]
     ).logits[:, -width - 1 : -1, :]
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tensors["responses"][..., None]).squeeze(-1)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def response_log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``."""
+    return response_distributions(model, tensors).gather(-1, tensors["responses"][..., None]).squeeze(-1)
+
+
+def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """The policy's entropy at every position, from its log-softmax ``[..., vocab]``."""
+    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -371,6 +383,8 @@ class TorchBackend:
             ref_log_prob = response_log_probs(self.ref_model, tensors) if self.ref_model is not None else None
         self.model.train()
         actor = self.config.actor_rollout_ref.actor
+        entropy_coeff = float(actor.entropy_coeff)
+        scales = None if prepared.row_scales is None else torch.as_tensor(prepared.row_scales, device=self.device)
         n_rows = len(shaped.rows)
         per_mini = n_rows // shaped.n_mini_batches
         sums: dict[str, float] = {}
@@ -379,8 +393,14 @@ class TorchBackend:
             for start in range(0, n_rows, per_mini):
                 part = slice(start, start + per_mini)
                 mini = {k: v[part] for k, v in tensors.items()}
-                log_prob = response_log_probs(self.model, mini)
+                distributions = response_distributions(self.model, mini)
+                log_prob = distributions.gather(-1, mini["responses"][..., None]).squeeze(-1)
                 loss, loss_metrics = self.loss_fn(old_log_prob[part], log_prob, advantages[part], mask[part], self.loss_settings)
+                with torch.set_grad_enabled(entropy_coeff > 0):
+                    entropy = (token_weights(mask[part], None if scales is None else scales[part]) * token_entropy(distributions)).sum()
+                if entropy_coeff > 0:
+                    loss = loss - entropy_coeff * entropy
+                loss_metrics = {**loss_metrics, "actor/entropy": entropy.item()}
                 if ref_log_prob is not None:
                     trained = mask[part].bool()
                     kl = torch.where(trained, low_var_kl(log_prob, ref_log_prob[part]), 0.0).sum() / trained.sum().clamp(min=1)

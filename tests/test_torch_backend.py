@@ -265,3 +265,60 @@ def _overrides_for_fit(policy, tmp_path, *extra):
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         *extra,
     ]
+
+
+class ZeroPolicyLoss:
+    """A policy loss that is always 0, so the entropy bonus is all an update follows."""
+
+    @hookimpl
+    def agl_register_policy_losses(self, register):
+        register("zero", lambda old_log_prob, log_prob, *args, **kwargs: ((log_prob * 0.0).sum(), {}))
+
+
+def _next_token_entropy(backend, content):
+    text = backend.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([backend.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(backend.model(ids).logits[0, -1].float(), -1)
+    return float(-(log_probs.exp() * log_probs).sum())
+
+
+@pytest.mark.parametrize("loss_normalization", ["rollouts", "upstream"])
+def test_the_entropy_bonus_raises_the_entropy_and_nothing_moves_without_it(policy, tmp_path, loss_normalization):
+    entropies = {}
+    for coeff in (0.0, 1.0):
+        config = _config(
+            policy,
+            tmp_path / str(coeff),
+            "agentlightning.local.agent_class=tests.test_torch_backend:NoisyRewardAgent",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=zero",
+            f"agentlightning.loss_normalization={loss_normalization}",
+            f"actor_rollout_ref.actor.entropy_coeff={coeff}",
+            "actor_rollout_ref.actor.optim.lr=1e-4",
+        )
+        backend = TorchBackend(config, PluginManager.from_config(config, [ZeroPolicyLoss()], load_entrypoints=False))
+        backend.engine = backend.make_engine()
+        backend.engine.start()
+        backend.engine.push_weights(backend.model, 0)
+        source = backend.make_source()
+        try:
+            before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+            entropy_before = _next_token_entropy(backend, "junction 1 : the sign points left")
+            metrics = backend.train_step(source, SAMPLES)
+            moved = any(not torch.equal(v, before[k]) for k, v in backend.model.state_dict().items())
+            entropies[coeff] = (entropy_before, _next_token_entropy(backend, "junction 1 : the sign points left"), moved)
+        finally:
+            source.close()
+            backend.engine.close()
+        assert metrics["actor/n_updates"] == 1.0
+        assert 0.0 < metrics["actor/entropy"] <= float(torch.log(torch.tensor(float(len(backend.tokenizer))))) + 1e-4
+    assert entropies[0.0][2] is False  # a zero loss and no bonus: AdamW leaves every weight as it was
+    before, after, moved = entropies[1.0]
+    assert moved and after > before + 1e-4, (before, after)
+
+
+def test_entropy_coeff_is_validated_by_name(policy, tmp_path):
+    from agl_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.entropy_coeff"):
+        _config(policy, tmp_path, "actor_rollout_ref.actor.entropy_coeff=-0.1")
