@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -19,9 +21,18 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def dump_stacks_on_sigusr1() -> bool:
+    """Make ``kill -USR1 PID`` print every thread's stack to stderr, for runs that seem stuck."""
+    if not hasattr(signal, "SIGUSR1"):
+        return False
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    return True
+
+
 def _train(args: argparse.Namespace) -> int:
     from agl_core.train import run
 
+    dump_stacks_on_sigusr1()
     overrides = [f"agentlightning.backend={o[len('backend='):]}" if o.startswith("backend=") else o for o in args.overrides]
     run_dir = run(args.config, overrides)
     print(f"agl: run finished; metrics, plot and checkpoints in {run_dir}")
@@ -48,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list registered plugins, their hooks and registry names")
     plugins.add_argument("--hooks", action="append", metavar="FILE", help="also load this hook file (repeatable)")
     plugins.set_defaults(func=_plugins)
-    train = sub.add_parser("train", help="train with the configured backend and plugins")
+    train = sub.add_parser(
+        "train",
+        help="train with the configured backend and plugins",
+        description="Train with the configured backend and plugins. kill -USR1 PID prints every thread's stack.",
+    )
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (backend=NAME selects the backend)")
     train.set_defaults(func=_train)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 
@@ -43,3 +46,19 @@ def test_bad_hook_file_is_a_one_line_error(tmp_path):
     out = agl("plugins", "--hooks", str(tmp_path / "nope.py"))
     assert out.returncode == 2
     assert out.stderr.startswith("agl: error: hook file not found")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_sigusr1_prints_every_threads_stack():
+    """A stuck ``agl train`` can be asked where each thread is."""
+    script = (
+        "import os, signal, threading, time\n"
+        "from agl_core.cli import dump_stacks_on_sigusr1\n"
+        "assert dump_stacks_on_sigusr1()\n"
+        "threading.Thread(target=time.sleep, args=(30,), name='sleeper', daemon=True).start()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.5)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert "Current thread 0x" in done.stderr and done.stderr.count("hread 0x") == 2  # the main thread and the sleeper
