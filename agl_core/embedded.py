@@ -419,6 +419,7 @@ class EmbeddedRolloutSource:
             elif future.exception() is not None:
                 exc = future.exception()
                 state, error = "failed", f"agent raised {type(exc).__name__}: {exc}"
+                logger.warning("rollout %s failed: %s", rid, error)
             else:
                 state, error = "succeeded", None
             rollout = self._finish(request, events, state, error, queued_at, counts)
