@@ -9,6 +9,12 @@ under agl's embedded rollout source and under the real gateway + controller.
 Besides the final reward (the fraction of right turns) it reports each junction's own reward,
 ``1 / len(signs)`` for a right turn and 0 otherwise, tagged with the model call that made the turn
 (``data.call_index``), so a turn-aware estimator (``turn_grpo``) can credit each turn for itself.
+
+Each reply is one token: the turn is decided by the reply's first word, and tokens after it earn
+nothing, so a policy would fill them with whatever it likes, special tokens included. Those vanish
+from the reply text, the re-rendered history no longer extends the tokens the model produced, and
+trajectory aggregation has to split the rollout. With one token the chat template closes every turn,
+and each rollout merges into one row once the policy answers with words.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import httpx
 
 from examples.corridor.task import SYSTEM_PROMPT, action, observation
 
-MAX_TOKENS = 4
+MAX_TOKENS = 1  # the direction word; see the module docstring
 MAX_PAUSED_WAITS = 60  # a paused gateway (weight update) answers 429 with Retry-After; wait that out
 
 # One connection pool per process: the controller starts a process per rollout, the embedded source

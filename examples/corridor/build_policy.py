@@ -7,6 +7,14 @@ aggregation merges each rollout into one row. The model is a 2-layer Llama with 
 model type has no tokenizer class of its own, makes ``AutoTokenizer`` load ``tokenizer.json`` as
 saved (a Qwen2 config would swap in Qwen2's byte-level pre-tokenizer).
 
+The initialisation decides whether RL can teach this policy. With Llama's default (standard deviation
+0.02 everywhere) attention starts uniform, the sign just shown barely moves the last hidden state and
+the untrained policy answers alike in every context. RL then raises whichever direction word the
+policy already favours, everywhere, until it says that word almost surely and the gradient through
+its saturated softmax is gone: the reward stays near 0.5. So the body is drawn at 0.08, where the
+sign already shapes the hidden state, and the output layer at 0.02, so the untrained policy favours
+neither direction (each about 1 in 34).
+
 Usage: ``python examples/corridor/build_policy.py [OUT_DIR] [--seed N]`` (default
 ``outputs/corridor/policy``).
 """
@@ -25,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.corridor.task import vocabulary_corpus  # noqa: E402
 
 DEFAULT_DIR = Path("outputs/corridor/policy")
+BODY_INIT_STD = 0.08
+HEAD_INIT_STD = 0.02
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -61,8 +71,12 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        initializer_range=BODY_INIT_STD,
     )
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, HEAD_INIT_STD)
+    return model
 
 
 def build(out_dir: Path, seed: int = 0) -> Path:
