@@ -194,7 +194,12 @@ class _Recorder:
         self.places: dict[str, tuple[int, int, int]] = {}  # rollout id -> (step, is_train, index in batch)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # At most one call per agent thread is in flight, so no request waits for a connection, and none
+        # is trimmed: httpcore 1.0 can close a connection it has just handed to another thread when it
+        # drops surplus or expired keep-alive connections (encode/httpcore#1110).
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=None
+        )
         self.client = httpx.Client(timeout=None, limits=limits)
 
     def record(self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any]) -> bool:

@@ -31,8 +31,12 @@ MAX_TOKENS = 1  # the direction word; see the module docstring
 MAX_PAUSED_WAITS = 60  # a paused gateway (weight update) answers 429 with Retry-After; wait that out
 
 # One connection pool per process: the controller starts a process per rollout, the embedded source
-# runs many rollouts in one process.
-_client = httpx.Client(timeout=300)
+# runs many rollouts in one process. The pool never trims its idle connections: httpcore 1.0's pool
+# can close a connection it has just handed to another thread when it drops surplus or expired
+# keep-alive connections (encode/httpcore#1110), and that call then fails or hangs until its timeout.
+_client = httpx.Client(
+    timeout=300, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=None)
+)
 
 
 class CorridorAgent:
