@@ -22,10 +22,15 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def dump_stacks_on_sigusr1() -> bool:
-    """Make ``kill -USR1 PID`` print every thread's stack to stderr, for runs that seem stuck."""
-    if not hasattr(signal, "SIGUSR1"):
+    """Make ``kill -USR1 PID`` print every thread's stack to the process's stderr, for runs that seem
+    stuck. False where there is no SIGUSR1 or no stderr file descriptor to write to."""
+    stderr = sys.__stderr__
+    if not hasattr(signal, "SIGUSR1") or stderr is None:
         return False
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both OSError and ValueError
+        return False
     return True
 
 
