@@ -126,9 +126,14 @@ def response_distributions(model: torch.nn.Module, tensors: Mapping[str, torch.T
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def chosen_log_probs(distributions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """The log-probs of the ``responses`` tokens, ``[rows, response_len]``, from :func:`response_distributions`."""
+    return distributions.gather(-1, responses[..., None]).squeeze(-1)
+
+
 def response_log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Log-probs of the response tokens under ``model``, ``[rows, response_len]``."""
-    return response_distributions(model, tensors).gather(-1, tensors["responses"][..., None]).squeeze(-1)
+    return chosen_log_probs(response_distributions(model, tensors), tensors["responses"])
 
 
 def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
@@ -394,7 +399,7 @@ class TorchBackend:
                 part = slice(start, start + per_mini)
                 mini = {k: v[part] for k, v in tensors.items()}
                 distributions = response_distributions(self.model, mini)
-                log_prob = distributions.gather(-1, mini["responses"][..., None]).squeeze(-1)
+                log_prob = chosen_log_probs(distributions, mini["responses"])
                 loss, loss_metrics = self.loss_fn(old_log_prob[part], log_prob, advantages[part], mask[part], self.loss_settings)
                 with torch.set_grad_enabled(entropy_coeff > 0):
                     entropy = (token_weights(mask[part], None if scales is None else scales[part]) * token_entropy(distributions)).sum()

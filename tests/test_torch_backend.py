@@ -14,7 +14,7 @@ from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager
 from agl_core.registry import RegistryError
 from agl_core.tensorize import tensorize
-from agl_core.torch_backend import TorchBackend, response_log_probs
+from agl_core.torch_backend import TorchBackend, response_log_probs, token_entropy
 from agl_core.train import run
 from tests.corridor_policy import build_corridor_policy
 
@@ -79,8 +79,8 @@ def _config(policy, run_dir, *extra):
 class Running:
     """A backend with its engine and rollout source started, as ``fit`` starts them."""
 
-    def __init__(self, config):
-        self.backend = TorchBackend(config, PluginManager.from_config(config, load_entrypoints=False))
+    def __init__(self, config, plugins=()):
+        self.backend = TorchBackend(config, PluginManager.from_config(config, plugins, load_entrypoints=False))
         self.backend.engine = self.backend.make_engine()
         self.backend.engine.start()
         self.backend.engine.push_weights(self.backend.model, 0)
@@ -279,8 +279,7 @@ def _next_token_entropy(backend, content):
     text = backend.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([backend.tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
-        log_probs = torch.log_softmax(backend.model(ids).logits[0, -1].float(), -1)
-    return float(-(log_probs.exp() * log_probs).sum())
+        return float(token_entropy(torch.log_softmax(backend.model(ids).logits[0, -1].float(), -1)))
 
 
 @pytest.mark.parametrize("loss_normalization", ["rollouts", "upstream"])
@@ -296,20 +295,16 @@ def test_the_entropy_bonus_raises_the_entropy_and_nothing_moves_without_it(polic
             f"actor_rollout_ref.actor.entropy_coeff={coeff}",
             "actor_rollout_ref.actor.optim.lr=1e-4",
         )
-        backend = TorchBackend(config, PluginManager.from_config(config, [ZeroPolicyLoss()], load_entrypoints=False))
-        backend.engine = backend.make_engine()
-        backend.engine.start()
-        backend.engine.push_weights(backend.model, 0)
-        source = backend.make_source()
+        r = Running(config, [ZeroPolicyLoss()])
+        backend = r.backend
         try:
             before = {k: v.clone() for k, v in backend.model.state_dict().items()}
             entropy_before = _next_token_entropy(backend, "junction 1 : the sign points left")
-            metrics = backend.train_step(source, SAMPLES)
+            metrics = backend.train_step(r.source, SAMPLES)
             moved = any(not torch.equal(v, before[k]) for k, v in backend.model.state_dict().items())
             entropies[coeff] = (entropy_before, _next_token_entropy(backend, "junction 1 : the sign points left"), moved)
         finally:
-            source.close()
-            backend.engine.close()
+            r.close()
         assert metrics["actor/n_updates"] == 1.0
         assert 0.0 < metrics["actor/entropy"] <= float(torch.log(torch.tensor(float(len(backend.tokenizer))))) + 1e-4
     assert entropies[0.0][2] is False  # a zero loss and no bonus: AdamW leaves every weight as it was
