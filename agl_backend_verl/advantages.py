@@ -20,9 +20,9 @@ import attrs
 import numpy as np
 import torch
 
-from agl_core.advantage import Advantages, AdvantageSettings, group_rollouts
+from agl_core.stages.advantage import Advantages, AdvantageSettings, group_rollouts
 from agl_core.data import TrainingRow
-from agl_core.tensorize import tensorize
+from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.config import ROLLOUT_LEVEL_KEY, verl_algorithm_config
 from agl_backend_verl.dataproto import to_dataproto
 

@@ -1,6 +1,6 @@
 """agl's padded batch ↔ verl's ``DataProto``, and back to training rows.
 
-The tensors keep :mod:`agl_core.tensorize`'s names, which are verl's (``prompts``, ``responses``,
+The tensors keep :mod:`agl_core.stages.tensorize`'s names, which are verl's (``prompts``, ``responses``,
 ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, ``token_level_scores``,
 ``rollout_log_probs``). The per-row columns travel as ``non_tensor_batch`` entries, plus ``uid``
 (the group id), the key verl's group estimators and batch balancing read.
@@ -15,7 +15,7 @@ import numpy as np
 from verl import DataProto
 
 from agl_core.data import TrainingRow
-from agl_core.tensorize import PaddedBatch
+from agl_core.stages.tensorize import PaddedBatch
 
 GROUP_KEY = "uid"
 ROW_COLUMNS = ("rollout_ids", "group_ids", "turn_indices")

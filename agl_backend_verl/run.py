@@ -88,7 +88,7 @@ class TaskRunner:
         from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
         from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-        from agl_core.gateway_source import gateway_source
+        from agl_core.rollouts.gateway import gateway_source
         from agl_core.plugins import PluginManager
         from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
 
@@ -129,7 +129,7 @@ class VerlBackend:
     """Backend ``verl`` for ``agl train``: the datasets are ``data.train_files`` / ``data.val_files`` (JSONL)."""
 
     def __init__(self, config: DictConfig, plugins: Any):
-        from agl_core.torch_backend import load_dataset
+        from agl_core.datasets import load_dataset
 
         if "ray_kwargs" not in config:
             raise ConfigError(

@@ -27,8 +27,8 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.metric import reduce_metrics
 
 from agl_core.data import CompletedRollout
-from agl_core.pipeline import StepPipeline, rollout_metrics
-from agl_core.tensorize import tensorize
+from agl_core.stages.pipeline import StepPipeline, rollout_metrics
+from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.advantages import compute_advantages
 from agl_backend_verl.config import validate_verl
 from agl_backend_verl.dataproto import to_dataproto

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error, not a traceback, for expected failures
         from agl_core.config import ConfigError
         from agl_core.plugins import PluginError
-        from agl_core.registry import RegistryError
+        from agl_core.plugins.registry import RegistryError
         from agl_hooks.loader import HookFileError
 
         if isinstance(exc, (ConfigError, PluginError, RegistryError, HookFileError, FileNotFoundError)):

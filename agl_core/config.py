@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 REDACTED = "***"
 SECRET_KEYS = ("agentlightning.agl_key",)
-LOSS_NORMALIZATION_MODES = ("rollouts", "upstream")  # see agl_core.normalization
+LOSS_NORMALIZATION_MODES = ("rollouts", "upstream")  # see agl_core.stages.normalization
 
 
 class ConfigError(ValueError):
@@ -124,7 +124,7 @@ class AgentLightningConfig:
     k8s: K8sRunnerConfig = field(default_factory=K8sRunnerConfig)
     reward_fillna_value: float = 0.0
     max_ppo_update_times: Optional[int] = None
-    # How per_rollout_mean scales advantages per rollout (agl_core.normalization): rollouts | upstream.
+    # How per_rollout_mean scales advantages per rollout (agl_core.stages.normalization): rollouts | upstream.
     loss_normalization: str = "rollouts"
     trace_aggregator: TraceAggregatorConfig = field(default_factory=TraceAggregatorConfig)
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)

@@ -24,7 +24,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from agl_core.data import CompletedRollout, RolloutRequest
-    from agl_core.event_writer import EventWriter
+    from agl_core.plugins.event_writer import EventWriter
 
 hookspec = pluggy.HookspecMarker("agl")
 hookimpl = pluggy.HookimplMarker("agl")
@@ -42,8 +42,8 @@ def agl_register_aggregators(register: Register) -> None:
 
     ``aggregate(rollouts, settings) -> Aggregation``: ``rollouts`` is a sequence of
     :class:`~agl_core.data.CompletedRollout`; ``settings`` an
-    :class:`~agl_core.aggregation.AggregationSettings` (prompt/response limits, optional tokenizer,
-    mismatch sample size). It returns an :class:`~agl_core.aggregation.Aggregation` (rows, metrics,
+    :class:`~agl_core.stages.aggregation.AggregationSettings` (prompt/response limits, optional tokenizer,
+    mismatch sample size). It returns an :class:`~agl_core.stages.aggregation.Aggregation` (rows, metrics,
     mismatch samples) and must not mutate its input. ``agl_core.testing`` holds the contract suite
     every aggregator must pass.
     """
@@ -61,11 +61,11 @@ def agl_register_advantage_estimators(register: Register) -> None:
     :class:`~agl_core.data.TrainingRow` (every row collected for the step, before any drop; an
     estimator reads ``rollout_id``, ``group_id``, ``reward``, ``response_mask`` and, when it credits
     calls separately, ``response_turns``, ``turn_index`` and ``turn_rewards``); ``settings`` is an
-    :class:`~agl_core.advantage.AdvantageSettings` (``algorithm.norm_adv_by_std_in_grpo``,
-    ``algorithm.gamma``). The result is an :class:`~agl_core.advantage.Advantages`: ``per_row``, one
+    :class:`~agl_core.stages.advantage.AdvantageSettings` (``algorithm.norm_adv_by_std_in_grpo``,
+    ``algorithm.gamma``). The result is an :class:`~agl_core.stages.advantage.Advantages`: ``per_row``, one
     read-only float32 array per row aligned with its response and zero wherever ``response_mask`` is
     0, and ``metrics``. Rows of one rollout that disagree on group or reward, and groups too small
-    for the estimator, are errors that name the rollout or group. See :mod:`agl_core.advantage`.
+    for the estimator, are errors that name the rollout or group. See :mod:`agl_core.stages.advantage`.
     """
 
 
@@ -80,11 +80,11 @@ def agl_register_policy_losses(register: Register) -> None:
 
     ``loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None)
     -> (loss, metrics)`` over padded ``[batch, response_len]`` torch tensors; ``settings`` is a
-    :class:`~agl_core.losses.LossSettings`; ``loss`` is a scalar tensor to backpropagate and
+    :class:`~agl_core.stages.policy_loss.LossSettings`; ``loss`` is a scalar tensor to backpropagate and
     ``metrics`` maps ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` to
     floats. Values at padded positions must not reach the loss or its gradient.
-    :func:`agl_core.losses.as_verl_policy_loss` turns such a function into one for verl's
-    policy-loss registry. See :mod:`agl_core.losses`.
+    :func:`agl_core.stages.policy_loss.as_verl_policy_loss` turns such a function into one for verl's
+    policy-loss registry. See :mod:`agl_core.stages.losses`.
     """
 
 

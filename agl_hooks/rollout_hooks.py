@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import attrs
 
 from agl_core.data import CompletedRollout, RolloutRequest, thaw
-from agl_core.event_writer import EventWriter
+from agl_core.plugins.event_writer import EventWriter
 from agl_core.hookspecs import hookimpl
 
 HOOK_METHODS = ("on_startup", "on_enqueue", "on_succeeded", "on_failed")

@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from agl_core.aggregation import AggregationSettings
-from agl_core.aggregators import trajectory, transition
+from agl_core.stages.aggregation import AggregationSettings
+from agl_core.stages.levels import trajectory, transition
 from agl_core.data import CompletedRollout, Triplet
-from agl_core.tensorize import tensorize
+from agl_core.stages.tensorize import tensorize
 
 VOCAB = 32_000
 # Agent Lightning's default trajectory limits, the fixed padding we compare against.

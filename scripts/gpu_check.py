@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from examples.corridor.build_policy import build  # noqa: E402
-from agl_core.processes import stop_process_group  # noqa: E402
+from agl_core.serving.processes import stop_process_group  # noqa: E402
 from tests.gateway_server import Controller, GatewayServer  # noqa: E402
 
 RUN_VERL = REPO_ROOT / "examples" / "corridor" / "run_verl.sh"

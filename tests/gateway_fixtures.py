@@ -20,7 +20,7 @@ import attrs
 import pytest
 
 from agl_core.config import load_config
-from agl_core.gateway_client import GatewayClient, GatewayError
+from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.plugins import PluginManager
 from tests.gateway_server import MODEL_NAME, GatewayServer
 
@@ -155,7 +155,7 @@ def gateway_config(server: GatewayServer, *overrides: str):
 
 
 def plugin_manager(*plugins: Any) -> PluginManager:
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     for plugin in plugins:
         manager.register(plugin)
     return manager

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from agl_core.vllm_engine import VENV_SCRIPT, VllmEngine, default_vllm_python
+from agl_core.serving.vllm_engine import VENV_SCRIPT, VllmEngine, default_vllm_python
 
 
 def vllm_python() -> Path:

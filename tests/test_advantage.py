@@ -11,15 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from agl_core.advantage import (
-    AdvantageError,
-    AdvantageSettings,
-    grpo,
-    reinforce,
-    reinforce_baseline,
-    rloo,
-    turn_grpo,
-)
+from agl_core.stages.advantage import AdvantageError, AdvantageSettings
+from agl_core.stages.estimators import grpo, reinforce, reinforce_baseline, rloo, turn_grpo
 from agl_core.config import ConfigError, default_config
 from agl_core.data import DataValidationError, TrainingRow
 from agl_core.plugins import PluginManager

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import Phase, find, settings
 from hypothesis import strategies as st
 
-from agl_core.aggregators import trajectory
+from agl_core.stages.levels import trajectory
 from agl_core.testing.contracts import AggregatorContract, check_aggregation
 from agl_core.testing.strategies import aggregation_settings, rollout_batches
 

@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from agl_core.aggregation import (
+from agl_core.stages.aggregation import (
     Aggregation,
     AggregationSettings,
     settings_from_config,
     write_mismatches_jsonl,
 )
-from agl_core.aggregators import trajectory, transition
+from agl_core.stages.levels import trajectory, transition
 from agl_core.config import ConfigError, load_config
 from agl_core.data import CompletedRollout, DataValidationError, Triplet
 from agl_core.plugins import PluginManager
@@ -160,7 +160,7 @@ def test_a_missing_final_reward_is_an_error_naming_the_rollout(aggregate):
 def test_built_ins_are_registered_by_name():
     registry = PluginManager(load_entrypoints=False).aggregators
     assert registry.get("trajectory") is trajectory and registry.get("transition") is transition
-    assert registry.entry("trajectory").plugin_name == "agl_core.aggregators"
+    assert registry.entry("trajectory").plugin_name == "aggregators"
 
 
 @pytest.mark.parametrize(

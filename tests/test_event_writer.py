@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agl_core.event_writer import EventWriter
+from agl_core.plugins.event_writer import EventWriter
 
 
 def test_failed_flush_keeps_the_unsent_events_in_order():

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_core.data import RolloutRequest
-from agl_core.events import METRICS, completed_rollout, completed_rollout_from_record, events_by_attempt, parse_events
+from agl_core.rollouts.events import METRICS, completed_rollout, completed_rollout_from_record, events_by_attempt, parse_events
 
 SCENARIOS = [
     "multiturn_4",

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from agl_core.data import RolloutRequest
-from agl_core.gateway_client import GatewayClient, GatewayError
+from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from tests.fault_proxy import FaultProxy
 from tests.gateway_fixtures import gateway, good_call  # noqa: F401  (fixture)
 from tests.gateway_server import MODEL_NAME

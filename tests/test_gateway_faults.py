@@ -9,8 +9,8 @@ import time
 import pytest
 
 from agl_core import hookimpl
-from agl_core.gateway_client import GatewayClient, GatewayError
-from agl_core.gateway_source import gateway_source
+from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
+from agl_core.rollouts.gateway import gateway_source
 from tests.fault_proxy import FaultProxy
 from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     Plan,

@@ -13,8 +13,8 @@ import pytest
 from agl_core import hookimpl
 from agl_core.config import ConfigError
 from agl_core.data import RolloutRequest
-from agl_core.gateway_client import GatewayClient
-from agl_core.gateway_source import AsyncGatewayRolloutSource, GatewayRolloutSource, gateway_source
+from agl_core.rollouts.gateway_client import GatewayClient
+from agl_core.rollouts.gateway import AsyncGatewayRolloutSource, GatewayRolloutSource, gateway_source
 from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     Plan,
     SimulatedController,

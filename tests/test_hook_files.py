@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.event_writer import EventWriter
+from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins import PluginManager
 from agl_hooks.loader import HookFileError, load_hook_file
 
@@ -73,7 +73,7 @@ def request(rollout_id="r1"):
 
 
 def manager_with(*paths):
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     manager.load_hook_files(paths)
     return manager
 
@@ -231,7 +231,7 @@ def test_missing_hook_file(tmp_path):
 def test_hooks_from_config_accept_a_path_or_a_list(tmp_path):
     v1 = write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE)
     mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
-    one = PluginManager.from_config({"agentlightning": {"hooks": str(v1)}}, load_entrypoints=False, builtins=())
-    both = PluginManager.from_config({"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins=())
+    one = PluginManager.from_config({"agentlightning": {"hooks": str(v1)}}, load_entrypoints=False, builtins={})
+    both = PluginManager.from_config({"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins={})
     assert one.is_registered(f"hookfile:{v1.resolve()}") and not one.is_registered(f"hookfile:{mod.resolve()}")
     assert both.is_registered(f"hookfile:{mod.resolve()}")

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_core.config import ConfigError, default_config
-from agl_core.losses import LossSettings, as_verl_policy_loss, per_rollout_mean, ppo_token_losses, token_mean
+from agl_core.stages.losses import per_rollout_mean, token_mean
+from agl_core.stages.policy_loss import LossSettings, as_verl_policy_loss, ppo_token_losses
 from agl_core.plugins import PluginManager
 
 LOSSES = {"per_rollout_mean": per_rollout_mean, "token_mean": token_mean}

@@ -3,10 +3,10 @@
 import pytest
 import transformers
 
-from agl_core.aggregation import AggregationSettings
-from agl_core.aggregators import trajectory, transition
+from agl_core.stages.aggregation import AggregationSettings
+from agl_core.stages.levels import trajectory, transition
 from agl_core.data import CompletedRollout, Triplet
-from agl_core.mismatch import classify_break
+from agl_core.stages.mismatch import classify_break
 from agl_core.testing.strategies import TOY_TOKENIZER
 
 TOY = TOY_TOKENIZER

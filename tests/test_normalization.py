@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_core.config import ConfigError, load_config
-from agl_core.normalization import normalize_advantages, rollout_scales
+from agl_core.stages.normalization import normalize_advantages, rollout_scales
 
 
 @st.composite
@@ -131,7 +131,7 @@ def test_config_key_defaults_to_rollouts_and_is_validated():
 
 def test_token_weights_reduce_as_the_loss_does():
     """Under a per-rollout loss a mini-batch's weights sum to 1 and each rollout gets M/R; otherwise 1/n_tokens."""
-    from agl_core.normalization import token_weights
+    from agl_core.stages.normalization import token_weights
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]])
     rollout_ids = ["a", "a", "b"]

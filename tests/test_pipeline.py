@@ -10,8 +10,8 @@ import torch
 
 from agl_core.config import load_config
 from agl_core.data import CompletedRollout, Triplet
-from agl_core.normalization import rollout_scales
-from agl_core.pipeline import StepPipeline, rollout_metrics
+from agl_core.stages.normalization import rollout_scales
+from agl_core.stages.pipeline import StepPipeline, rollout_metrics
 from agl_core.plugins import PluginManager
 
 

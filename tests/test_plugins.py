@@ -10,7 +10,7 @@ import pytest
 
 from agl_core import hookimpl
 from agl_core.plugins import BLOCKED_PLUGINS_ENV, DISABLE_AUTOLOAD_ENV, PluginError, PluginManager
-from agl_core.registry import RegistryError
+from agl_core.plugins.registry import RegistryError
 
 PLUGIN_MODULE = """
 from agl_core import hookimpl
@@ -140,7 +140,7 @@ class _Registers:
 
 
 def test_duplicate_registry_names_name_both_plugins():
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     manager.register(_Registers("same"), name="first-plugin")
     manager.register(_Registers("same"), name="second-plugin")
     with pytest.raises(RegistryError, match="'same' is registered by both plugin 'first-plugin' and plugin 'second-plugin'"):
@@ -148,14 +148,14 @@ def test_duplicate_registry_names_name_both_plugins():
 
 
 def test_unknown_name_lists_what_is_registered():
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     manager.register(_Registers("alpha"), name="p")
     with pytest.raises(RegistryError, match=r"unknown aggregator 'beta' \(set by agentlightning.trace_aggregator.level\); registered: alpha"):
         manager.aggregators.get("beta")
 
 
 def test_registries_are_rebuilt_after_a_late_registration():
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     assert "late" not in manager.aggregators
     manager.register(_Registers("late"), name="late-plugin")
     assert "late" in manager.aggregators
@@ -167,7 +167,7 @@ def test_misspelt_hook_fails_loudly():
         def agl_register_agregators(self, register):
             pass
 
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     with pytest.raises(PluginError, match="unknown hook 'agl_register_agregators'; did you mean 'agl_register_aggregators'"):
         manager.register(Typo(), name="typo")
 
@@ -178,7 +178,7 @@ def test_hookimpl_with_wrong_arguments_is_refused():
         def agl_on_enqueue(self, request, extra):
             return None
 
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     with pytest.raises(PluginError, match="does not fit the hookspecs"):
         manager.register(WrongArgs(), name="wrong")
 
@@ -196,7 +196,7 @@ def test_tryfirst_runs_before_registration_order():
         def agl_on_startup(self):
             order.append("early")
 
-    manager = PluginManager(load_entrypoints=False, builtins=())
+    manager = PluginManager(load_entrypoints=False, builtins={})
     manager.register(Plain(), name="plain")
     manager.register(Early(), name="early")
     manager.on_startup(config={})
@@ -205,8 +205,8 @@ def test_tryfirst_runs_before_registration_order():
 
 def test_builtins_are_ordinary_blockable_plugins(monkeypatch):
     monkeypatch.setenv(BLOCKED_PLUGINS_ENV, "tests.test_plugins")
-    manager = PluginManager(load_entrypoints=False, builtins=("tests.test_plugins",))
+    manager = PluginManager(load_entrypoints=False, builtins={"tests.test_plugins": "tests.test_plugins"})
     assert not manager.is_registered("tests.test_plugins")
     monkeypatch.delenv(BLOCKED_PLUGINS_ENV)
-    manager = PluginManager(load_entrypoints=False, builtins=("tests.test_plugins",))
+    manager = PluginManager(load_entrypoints=False, builtins={"tests.test_plugins": "tests.test_plugins"})
     assert {i.name: i.source for i in manager.list_plugins()}["tests.test_plugins"] == "built-in"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agl_core.events import parse_events
-from agl_core.policy_server import PolicyServer, SamplingParams
+from agl_core.rollouts.events import parse_events
+from agl_core.serving.policy_server import PolicyServer, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_bad_requests_get_vllm_error_bodies(served, body, status, param):
 def test_concurrent_requests_are_generated_in_batches(served):
     server = served[0]
     sizes = []
-    import agl_core.policy_server as module
+    import agl_core.serving.policy_server as module
 
     real = module.generate_batch
 
@@ -147,7 +147,7 @@ def test_push_weights_changes_what_is_served(served, tiny_model_dir):
 def test_batched_sampling_matches_the_unbatched_distribution(served):
     """Left padding must not change what a prompt sees: greedy outputs agree batched and alone."""
     server, model, tokenizer = served
-    from agl_core.policy_server import generate_batch
+    from agl_core.serving.policy_server import generate_batch
 
     prompts = [[21, 225, 22], [3, 89, 507, 203, 59, 76, 283, 315]]
     kwargs = dict(stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode, generator=torch.Generator().manual_seed(0))
@@ -161,7 +161,7 @@ def test_batched_sampling_matches_the_unbatched_distribution(served):
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch(served):
     """A request's seed fixes its tokens whatever shares its batch; unseeded requests draw from the server's stream."""
     server, model, tokenizer = served
-    from agl_core.policy_server import generate_batch
+    from agl_core.serving.policy_server import generate_batch
 
     prompts = [[21, 225, 22], [3, 89, 507, 203, 59, 76, 283, 315], [40, 41]]
     kwargs = dict(stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode)
@@ -175,7 +175,7 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch(served):
 
 def test_sampling_follows_the_distribution(served):
     """Inverse-CDF sampling draws each token with its softmax probability, nucleus-truncated by top_p."""
-    from agl_core.policy_server import _sample
+    from agl_core.serving.policy_server import _sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
     uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(0))

@@ -25,10 +25,10 @@ import pytest
 
 from agl_core.config import load_config
 from agl_core.data import RolloutRequest
-from agl_core.gateway_client import GatewayClient
-from agl_core.gateway_source import AsyncGatewayRolloutSource
+from agl_core.rollouts.gateway_client import GatewayClient
+from agl_core.rollouts.gateway import AsyncGatewayRolloutSource
 from agl_core.plugins import PluginManager
-from agl_core.vllm_engine import VllmEngine
+from agl_core.serving.vllm_engine import VllmEngine
 from examples.corridor.build_policy import build
 from tests.gateway_server import REPO_ROOT, Controller, GatewayServer
 from tests.realstack_fixtures import vllm_python
@@ -288,7 +288,7 @@ def test_weight_push_and_reregistration_leave_no_503_window(stack, policy_dir: P
             "agentlightning.gateway.pause_retry_after_seconds=1",
         ]
     )
-    source = AsyncGatewayRolloutSource(cfg, PluginManager(load_entrypoints=False, builtins=()))
+    source = AsyncGatewayRolloutSource(cfg, PluginManager(load_entrypoints=False, builtins={}))
     model = AutoModelForCausalLM.from_pretrained(policy_dir)
     try:
         source.after_weight_update([engine.base_url], 10)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agl_core import hookimpl
-from agl_core.checkpoint import latest_checkpoint
+from agl_core.backends.torch.checkpoint import latest_checkpoint
 from agl_core.train import run
 from tests.corridor_policy import build_corridor_policy
 
@@ -91,7 +91,8 @@ def agl_on_enqueue(request):
 def _expected_batches(overrides, steps):
     """The dataset rows each step trains on, from the data order alone (no run needed)."""
     from agl_core.config import load_config
-    from agl_core.torch_backend import DataOrder, load_dataset
+    from agl_core.backends.torch.backend import DataOrder
+    from agl_core.datasets import load_dataset
 
     config = load_config(CONFIG, overrides)
     order = DataOrder(load_dataset(config.data.train_files), int(config.data.train_batch_size), True, int(config.trainer.seed))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agl_core.data import CompletedRollout, Triplet
-from agl_core.pipeline import staleness_metrics
+from agl_core.stages.pipeline import staleness_metrics
 
 
 def rollout(rid: str, versions: list[object]) -> CompletedRollout:

@@ -8,7 +8,7 @@ import pytest
 
 from agl_core.config import ConfigError, load_config
 from agl_core.plugins import PluginManager
-from agl_core.torch_backend import TorchBackend
+from agl_core.backends.torch.backend import TorchBackend
 from tests.corridor_policy import REPO_ROOT, build_corridor_policy
 
 CONFIG = str(REPO_ROOT / "examples" / "corridor" / "config.yaml")

@@ -16,7 +16,7 @@ from agl_backend_verl.config import load_verl_config, verl_algorithm_config  # n
 from agl_backend_verl.dataproto import to_dataproto  # noqa: E402
 from agl_core.data import TrainingRow  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
-from agl_core.tensorize import tensorize  # noqa: E402
+from agl_core.stages.tensorize import tensorize  # noqa: E402
 
 VERL_ESTIMATORS = ["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo"]
 

@@ -15,7 +15,7 @@ from verl import DataProto  # noqa: E402
 
 from agl_backend_verl.dataproto import rows_from_dataproto, to_dataproto, to_padded_batch  # noqa: E402
 from agl_core.data import TrainingRow  # noqa: E402
-from agl_core.tensorize import tensorize  # noqa: E402
+from agl_core.stages.tensorize import tensorize  # noqa: E402
 
 
 @st.composite

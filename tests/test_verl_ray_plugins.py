@@ -97,7 +97,8 @@ remote_verl_loss = ray.remote(num_cpus=1)(verl_loss)
 
 
 def driver_value():
-    from agl_core.losses import LossSettings, per_rollout_mean
+    from agl_core.stages.losses import per_rollout_mean
+    from agl_core.stages.policy_loss import LossSettings
 
     old, new, advantages, mask = loss_inputs()
     settings = LossSettings(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, dp_size=2)
@@ -109,7 +110,7 @@ def test_worker_finds_agls_loss_through_the_verl_plugins_entry_point(ray_session
     result = ray.get(remote_verl_loss.remote("per_rollout_mean"))
     assert result["pid"] != os.getpid()
     assert result["found"], "the verl.plugins entry point did not register per_rollout_mean in the worker"
-    assert result["plugin"] == "agl_core.losses"
+    assert result["plugin"] == "losses"
     assert result["modules_env"] == ""  # no runtime env: the entry point alone did it
     loss, metrics = driver_value()
     assert result["loss"] == pytest.approx(loss, rel=1e-6, abs=1e-7)

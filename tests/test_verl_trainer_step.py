@@ -20,7 +20,7 @@ from agl_backend_verl.trainer import AglRayPPOTrainer, SampleDataset, collate_sa
 from agl_core.config import ConfigError  # noqa: E402
 from agl_core.data import CompletedRollout, Triplet  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
-from agl_core.rollout_source import RolloutBatch, make_requests  # noqa: E402
+from agl_core.rollouts.source import RolloutBatch, make_requests  # noqa: E402
 
 N = 4
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agl_core.config import load_config
-from agl_core.vllm_engine import VllmEngine, VllmEngineError
+from agl_core.serving.vllm_engine import VllmEngine, VllmEngineError
 from tests.realstack_fixtures import complete, forward_log_probs, prefix_cache_hits, vllm_python, writable_model_copy
 
 # fp32 on both sides; observed differences are ~1e-6 (summation order inside the kernels).

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from agl_core.aggregation import MISMATCH_KINDS, Aggregation, AggregationSettings
+from agl_core.stages.aggregation import MISMATCH_KINDS, Aggregation, AggregationSettings
 from agl_core.data import CompletedRollout, DataValidationError, TrainingRow, Triplet
 from agl_core.plugins import PluginManager
 from agl_core.testing.strategies import TOY_TOKENIZER, aggregation_settings, rollout_batches

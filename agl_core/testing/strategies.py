@@ -17,7 +17,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from agl_core.aggregation import AggregationSettings
+from agl_core.stages.aggregation import AggregationSettings
 from agl_core.data import CompletedRollout, Triplet
 
 __all__ = [

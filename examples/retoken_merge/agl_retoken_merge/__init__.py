@@ -14,10 +14,10 @@ import attrs
 import numpy as np
 
 from agl_core import hookimpl
-from agl_core.aggregation import Aggregation, AggregationSettings
-from agl_core.aggregators import aggregate_trajectories, exact_prefix
+from agl_core.stages.aggregation import Aggregation, AggregationSettings
+from agl_core.stages.levels import aggregate_trajectories, exact_prefix
 from agl_core.data import CompletedRollout, Triplet
-from agl_core.mismatch import common_prefix_length, decode
+from agl_core.stages.mismatch import common_prefix_length, decode
 
 __all__ = ["realigned_start", "retoken_merge"]
 

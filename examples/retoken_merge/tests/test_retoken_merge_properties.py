@@ -7,8 +7,8 @@ import attrs
 import transformers
 from hypothesis import given, settings
 
-from agl_core.aggregation import AggregationSettings
-from agl_core.aggregators import trajectory
+from agl_core.stages.aggregation import AggregationSettings
+from agl_core.stages.levels import trajectory
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.testing.strategies import TOY_TOKENIZER, aggregation_settings, rollout_batches
 from agl_retoken_merge import REALIGNED_METRIC, retoken_merge

@@ -15,13 +15,13 @@ import attrs
 import numpy as np
 import torch
 
-from agl_core.advantage import Advantages, AdvantageSettings
-from agl_core.aggregation import settings_from_config, write_mismatches_jsonl
-from agl_core.batch_shaping import ShapedBatch, ShapingSettings, shape_batch
+from agl_core.stages.advantage import Advantages, AdvantageSettings
+from agl_core.stages.aggregation import settings_from_config, write_mismatches_jsonl
+from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
 from agl_core.data import CompletedRollout, TrainingRow
-from agl_core.tensorize import pad_responses
+from agl_core.stages.tensorize import pad_responses
 
-# Losses that expect their advantages scaled per rollout (agl_core.normalization) before the update.
+# Losses that expect their advantages scaled per rollout (agl_core.stages.normalization) before the update.
 PER_ROLLOUT_LOSSES = frozenset({"per_rollout_mean"})
 
 

@@ -3,7 +3,7 @@
 ``transition`` makes one row per call. ``trajectory`` merges consecutive calls of a rollout into
 one row while each call's prompt extends the context (the previous call's prompt + response)
 exactly; the prompt's tail is the observation (tool output, user turn, template tokens), appended
-untrained. Any other call starts a new row, and the break is classified (:mod:`agl_core.mismatch`).
+untrained. Any other call starts a new row, and the break is classified (:mod:`agl_core.stages.mismatch`).
 
 :func:`aggregate_trajectories` takes the merge test as an argument, so an aggregator with its own
 idea of "this call continues the context" keeps everything else — limits, counts, mismatch
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from agl_core.aggregation import (
+from agl_core.stages.aggregation import (
     Aggregation,
     AggregationCounts,
     AggregationSettings,
@@ -26,7 +26,7 @@ from agl_core.aggregation import (
 )
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.hookspecs import hookimpl
-from agl_core.mismatch import MismatchLog
+from agl_core.stages.mismatch import MismatchLog
 
 __all__ = ["Align", "aggregate_trajectories", "exact_prefix", "trajectory", "transition"]
 

@@ -1,4 +1,4 @@
-"""Policy losses: the PPO objective a backend minimises, registered as a plugin.
+"""What every policy loss shares: the signature, its settings and the per-token PPO term.
 
 Every loss has the signature::
 
@@ -22,7 +22,7 @@ and differ only in how they reduce it over the trained tokens ``T`` of the (micr
   when unset, the trained tokens of these tensors. This is verl's ``vanilla`` loss with
   ``token-mean`` aggregation.
 * ``per_rollout_mean``: ``loss = sum_T l * dp_size``. The advantages must already be scaled per
-  rollout by :func:`agl_core.normalization.normalize_advantages`, which makes this sum a mean over
+  rollout by :func:`agl_core.stages.normalization.normalize_advantages`, which makes this sum a mean over
   rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
 
 Mapping onto verl 0.9.1: verl's policy-loss registry (``verl.trainer.ppo.core_algos.
@@ -45,16 +45,8 @@ import attrs
 import torch
 
 from agl_core.config import ConfigError
-from agl_core.hookspecs import hookimpl
 
-__all__ = [
-    "LossSettings",
-    "PolicyLoss",
-    "ppo_token_losses",
-    "per_rollout_mean",
-    "token_mean",
-    "as_verl_policy_loss",
-]
+__all__ = ["LossSettings", "PolicyLoss", "as_verl_policy_loss", "masked_sum", "ppo_token_losses"]
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
@@ -109,12 +101,12 @@ class LossSettings:
         )
 
 
-def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum()
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return _masked_sum(values, mask) / (mask.sum() + 1e-8)
+    return masked_sum(values, mask) / (mask.sum() + 1e-8)
 
 
 def ppo_token_losses(
@@ -152,38 +144,6 @@ def ppo_token_losses(
     return losses, metrics
 
 
-def token_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    settings: LossSettings,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """``sum_T l / n_tokens * dp_size``: the plain PPO loss averaged over trained tokens."""
-    losses, metrics = ppo_token_losses(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
-    mask = response_mask.bool()
-    n_tokens = settings.batch_num_tokens
-    if n_tokens is None:
-        if settings.dp_size > 1:
-            raise ValueError("token_mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
-        n_tokens = mask.sum()
-    return _masked_sum(losses, mask) / n_tokens * settings.dp_size, metrics
-
-
-def per_rollout_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    settings: LossSettings,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """``sum_T l * dp_size`` over advantages already scaled per rollout (a mean over rollouts)."""
-    losses, metrics = ppo_token_losses(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
-    return _masked_sum(losses, response_mask.bool()) * settings.dp_size, metrics
-
-
 def as_verl_policy_loss(loss_fn: PolicyLoss) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
     """``loss_fn`` with verl's policy-loss signature, ready for ``register_policy_loss(name)``."""
 
@@ -204,9 +164,3 @@ def as_verl_policy_loss(loss_fn: PolicyLoss) -> Callable[..., tuple[torch.Tensor
     verl_policy_loss.__name__ = loss_fn.__name__
     verl_policy_loss.__doc__ = loss_fn.__doc__
     return verl_policy_loss
-
-
-@hookimpl
-def agl_register_policy_losses(register: Any) -> None:
-    register("per_rollout_mean", per_rollout_mean)
-    register("token_mean", token_mean)

@@ -1,7 +1,7 @@
 """The interface between a training backend and the server that generates with the policy.
 
-The reference backend serves its policy either in-process (:mod:`agl_core.policy_server`) or through
-a real vLLM server (:mod:`agl_core.vllm_engine`); both answer OpenAI-compatible requests the way vLLM
+The reference backend serves its policy either in-process (:mod:`agl_core.serving.policy_server`) or through
+a real vLLM server (:mod:`agl_core.serving.vllm_engine`); both answer OpenAI-compatible requests the way vLLM
 does for RL gateways (token ids and per-token log-probs in every response), so agents, the gateway
 and every stage downstream cannot tell them apart.
 """

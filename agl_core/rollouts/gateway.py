@@ -19,7 +19,6 @@ hook returns, with retry, and the rollout's events are re-read when anything was
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -30,38 +29,16 @@ import attrs
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.event_writer import EventWriter, PendingEvent
-from agl_core.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
-from agl_core.gateway_client import GatewayClient, GatewayError
-from agl_core.rollout_source import RolloutBatch, make_requests, new_id
+from agl_core.plugins.event_writer import EventWriter, PendingEvent
+from agl_core.rollouts.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
+from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
+from agl_core.rollouts.source import RolloutBatch, make_requests, new_id, rollout_config
 
 logger = logging.getLogger(__name__)
 
 CREATE_CHUNK = 256
 READ_WORKERS = 8  # concurrent events reads / deletes of rollouts that finished together
 TERMINAL_PAGE = 1000
-
-
-def rollout_config(config: Any) -> dict[str, Any]:
-    """The controller-facing config every rollout carries, built once at start.
-
-    ``k8s.job_template`` is the text of ``agentlightning.k8s.job_template_path``; a missing or
-    unreadable file is a :class:`~agl_core.config.ConfigError` before any rollout is created.
-    """
-    agl = config.agentlightning
-    template = None
-    path = agl.k8s.job_template_path
-    if path:
-        try:
-            with open(os.fspath(path), encoding="utf-8") as f:
-                template = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("agentlightning.k8s.job_template_path", f"cannot read {path}: {exc}") from exc
-    return {
-        "timeout_seconds": int(agl.rollout_timeout_seconds),
-        "local": {"agent_class": agl.local.agent_class, "env_map": {k: str(v) for k, v in agl.local.env_map.items()}},
-        "k8s": {"job_template": template},
-    }
 
 
 @attrs.define

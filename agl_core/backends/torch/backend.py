@@ -23,11 +23,11 @@ source tops up and carries unfinished groups over); the gateway is paused and dr
 rollouts and the update, and resumed once the new weights are registered. Every step reports the
 staleness of the calls it trains (``training/async/staleness_*``, from the shared pipeline).
 
-The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.policy_server.PolicyServer`,
-in-process) or ``vllm`` (:class:`~agl_core.vllm_engine.VllmEngine`). A vLLM server that dies
+The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.serving.policy_server.PolicyServer`,
+in-process) or ``vllm`` (:class:`~agl_core.serving.vllm_engine.VllmEngine`). A vLLM server that dies
 mid-step fails that step's rollouts (counted) and is restarted at the weight push
 (``training/engine/n_restarts``). Checkpoints
-(:mod:`agl_core.checkpoint`) hold model, optimizer, scheduler, step, data position and RNG states;
+(:mod:`agl_core.backends.torch.checkpoint`) hold model, optimizer, scheduler, step, data position and RNG states;
 with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trainer.default_local_dir``.
 """
 
@@ -43,38 +43,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from agl_core.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
 from agl_core.hookspecs import hookimpl
-from agl_core.jsonl import read_json_objects
-from agl_core.losses import LossSettings
-from agl_core.normalization import token_weights
-from agl_core.pipeline import PreparedBatch, StepPipeline, rollout_metrics
-from agl_core.tensorize import tensorize
-from agl_core.vllm_engine import VllmEngineError
+from agl_core.datasets import load_dataset
+from agl_core.stages.policy_loss import LossSettings
+from agl_core.stages.normalization import token_weights
+from agl_core.stages.pipeline import PreparedBatch, StepPipeline, rollout_metrics
+from agl_core.stages.tensorize import tensorize
+from agl_core.serving.vllm_engine import VllmEngineError
 
 logger = logging.getLogger(__name__)
 
 OnStep = Callable[[int, int, Mapping[str, float]], None]
-
-
-def load_dataset(path: Any, key: str = "data.train_files") -> list[dict[str, Any]]:
-    """The rows of a JSONL file (one JSON object per line; blank lines skipped)."""
-    if not path:
-        raise ConfigError(key, "no dataset file given")
-    if not isinstance(path, str):
-        raise ConfigError(key, f"must be the path of one JSONL file, got {path!r}")
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(key, f"dataset file not found: {path}")
-    try:
-        rows = [row for _, row in read_json_objects(file)]
-    except ValueError as exc:
-        raise ConfigError(key, str(exc)) from None
-    if not rows:
-        raise ConfigError(key, f"{path} holds no rows")
-    return rows
 
 
 def model_folder(config: Any) -> Path:
@@ -226,19 +208,19 @@ class TorchBackend:
     def make_engine(self) -> Any:
         name = str(self.config.actor_rollout_ref.model.path)
         if self.config.agentlightning.engine == "vllm":
-            from agl_core.vllm_engine import VllmEngine
+            from agl_core.serving.vllm_engine import VllmEngine
 
             return VllmEngine.from_config(self.config.agentlightning.vllm, self.config.actor_rollout_ref.model.path, name)
-        from agl_core.policy_server import PolicyServer
+        from agl_core.serving.policy_server import PolicyServer
 
         return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))
 
     def make_source(self) -> Any:
         if self.config.agentlightning.agl_base_url:
-            from agl_core.gateway_source import gateway_source
+            from agl_core.rollouts.gateway import gateway_source
 
             return gateway_source(self.config, self.plugins)
-        from agl_core.embedded import EmbeddedRolloutSource
+        from agl_core.rollouts.embedded import EmbeddedRolloutSource
 
         return EmbeddedRolloutSource(self.config, self.plugins, self.engine.base_url, self.engine.model_name)
 

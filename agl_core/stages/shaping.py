@@ -38,9 +38,9 @@ from typing import Any, Optional
 import attrs
 import numpy as np
 
-from agl_core.advantage import Advantages, group_rollouts
+from agl_core.stages.advantage import Advantages, group_rollouts
 from agl_core.data import TrainingRow
-from agl_core.normalization import rollout_scales
+from agl_core.stages.normalization import rollout_scales
 
 __all__ = ["ShapingSettings", "ShapedBatch", "shape_batch"]
 
@@ -77,7 +77,7 @@ class ShapedBatch:
     metrics: Mapping[str, float]
 
     def row_scales(self, mode: str) -> np.ndarray:
-        """The per-rollout normalisation of the kept rows (see :mod:`agl_core.normalization`)."""
+        """The per-rollout normalisation of the kept rows (see :mod:`agl_core.stages.normalization`)."""
         return rollout_scales(
             [row.rollout_id for row in self.rows],
             [row.n_trained_tokens for row in self.rows],

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from agl_core.processes import free_port, kill_process_group, stop_process_group
+from agl_core.serving.processes import free_port, kill_process_group, stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm_venv.sh"
@@ -44,7 +44,7 @@ def default_vllm_python() -> Path:
 
 
 class VllmEngine:
-    """An :class:`~agl_core.inference_engine.InferenceEngine` backed by a vLLM OpenAI server.
+    """An :class:`~agl_core.serving.engine.InferenceEngine` backed by a vLLM OpenAI server.
 
     ``model_path`` is the folder the server first loads (weights, config and tokenizer); the
     tokenizer always comes from it, weights from the latest push. With ``url`` the engine attaches

@@ -8,12 +8,14 @@ and the ``agl_on_enqueue`` chain are the same for every source.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
+from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
 
 
@@ -81,3 +83,25 @@ def make_requests(
             group.append(plugins.enqueue(request))
         groups.append(group)
     return groups
+
+
+def rollout_config(config: Any) -> dict[str, Any]:
+    """The controller-facing config every rollout carries, built once at start.
+
+    ``k8s.job_template`` is the text of ``agentlightning.k8s.job_template_path``; a missing or
+    unreadable file is a :class:`~agl_core.config.ConfigError` before any rollout is created.
+    """
+    agl = config.agentlightning
+    template = None
+    path = agl.k8s.job_template_path
+    if path:
+        try:
+            with open(os.fspath(path), encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError("agentlightning.k8s.job_template_path", f"cannot read {path}: {exc}") from exc
+    return {
+        "timeout_seconds": int(agl.rollout_timeout_seconds),
+        "local": {"agent_class": agl.local.agent_class, "env_map": {k: str(v) for k, v in agl.local.env_map.items()}},
+        "k8s": {"job_template": template},
+    }

@@ -174,7 +174,7 @@ class _Job:
 
 
 class PolicyServer:
-    """An :class:`~agl_core.inference_engine.InferenceEngine` serving a Hugging Face causal LM in-process.
+    """An :class:`~agl_core.serving.engine.InferenceEngine` serving a Hugging Face causal LM in-process.
 
     ``model`` is copied, so the trainer may keep updating its own module; ``tokenizer`` renders chat
     prompts and decodes. ``max_batch_size`` caps how many queued requests one generation pass takes;

@@ -1,4 +1,4 @@
-"""Credit assignment: advantage estimators over training rows, registered as a plugin.
+"""The built-in advantage estimators, registered as an ordinary plugin.
 
 Every built-in but ``turn_grpo`` works at **rollout level**: the rows of one rollout are one
 sample. The estimator reads one reward per rollout, compares rollouts within their group (the
@@ -22,155 +22,23 @@ needs one. ``turn_grpo`` (see :func:`turn_grpo`) assigns credit per model call i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
-from agl_core.config import ConfigError
 from agl_core.data import DataValidationError, reward_value
 from agl_core.hookspecs import hookimpl
+from agl_core.stages.advantage import (
+    Advantages,
+    AdvantageSettings,
+    broadcast,
+    group_rollouts,
+    require_group_size,
+    rollout_level,
+)
 
-__all__ = [
-    "AdvantageError",
-    "AdvantageSettings",
-    "Advantages",
-    "RolloutGroups",
-    "group_rollouts",
-    "grpo",
-    "rloo",
-    "reinforce",
-    "reinforce_baseline",
-    "turn_grpo",
-]
-
-METRIC_PREFIX = "training/rollout_level_advantage/"
-
-
-class AdvantageError(ValueError):
-    """The rows cannot be given advantages by this estimator (e.g. a group is too small)."""
-
-
-@attrs.frozen
-class AdvantageSettings:
-    """What estimators read from the config: ``algorithm.norm_adv_by_std_in_grpo`` and
-    ``algorithm.gamma`` (the per-turn discount of ``turn_grpo``; rollout-level estimators ignore it)."""
-
-    norm_adv_by_std: bool = True
-    gamma: float = 1.0
-    epsilon: float = 1e-6
-
-    @classmethod
-    def from_config(cls, config: Any) -> AdvantageSettings:
-        algorithm = config.algorithm
-        norm = algorithm.get("norm_adv_by_std_in_grpo", True)
-        if not isinstance(norm, bool):
-            raise ConfigError("algorithm.norm_adv_by_std_in_grpo", f"must be a boolean, got {norm!r}")
-        gamma = algorithm.get("gamma", 1.0)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= gamma <= 1.0:
-            raise ConfigError("algorithm.gamma", f"must be a number in [0, 1], got {gamma!r}")
-        return cls(norm_adv_by_std=norm, gamma=float(gamma))
-
-
-@attrs.frozen
-class Advantages:
-    """An estimator's result: ``per_row[i]`` is a read-only float32 array aligned with row ``i``'s
-    response (zero wherever its ``response_mask`` is 0); ``metrics`` are for the step's log."""
-
-    per_row: tuple[np.ndarray, ...]
-    metrics: Mapping[str, float] = attrs.field(factory=dict)
-
-
-@attrs.frozen
-class RolloutGroups:
-    """Rows indexed by rollout and group, after checking that each rollout's rows agree.
-
-    ``rollouts`` maps rollout id to its row indices (in input order), ``groups`` maps group id to
-    its rollout ids (in first-seen order), ``reward`` maps rollout id to its reward.
-    """
-
-    rollouts: dict[str, list[int]]
-    groups: dict[str, list[str]]
-    reward: dict[str, float]
-
-    def metrics(self) -> dict[str, float]:
-        sizes = [len(rows) for rows in self.rollouts.values()]
-        return {
-            f"{METRIC_PREFIX}n_rows": float(sum(sizes)),
-            f"{METRIC_PREFIX}n_rollouts": float(len(sizes)),
-            f"{METRIC_PREFIX}n_multi_row_rollouts": float(sum(1 for n in sizes if n > 1)),
-            f"{METRIC_PREFIX}max_rows_per_rollout": float(max(sizes, default=0)),
-        }
-
-
-def group_rollouts(rows: Sequence[Any]) -> RolloutGroups:
-    """Index ``rows`` by rollout and group; every row of a rollout must share its group and reward.
-
-    Raises :class:`~agl_core.data.DataValidationError` naming the rollout and the field when rows of
-    one rollout disagree, or when a reward is not a finite number.
-    """
-    rollouts: dict[str, list[int]] = {}
-    groups: dict[str, list[str]] = {}
-    group_of: dict[str, str] = {}
-    reward: dict[str, float] = {}
-    for i, row in enumerate(rows):
-        rid = row.rollout_id
-        try:
-            value = reward_value("reward", row.reward)
-        except DataValidationError as err:
-            raise err.within(f"rows[{i}]", rollout_id=rid) from None
-        if rid not in rollouts:
-            rollouts[rid] = [i]
-            group_of[rid] = row.group_id
-            reward[rid] = value
-            groups.setdefault(row.group_id, []).append(rid)
-            continue
-        first = rollouts[rid][0]
-        if row.group_id != group_of[rid]:
-            raise DataValidationError(
-                f"rows[{i}].group_id",
-                f"rows of one rollout disagree on group: {group_of[rid]!r} (rows[{first}]) vs {row.group_id!r}",
-                rid,
-            )
-        if value != reward[rid]:
-            raise DataValidationError(
-                f"rows[{i}].reward",
-                f"rows of one rollout disagree on reward: {reward[rid]} (rows[{first}]) vs {value}",
-                rid,
-            )
-        rollouts[rid].append(i)
-    return RolloutGroups(rollouts=rollouts, groups=groups, reward=reward)
-
-
-def _require_group_size(indexed: RolloutGroups, estimator: str, minimum: int) -> None:
-    for gid, rids in indexed.groups.items():
-        if len(rids) < minimum:
-            raise AdvantageError(
-                f"group {gid!r} has {len(rids)} rollout(s) ({', '.join(rids)}); estimator {estimator!r} needs at "
-                f"least {minimum} per group (raise actor_rollout_ref.rollout.n, or use 'reinforce')"
-            )
-
-
-def _broadcast(row: Any, value: float | np.ndarray) -> np.ndarray:
-    """``value`` (a scalar, or one value per response token) on the row's trained tokens, 0 elsewhere."""
-    array = (np.asarray(row.response_mask, dtype=np.float64) * value).astype(np.float32)
-    array.flags.writeable = False
-    return array
-
-
-def _rollout_level(
-    rows: Sequence[Any], estimator: str, minimum: int, group_advantages: Callable[[np.ndarray], np.ndarray]
-) -> Advantages:
-    indexed = group_rollouts(rows)
-    _require_group_size(indexed, estimator, minimum)
-    per_rollout: dict[str, float] = {}
-    for rids in indexed.groups.values():
-        rewards = np.array([indexed.reward[rid] for rid in rids], dtype=np.float64)
-        values = group_advantages(rewards)
-        per_rollout.update(zip(rids, values.tolist()))
-    per_row = tuple(_broadcast(row, per_rollout[row.rollout_id]) for row in rows)
-    return Advantages(per_row=per_row, metrics=indexed.metrics())
+__all__ = ["grpo", "reinforce", "reinforce_baseline", "rloo", "turn_grpo"]
 
 
 def _centred(rewards: np.ndarray) -> np.ndarray:
@@ -189,7 +57,7 @@ def grpo(rows: Sequence[Any], settings: AdvantageSettings) -> Advantages:
             return centred
         return centred / (rewards.std(ddof=1) + settings.epsilon)
 
-    return _rollout_level(rows, "grpo", 2, advantages)
+    return rollout_level(rows, "grpo", 2, advantages)
 
 
 def rloo(rows: Sequence[Any], settings: AdvantageSettings) -> Advantages:
@@ -199,17 +67,17 @@ def rloo(rows: Sequence[Any], settings: AdvantageSettings) -> Advantages:
         n = len(rewards)
         return _centred(rewards) * (n / (n - 1))
 
-    return _rollout_level(rows, "rloo", 2, advantages)
+    return rollout_level(rows, "rloo", 2, advantages)
 
 
 def reinforce(rows: Sequence[Any], settings: AdvantageSettings) -> Advantages:
     """Plain REINFORCE: the rollout's reward is its advantage."""
-    return _rollout_level(rows, "reinforce", 1, lambda rewards: rewards)
+    return rollout_level(rows, "reinforce", 1, lambda rewards: rewards)
 
 
 def reinforce_baseline(rows: Sequence[Any], settings: AdvantageSettings) -> Advantages:
     """REINFORCE with the group's mean reward as baseline (never scaled by the std)."""
-    return _rollout_level(rows, "reinforce_baseline", 2, _centred)
+    return rollout_level(rows, "reinforce_baseline", 2, _centred)
 
 
 def _call_rewards(rows: Sequence[Any], indices: list[int], rid: str, final_reward: float) -> np.ndarray:
@@ -277,7 +145,7 @@ def turn_grpo(rows: Sequence[Any], settings: AdvantageSettings) -> Advantages:
     what followed them. Needs ``response_turns`` on every row and two rollouts per group.
     """
     indexed = group_rollouts(rows)
-    _require_group_size(indexed, "turn_grpo", 2)
+    require_group_size(indexed, "turn_grpo", 2)
     per_call: dict[str, np.ndarray] = {}
     for rids in indexed.groups.values():
         returns = {
@@ -294,7 +162,7 @@ def turn_grpo(rows: Sequence[Any], settings: AdvantageSettings) -> Advantages:
         sigma = math.sqrt(sum(float(((g - mu) ** 2).mean()) for g in returns.values()) / (len(rids) - 1))
         scale = sigma + settings.epsilon if settings.norm_adv_by_std else 1.0
         per_call.update({rid: (g - mu) / scale for rid, g in returns.items()})
-    per_row = tuple(_broadcast(row, per_call[row.rollout_id][row.response_turns]) for row in rows)
+    per_row = tuple(broadcast(row, per_call[row.rollout_id][row.response_turns]) for row in rows)
     return Advantages(per_row=per_row, metrics=indexed.metrics())
 
 

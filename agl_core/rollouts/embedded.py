@@ -11,7 +11,7 @@ temperature — ``actor_rollout_ref.rollout.temperature`` in train mode,
 ``actor_rollout_ref.rollout.val_kwargs.temperature`` in val mode, 0 being greedy — and, in train
 mode, ``logprobs``, as the gateway does with its ``default_proxy.{train,val}.temperature``) and records a ``model_request``
 event of the gateway's shape; agents post ``reward`` events to the event route. The events are then
-parsed by :mod:`agl_core.events`, so everything downstream is what the gateway path produces.
+parsed by :mod:`agl_core.rollouts.events`, so everything downstream is what the gateway path produces.
 
 A model call that names no ``seed`` is given one, derived from ``trainer.seed``, the step, the
 rollout's place in the batch and the call's place in the rollout. Thread scheduling then cannot
@@ -48,11 +48,10 @@ import numpy as np
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.event_writer import EventWriter, PendingEvent
-from agl_core.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
-from agl_core.gateway_source import rollout_config
+from agl_core.plugins.event_writer import EventWriter, PendingEvent
+from agl_core.rollouts.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
-from agl_core.rollout_source import RolloutBatch, make_requests
+from agl_core.rollouts.source import RolloutBatch, make_requests, rollout_config
 
 logger = logging.getLogger(__name__)
 
@@ -342,7 +341,7 @@ def _handler_for(recorder: _Recorder) -> type[JSONRequestHandler]:
 
 
 class EmbeddedRolloutSource:
-    """A :class:`~agl_core.rollout_source.RolloutSource` running agents in-process against ``engine_url``
+    """A :class:`~agl_core.rollouts.source.RolloutSource` running agents in-process against ``engine_url``
     (the inference engine's OpenAI base URL) serving ``model_name``."""
 
     def __init__(self, config: Any, plugins: Any, engine_url: str, model_name: str):

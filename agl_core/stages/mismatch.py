@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from agl_core.aggregation import AggregationCounts, AggregationSettings, Mismatch
+from agl_core.stages.aggregation import AggregationCounts, AggregationSettings, Mismatch
 from agl_core.data import CompletedRollout, Triplet
 
 __all__ = ["MismatchLog", "classify_break", "common_prefix_length", "decode"]

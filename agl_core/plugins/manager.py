@@ -19,7 +19,7 @@ import importlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -27,8 +27,8 @@ import pluggy
 
 from agl_core import hookspecs
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.event_writer import EventWriter
-from agl_core.registry import Registry
+from agl_core.plugins.event_writer import EventWriter
+from agl_core.plugins.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,14 @@ ENTRYPOINT_GROUP = "agl"
 DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
 
-# Import paths of the built-in plugins, registered first under these names.
-DEFAULT_PLUGINS: tuple[str, ...] = ("agl_core.aggregators", "agl_core.advantage", "agl_core.losses", "agl_core.torch_backend")
+# The built-in plugins: registration name -> module. The names are stable (they are what
+# ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
+DEFAULT_PLUGINS: dict[str, str] = {
+    "aggregators": "agl_core.stages.levels",
+    "estimators": "agl_core.stages.estimators",
+    "losses": "agl_core.stages.losses",
+    "torch": "agl_core.backends.torch",
+}
 
 # registry property -> (hook name, kind, config key selecting an entry)
 REGISTRIES = {
@@ -82,7 +88,7 @@ class PluginManager:
         *,
         load_entrypoints: bool | None = None,
         blocked: Iterable[str] = (),
-        builtins: Sequence[str] | None = None,
+        builtins: Mapping[str, str] | None = None,
     ):
         self._pm = pluggy.PluginManager("agl")
         self._pm.add_hookspecs(hookspecs)
@@ -92,9 +98,9 @@ class PluginManager:
         self.discarded_hook_events = 0
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
-        for module_name in DEFAULT_PLUGINS if builtins is None else builtins:
-            if not self._pm.is_blocked(module_name):
-                self.register(importlib.import_module(module_name), name=module_name, source="built-in")
+        for name, module_name in (DEFAULT_PLUGINS if builtins is None else builtins).items():
+            if not self._pm.is_blocked(name):
+                self.register(importlib.import_module(module_name), name=name, source="built-in")
         if load_entrypoints is None:
             load_entrypoints = not _env_flag(DISABLE_AUTOLOAD_ENV)
         if load_entrypoints:

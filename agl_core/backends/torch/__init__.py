@@ -1,0 +1,8 @@
+"""The reference backend ``torch``: one process, PyTorch, any local causal LM (see :mod:`.backend`).
+
+May import every ``agl_core`` stage, source and serving module; never another backend, never verl.
+"""
+
+from agl_core.backends.torch.backend import TorchBackend, agl_register_backends
+
+__all__ = ["TorchBackend", "agl_register_backends"]

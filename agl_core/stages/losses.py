@@ -1,0 +1,54 @@
+"""The built-in policy losses, ``token_mean`` and ``per_rollout_mean``, registered as an ordinary plugin.
+
+Both reduce the same per-token PPO term (:func:`agl_core.stages.policy_loss.ppo_token_losses`); see
+:mod:`agl_core.stages.policy_loss` for the formulas and the mapping onto verl's registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agl_core.hookspecs import hookimpl
+from agl_core.stages.policy_loss import LossSettings, masked_sum, ppo_token_losses
+
+__all__ = ["per_rollout_mean", "token_mean"]
+
+
+def token_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    settings: LossSettings,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``sum_T l / n_tokens * dp_size``: the plain PPO loss averaged over trained tokens."""
+    losses, metrics = ppo_token_losses(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
+    mask = response_mask.bool()
+    n_tokens = settings.batch_num_tokens
+    if n_tokens is None:
+        if settings.dp_size > 1:
+            raise ValueError("token_mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
+        n_tokens = mask.sum()
+    return masked_sum(losses, mask) / n_tokens * settings.dp_size, metrics
+
+
+def per_rollout_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    settings: LossSettings,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``sum_T l * dp_size`` over advantages already scaled per rollout (a mean over rollouts)."""
+    losses, metrics = ppo_token_losses(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
+    return masked_sum(losses, response_mask.bool()) * settings.dp_size, metrics
+
+
+@hookimpl
+def agl_register_policy_losses(register: Any) -> None:
+    register("per_rollout_mean", per_rollout_mean)
+    register("token_mean", token_mean)
