@@ -146,7 +146,7 @@ def check_types(cfg: DictConfig, base: DictConfig) -> None:
 
 
 def validate_verl(cfg: DictConfig) -> None:
-    """Rules of this backend that the core's :func:`~agl_core.config.validate` does not know."""
+    """Rules of this backend that the core's :func:`~agl_core.config.checks.validate` does not know."""
     estimator = str(cfg.algorithm.adv_estimator)
     if estimator in UNSUPPORTED_ESTIMATORS:
         raise ConfigError("algorithm.adv_estimator", f"{estimator!r} is not supported: {UNSUPPORTED_ESTIMATORS[estimator]}")

@@ -11,13 +11,29 @@ known, the rollout.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 import numpy as np
+
+from agl_core.fields import (
+    DataValidationError,
+    FrozenDict,
+    array_field,
+    freeze,
+    freeze_mapping,
+    hardened,
+    log_probs,
+    non_empty_str,
+    non_negative_int,
+    optional_reward,
+    readonly,
+    reward_value,
+    thaw,
+    token_ids,
+)
 
 __all__ = [
     "DataValidationError",
@@ -34,191 +50,7 @@ ROLLOUT_STATES = ("queuing", "running", "succeeded", "failed")
 TERMINAL_STATES = frozenset({"succeeded", "failed"})
 
 
-class DataValidationError(ValueError):
-    """A field of a data-model object holds a value that would corrupt training.
-
-    ``field`` is a dotted path (``triplets[2].response_log_probs``); ``rollout_id`` is set when the
-    error is known to belong to one rollout.
-    """
-
-    def __init__(self, field: str, message: str, rollout_id: str | None = None):
-        self.field = field
-        self.message = message
-        self.rollout_id = rollout_id
-        where = f"rollout {rollout_id!r}: " if rollout_id is not None else ""
-        super().__init__(f"{where}{field}: {message}")
-
-    def within(self, prefix: str | None = None, rollout_id: str | None = None) -> DataValidationError:
-        """The same error seen from an enclosing object (a longer field path, a known rollout)."""
-        field = f"{prefix}.{self.field}" if prefix else self.field
-        return DataValidationError(field, self.message, rollout_id if rollout_id is not None else self.rollout_id)
-
-
-class FrozenDict(dict):
-    """A dict that refuses mutation; picklable (it travels to Ray workers) and JSON-serialisable."""
-
-    def _readonly(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("FrozenDict is read-only; build a new mapping instead")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
-    __ior__ = _readonly  # type: ignore[assignment]
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(tuple(sorted(self.items(), key=lambda kv: str(kv[0]))))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (FrozenDict, (dict(self),))
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return FrozenDict({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def thaw(value: Any) -> Any:
-    """Plain JSON-able Python values (dicts, lists) from frozen ones."""
-    if isinstance(value, Mapping):
-        return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [thaw(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return value
-
-
-def freeze_mapping(value: Mapping[str, Any] | None) -> FrozenDict:
-    if value is None:
-        return FrozenDict()
-    if not isinstance(value, Mapping):
-        raise TypeError(f"expected a mapping, got {type(value).__name__}")
-    return _freeze(value)
-
-
-def _readonly(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
-
-
-def token_ids(field: str, value: Any) -> np.ndarray:
-    """Validate and freeze a sequence of token ids as a read-only int64 array."""
-    if isinstance(value, np.ndarray) and value.dtype == np.int64 and not value.flags.writeable:
-        array = value
-    else:
-        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
-            raise DataValidationError(field, f"expected a sequence of token ids, got {type(value).__name__}")
-        if isinstance(value, np.ndarray):
-            if value.ndim != 1:
-                raise DataValidationError(field, f"expected a 1-D sequence, got shape {value.shape}")
-            if value.size and not np.issubdtype(value.dtype, np.integer):
-                raise DataValidationError(field, f"token ids must be integers, got dtype {value.dtype}")
-            array = value.astype(np.int64, copy=True)
-        else:
-            for i, v in enumerate(value):
-                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                    raise DataValidationError(f"{field}[{i}]", f"token id must be an int, got {v!r}")
-            array = np.array(value, dtype=np.int64) if len(value) else np.zeros(0, dtype=np.int64)
-        array = _readonly(array)
-    if array.size and array.min() < 0:
-        i = int(np.argmax(array < 0))
-        raise DataValidationError(f"{field}[{i}]", f"token id must be non-negative, got {int(array[i])}")
-    return array
-
-
-def log_probs(field: str, value: Any, length: int) -> np.ndarray:
-    """Validate and freeze log-probs: finite, <= 0 and exactly ``length`` of them."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
-        raise DataValidationError(field, f"expected a sequence of floats, got {type(value).__name__}")
-    if not isinstance(value, np.ndarray):
-        for i, v in enumerate(value):
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-                raise DataValidationError(f"{field}[{i}]", f"log-prob must be a number, got {v!r}")
-    array = np.asarray(value, dtype=np.float32)
-    if array.ndim != 1:
-        raise DataValidationError(field, f"expected a 1-D sequence, got shape {array.shape}")
-    if array.shape[0] != length:
-        raise DataValidationError(field, f"has {array.shape[0]} log-probs for {length} tokens")
-    if array.size:
-        bad = ~np.isfinite(array) | (array > 0)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise DataValidationError(f"{field}[{i}]", f"log-prob must be finite and <= 0, got {float(array[i])}")
-    if array is value:
-        array = array.copy()
-    return _readonly(array)
-
-
-def reward_value(field: str, value: Any) -> float:
-    """A finite float reward; booleans and non-numbers are refused rather than coerced."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise DataValidationError(field, f"reward must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise DataValidationError(field, f"reward must be finite, got {value}")
-    return value
-
-
-def _optional_reward(field: str):
-    def convert(value: Any) -> float | None:
-        return None if value is None else reward_value(field, value)
-
-    return convert
-
-
-def _non_empty_str(field: str):
-    def check(_instance: Any, _attribute: Any, value: Any) -> None:
-        if not isinstance(value, str) or not value:
-            raise DataValidationError(field, f"must be a non-empty string, got {value!r}")
-
-    return check
-
-
-def _non_negative_int(field: str):
-    def check(_instance: Any, _attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise DataValidationError(field, f"must be a non-negative int, got {value!r}")
-
-    return check
-
-
-def _array_eq(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.shape == b.shape and bool(np.array_equal(a, b))
-
-
-def _array_field(**kwargs: Any) -> Any:
-    return attrs.field(eq=attrs.cmp_using(eq=_array_eq), **kwargs)
-
-
-def _hardened(cls: type) -> type:
-    """Make every validation error raised while building ``cls`` name the rollout it belongs to, and
-    keep its arrays read-only after unpickling (objects travel to Ray workers by pickle)."""
-    init = cls.__init__
-    setstate = cls.__setstate__
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except DataValidationError as err:
-            rollout_id = kwargs.get("rollout_id")
-            raise err.within(rollout_id=rollout_id if isinstance(rollout_id, str) else None) from None
-
-    def __setstate__(self: Any, state: Any) -> None:
-        setstate(self, state)
-        for value in attrs.astuple(self, recurse=False):
-            if isinstance(value, np.ndarray):
-                value.flags.writeable = False
-
-    cls.__init__ = __init__  # type: ignore[method-assign]
-    cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
-    return cls
-
-
-@_hardened
+@hardened
 @attrs.frozen(kw_only=True)
 class Triplet:
     """One successful model call: the prompt the model saw, what it generated, and how likely it was.
@@ -228,10 +60,10 @@ class Triplet:
     for this call; the rollout's final reward lives on :class:`CompletedRollout`.
     """
 
-    prompt_ids: np.ndarray = _array_field(converter=lambda v: token_ids("prompt_ids", v))
-    response_ids: np.ndarray = _array_field(converter=lambda v: token_ids("response_ids", v))
-    response_log_probs: np.ndarray | None = _array_field(default=None)
-    reward: float | None = attrs.field(default=None, converter=_optional_reward("reward"))
+    prompt_ids: np.ndarray = array_field(converter=lambda v: token_ids("prompt_ids", v))
+    response_ids: np.ndarray = array_field(converter=lambda v: token_ids("response_ids", v))
+    response_log_probs: np.ndarray | None = array_field(default=None)
+    reward: float | None = attrs.field(default=None, converter=optional_reward("reward"))
     metadata: FrozenDict = attrs.field(factory=FrozenDict, converter=freeze_mapping)
 
     def __attrs_post_init__(self) -> None:
@@ -254,7 +86,7 @@ class Triplet:
         return cls(**data)
 
 
-@_hardened
+@hardened
 @attrs.frozen(kw_only=True)
 class RolloutRequest:
     """A rollout the trainer asks for: one agent run on one dataset row.
@@ -265,12 +97,12 @@ class RolloutRequest:
     (``timeout_seconds``, ``local``, ``k8s``); ``metadata`` is free-form batch context.
     """
 
-    rollout_id: str = attrs.field(validator=_non_empty_str("rollout_id"))
-    group_id: str = attrs.field(validator=_non_empty_str("group_id"))
-    input: Any = attrs.field(converter=_freeze)
+    rollout_id: str = attrs.field(validator=non_empty_str("rollout_id"))
+    group_id: str = attrs.field(validator=non_empty_str("group_id"))
+    input: Any = attrs.field(converter=freeze)
     is_train: bool = True
-    step: int = attrs.field(default=0, validator=_non_negative_int("step"))
-    sample_index: int = attrs.field(default=0, validator=_non_negative_int("sample_index"))
+    step: int = attrs.field(default=0, validator=non_negative_int("step"))
+    sample_index: int = attrs.field(default=0, validator=non_negative_int("sample_index"))
     config: FrozenDict = attrs.field(factory=FrozenDict, converter=freeze_mapping)
     metadata: FrozenDict = attrs.field(factory=FrozenDict, converter=freeze_mapping)
 
@@ -322,7 +154,7 @@ def _triplets(value: Iterable[Any]) -> tuple[Triplet, ...]:
     return tuple(out)
 
 
-@_hardened
+@hardened
 @attrs.frozen(kw_only=True)
 class CompletedRollout:
     """A rollout that reached a terminal state, with its Triplets and final reward.
@@ -333,15 +165,15 @@ class CompletedRollout:
     ``attempt_id`` is the gateway's last attempt; ``config`` the controller-facing rollout config.
     """
 
-    rollout_id: str = attrs.field(validator=_non_empty_str("rollout_id"))
-    group_id: str = attrs.field(validator=_non_empty_str("group_id"))
+    rollout_id: str = attrs.field(validator=non_empty_str("rollout_id"))
+    group_id: str = attrs.field(validator=non_empty_str("group_id"))
     state: str = attrs.field(validator=_state)
     triplets: tuple[Triplet, ...] = attrs.field(factory=tuple, converter=_triplets)
-    final_reward: float | None = attrs.field(default=None, converter=_optional_reward("final_reward"))
-    step: int = attrs.field(default=0, validator=_non_negative_int("step"))
-    sample_index: int = attrs.field(default=0, validator=_non_negative_int("sample_index"))
+    final_reward: float | None = attrs.field(default=None, converter=optional_reward("final_reward"))
+    step: int = attrs.field(default=0, validator=non_negative_int("step"))
+    sample_index: int = attrs.field(default=0, validator=non_negative_int("sample_index"))
     is_train: bool = True
-    input: Any = attrs.field(default=None, converter=_freeze)
+    input: Any = attrs.field(default=None, converter=freeze)
     queued_at: float | None = attrs.field(default=None, converter=_optional_time("queued_at"))
     started_at: float | None = attrs.field(default=None, converter=_optional_time("started_at"))
     ended_at: float | None = attrs.field(default=None, converter=_optional_time("ended_at"))
@@ -370,15 +202,15 @@ def _mask(value: Any) -> np.ndarray:
         raise DataValidationError("response_mask", f"expected a 1-D sequence, got shape {array.shape}")
     if array.size and not np.isin(array, (0, 1)).all():
         raise DataValidationError("response_mask", "must hold only 0 and 1")
-    return _readonly(array.astype(np.int8, copy=True))
+    return readonly(array.astype(np.int8, copy=True))
 
 
 def _turns(value: Any) -> np.ndarray:
     array = token_ids("response_turns", value)
-    return _readonly(array.astype(np.int32))
+    return readonly(array.astype(np.int32))
 
 
-@_hardened
+@hardened
 @attrs.frozen(kw_only=True)
 class TrainingRow:
     """One training sample: a prompt, a response whose trained tokens are marked, and credit info.
@@ -393,15 +225,15 @@ class TrainingRow:
     row whose prompt exceeded its limit: it is counted, then removed before training.
     """
 
-    prompt_ids: np.ndarray = _array_field(converter=lambda v: token_ids("prompt_ids", v))
-    response_ids: np.ndarray = _array_field(converter=lambda v: token_ids("response_ids", v))
-    response_mask: np.ndarray = _array_field(converter=_mask)
-    log_probs: np.ndarray | None = _array_field(default=None)
+    prompt_ids: np.ndarray = array_field(converter=lambda v: token_ids("prompt_ids", v))
+    response_ids: np.ndarray = array_field(converter=lambda v: token_ids("response_ids", v))
+    response_mask: np.ndarray = array_field(converter=_mask)
+    log_probs: np.ndarray | None = array_field(default=None)
     reward: float = attrs.field(converter=lambda v: reward_value("reward", v))
-    rollout_id: str = attrs.field(validator=_non_empty_str("rollout_id"))
-    group_id: str = attrs.field(validator=_non_empty_str("group_id"))
-    turn_index: int = attrs.field(default=0, validator=_non_negative_int("turn_index"))
-    response_turns: np.ndarray | None = _array_field(default=None)
+    rollout_id: str = attrs.field(validator=non_empty_str("rollout_id"))
+    group_id: str = attrs.field(validator=non_empty_str("group_id"))
+    turn_index: int = attrs.field(default=0, validator=non_negative_int("turn_index"))
+    response_turns: np.ndarray | None = array_field(default=None)
     turn_rewards: tuple[float | None, ...] = attrs.field(default=(), converter=tuple)
     dropped: bool = False
 

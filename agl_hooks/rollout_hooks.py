@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import attrs
 
-from agl_core.data import CompletedRollout, RolloutRequest, thaw
+from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.fields import thaw
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.hookspecs import hookimpl
 

@@ -15,7 +15,8 @@ import attrs
 import numpy as np
 
 from agl_core.config import ConfigError
-from agl_core.data import DataValidationError, reward_value
+from agl_core.data import DataValidationError
+from agl_core.fields import reward_value
 
 __all__ = [
     "AdvantageError",

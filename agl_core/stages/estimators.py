@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from agl_core.data import DataValidationError, reward_value
+from agl_core.data import DataValidationError
+from agl_core.fields import reward_value
 from agl_core.hookspecs import hookimpl
 from agl_core.stages.advantage import (
     Advantages,

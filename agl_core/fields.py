@@ -1,0 +1,218 @@
+"""Field converters and validators of the data model (:mod:`agl_core.data`).
+
+Each converter takes the field's dotted path, so that a bad value raises a
+:class:`DataValidationError` naming exactly where it is. Token ids and log-probs become read-only
+numpy arrays (int64 / float32); mappings become :class:`FrozenDict`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "DataValidationError",
+    "FrozenDict",
+    "array_eq",
+    "array_field",
+    "freeze",
+    "freeze_mapping",
+    "hardened",
+    "log_probs",
+    "non_empty_str",
+    "non_negative_int",
+    "optional_reward",
+    "readonly",
+    "reward_value",
+    "thaw",
+    "token_ids",
+]
+
+
+class DataValidationError(ValueError):
+    """A field of a data-model object holds a value that would corrupt training.
+
+    ``field`` is a dotted path (``triplets[2].response_log_probs``); ``rollout_id`` is set when the
+    error is known to belong to one rollout.
+    """
+
+    def __init__(self, field: str, message: str, rollout_id: str | None = None):
+        self.field = field
+        self.message = message
+        self.rollout_id = rollout_id
+        where = f"rollout {rollout_id!r}: " if rollout_id is not None else ""
+        super().__init__(f"{where}{field}: {message}")
+
+    def within(self, prefix: str | None = None, rollout_id: str | None = None) -> DataValidationError:
+        """The same error seen from an enclosing object (a longer field path, a known rollout)."""
+        field = f"{prefix}.{self.field}" if prefix else self.field
+        return DataValidationError(field, self.message, rollout_id if rollout_id is not None else self.rollout_id)
+
+
+class FrozenDict(dict):
+    """A dict that refuses mutation; picklable (it travels to Ray workers) and JSON-serialisable."""
+
+    def readonly(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("FrozenDict is read-only; build a new mapping instead")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = readonly  # type: ignore[assignment]
+    __ior__ = readonly  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=lambda kv: str(kv[0]))))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenDict, (dict(self),))
+
+
+def freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return FrozenDict({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Plain JSON-able Python values (dicts, lists) from frozen ones."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def freeze_mapping(value: Mapping[str, Any] | None) -> FrozenDict:
+    if value is None:
+        return FrozenDict()
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a mapping, got {type(value).__name__}")
+    return freeze(value)
+
+
+def readonly(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def token_ids(field: str, value: Any) -> np.ndarray:
+    """Validate and freeze a sequence of token ids as a read-only int64 array."""
+    if isinstance(value, np.ndarray) and value.dtype == np.int64 and not value.flags.writeable:
+        array = value
+    else:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+            raise DataValidationError(field, f"expected a sequence of token ids, got {type(value).__name__}")
+        if isinstance(value, np.ndarray):
+            if value.ndim != 1:
+                raise DataValidationError(field, f"expected a 1-D sequence, got shape {value.shape}")
+            if value.size and not np.issubdtype(value.dtype, np.integer):
+                raise DataValidationError(field, f"token ids must be integers, got dtype {value.dtype}")
+            array = value.astype(np.int64, copy=True)
+        else:
+            for i, v in enumerate(value):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise DataValidationError(f"{field}[{i}]", f"token id must be an int, got {v!r}")
+            array = np.array(value, dtype=np.int64) if len(value) else np.zeros(0, dtype=np.int64)
+        array = readonly(array)
+    if array.size and array.min() < 0:
+        i = int(np.argmax(array < 0))
+        raise DataValidationError(f"{field}[{i}]", f"token id must be non-negative, got {int(array[i])}")
+    return array
+
+
+def log_probs(field: str, value: Any, length: int) -> np.ndarray:
+    """Validate and freeze log-probs: finite, <= 0 and exactly ``length`` of them."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise DataValidationError(field, f"expected a sequence of floats, got {type(value).__name__}")
+    if not isinstance(value, np.ndarray):
+        for i, v in enumerate(value):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+                raise DataValidationError(f"{field}[{i}]", f"log-prob must be a number, got {v!r}")
+    array = np.asarray(value, dtype=np.float32)
+    if array.ndim != 1:
+        raise DataValidationError(field, f"expected a 1-D sequence, got shape {array.shape}")
+    if array.shape[0] != length:
+        raise DataValidationError(field, f"has {array.shape[0]} log-probs for {length} tokens")
+    if array.size:
+        bad = ~np.isfinite(array) | (array > 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise DataValidationError(f"{field}[{i}]", f"log-prob must be finite and <= 0, got {float(array[i])}")
+    if array is value:
+        array = array.copy()
+    return readonly(array)
+
+
+def reward_value(field: str, value: Any) -> float:
+    """A finite float reward; booleans and non-numbers are refused rather than coerced."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise DataValidationError(field, f"reward must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise DataValidationError(field, f"reward must be finite, got {value}")
+    return value
+
+
+def optional_reward(field: str):
+    def convert(value: Any) -> float | None:
+        return None if value is None else reward_value(field, value)
+
+    return convert
+
+
+def non_empty_str(field: str):
+    def check(_instance: Any, _attribute: Any, value: Any) -> None:
+        if not isinstance(value, str) or not value:
+            raise DataValidationError(field, f"must be a non-empty string, got {value!r}")
+
+    return check
+
+
+def non_negative_int(field: str):
+    def check(_instance: Any, _attribute: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise DataValidationError(field, f"must be a non-negative int, got {value!r}")
+
+    return check
+
+
+def array_eq(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def array_field(**kwargs: Any) -> Any:
+    return attrs.field(eq=attrs.cmp_using(eq=array_eq), **kwargs)
+
+
+def hardened(cls: type) -> type:
+    """Make every validation error raised while building ``cls`` name the rollout it belongs to, and
+    keep its arrays read-only after unpickling (objects travel to Ray workers by pickle)."""
+    init = cls.__init__
+    setstate = cls.__setstate__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except DataValidationError as err:
+            rollout_id = kwargs.get("rollout_id")
+            raise err.within(rollout_id=rollout_id if isinstance(rollout_id, str) else None) from None
+
+    def __setstate__(self: Any, state: Any) -> None:
+        setstate(self, state)
+        for value in attrs.astuple(self, recurse=False):
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
+    return cls
