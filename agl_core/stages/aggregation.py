@@ -125,7 +125,7 @@ class Mismatch:
 
 @attrs.frozen
 class Aggregation:
-    """An aggregator's result: the rows, the metrics of DESIGN §7, and a bounded mismatch sample."""
+    """An aggregator's result: the rows, its metrics (``training/*`` names) and a bounded mismatch sample."""
 
     rows: tuple[TrainingRow, ...] = attrs.field(converter=tuple)
     metrics: dict[str, float] = attrs.field(factory=dict)

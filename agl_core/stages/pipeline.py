@@ -1,7 +1,8 @@
 """The backend-agnostic middle of a training step: completed rollouts → what the update trains on.
 
 Every backend runs :class:`StepPipeline` between its rollouts and its update, so aggregation,
-advantage estimation on everything collected (DESIGN §6 item 3), batch shaping and the per-rollout
+advantage estimation on everything collected (before any row is dropped, so drops never change
+another rollout's advantage), batch shaping and the per-rollout
 normalisation are one piece of code on every backend; only the update itself is the backend's.
 """
 
