@@ -38,7 +38,7 @@ from typing import Any, Optional
 import attrs
 import numpy as np
 
-from agl_core.stages.advantage import Advantages, group_rollouts
+from agl_core.stages.advantage import Advantages, RolloutGroups, group_rollouts
 from agl_core.data import TrainingRow
 from agl_core.stages.normalization import rollout_scales
 
@@ -105,6 +105,58 @@ def _keep_exactly(sizes: list[int], target: int) -> list[bool] | None:
     return keep
 
 
+def _drop_order(indexed: RolloutGroups, marked: set[str], zero_variance: set[str], seed: Sequence[int]) -> list[str]:
+    """Unmarked rollouts in the order they go: zero-variance groups first (whole groups, groups
+    shuffled), then the other rollouts shuffled, both from ``seed``."""
+    rng = np.random.default_rng(list(seed))
+    zero_variance_order = [gid for gid in indexed.groups if gid in zero_variance]
+    order = [
+        rid
+        for gid in rng.permutation(np.array(zero_variance_order, dtype=object)).tolist()
+        for rid in indexed.groups[gid]
+        if rid not in marked
+    ]
+    first = set(order)
+    others = [rid for rid in indexed.rollouts if rid not in marked and rid not in first]
+    return order + rng.permutation(np.array(others, dtype=object)).tolist()
+
+
+def _shaping_metrics(
+    rows: Sequence[TrainingRow],
+    per_row: Sequence[np.ndarray],
+    indexed: RolloutGroups,
+    kept_indices: Sequence[int],
+    dropped: dict[str, bool],
+    marked: set[str],
+    zero_variance: set[str],
+) -> dict[str, float]:
+    """The step's ``training/n_sample_*`` and group counts; ``dropped`` maps each candidate rollout to
+    whether it went."""
+    dropped_same = dropped_random = 0
+    for rid, went in dropped.items():
+        if went:
+            n = len(indexed.rollouts[rid])
+            if rows[indexed.rollouts[rid][0]].group_id in zero_variance:
+                dropped_same += n
+            else:
+                dropped_random += n
+    kept_groups = {rows[i].group_id for i in kept_indices}
+    zero_adv_groups = {
+        gid
+        for gid in kept_groups
+        if all(not np.any(per_row[i]) for rid in indexed.groups[gid] for i in indexed.rollouts[rid])
+    }
+    return {
+        "training/n_sample_collected": float(len(rows)),
+        "training/n_sample_trained": float(len(kept_indices)),
+        "training/n_sample_dropped/marked": float(sum(len(indexed.rollouts[rid]) for rid in marked)),
+        "training/n_sample_dropped/same_reward": float(dropped_same),
+        "training/n_sample_dropped/random": float(dropped_random),
+        "training/n_groups": float(len(kept_groups)),
+        "training/n_zero_adv_groups": float(len(zero_adv_groups)),
+    }
+
+
 def shape_batch(
     rows: Sequence[TrainingRow], advantages: Advantages | Sequence[np.ndarray], settings: ShapingSettings
 ) -> ShapedBatch:
@@ -118,59 +170,23 @@ def shape_batch(
     if settings.mini_batch_rows <= 0:
         raise ValueError(f"mini_batch_rows must be positive, got {settings.mini_batch_rows}")
     indexed = group_rollouts(rows)
-    rng = np.random.default_rng(list(settings.seed))
-
     marked = {rid for rid, idx in indexed.rollouts.items() if any(rows[i].dropped for i in idx)}
     zero_variance = {gid for gid, rids in indexed.groups.items() if len({indexed.reward[r] for r in rids}) == 1}
-    zero_variance_order = [gid for gid in indexed.groups if gid in zero_variance]
-    drop_order = [
-        rid
-        for gid in rng.permutation(np.array(zero_variance_order, dtype=object)).tolist()
-        for rid in indexed.groups[gid]
-        if rid not in marked
-    ]
-    first = set(drop_order)
-    others = [rid for rid in indexed.rollouts if rid not in marked and rid not in first]
-    drop_order += rng.permutation(np.array(others, dtype=object)).tolist()
 
-    keep_order = drop_order[::-1]
+    keep_order = _drop_order(indexed, marked, zero_variance, settings.seed)[::-1]
     sizes = [len(indexed.rollouts[rid]) for rid in keep_order]
-    n_candidates = sum(sizes)
-    n_steps = n_candidates // settings.mini_batch_rows
+    n_steps = sum(sizes) // settings.mini_batch_rows
     if settings.max_updates is not None:
         n_steps = min(n_steps, settings.max_updates)
     while (keep := _keep_exactly(sizes, n_steps * settings.mini_batch_rows)) is None:
         n_steps -= 1
     kept_rollouts = {rid for rid, take in zip(keep_order, keep) if take}
-
     kept_indices = tuple(i for i, row in enumerate(rows) if row.rollout_id in kept_rollouts)
-    dropped_same, dropped_random = 0, 0
-    for rid, take in zip(keep_order, keep):
-        if not take:
-            n = len(indexed.rollouts[rid])
-            if rows[indexed.rollouts[rid][0]].group_id in zero_variance:
-                dropped_same += n
-            else:
-                dropped_random += n
-    kept_groups = {rows[i].group_id for i in kept_indices}
-    zero_adv_groups = {
-        gid
-        for gid in kept_groups
-        if all(not np.any(per_row[i]) for rid in indexed.groups[gid] for i in indexed.rollouts[rid])
-    }
-    metrics = {
-        "training/n_sample_collected": float(len(rows)),
-        "training/n_sample_trained": float(len(kept_indices)),
-        "training/n_sample_dropped/marked": float(sum(len(indexed.rollouts[rid]) for rid in marked)),
-        "training/n_sample_dropped/same_reward": float(dropped_same),
-        "training/n_sample_dropped/random": float(dropped_random),
-        "training/n_groups": float(len(kept_groups)),
-        "training/n_zero_adv_groups": float(len(zero_adv_groups)),
-    }
+    dropped = {rid: not take for rid, take in zip(keep_order, keep)}
     return ShapedBatch(
         rows=tuple(rows[i] for i in kept_indices),
         advantages=tuple(per_row[i] for i in kept_indices),
         kept_indices=kept_indices,
         n_mini_batches=n_steps,
-        metrics=metrics,
+        metrics=_shaping_metrics(rows, per_row, indexed, kept_indices, dropped, marked, zero_variance),
     )
