@@ -86,11 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except Exception as exc:  # a clear one-line error, not a traceback, for expected failures
         from agl_core.config import ConfigError
-        from agl_core.plugins import PluginError
-        from agl_core.plugins.registry import RegistryError
-        from agl_hooks.loader import HookFileError
+        from agl_core.plugins import PluginError, RegistryError
 
-        if isinstance(exc, (ConfigError, PluginError, RegistryError, HookFileError, FileNotFoundError)):
+        if isinstance(exc, (ConfigError, PluginError, RegistryError, FileNotFoundError)):
             print(f"agl: error: {exc}", file=sys.stderr)
             return 2
         raise

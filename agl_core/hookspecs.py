@@ -5,11 +5,13 @@ in a module or class registered as a plugin (an entry point in group ``agl``, a 
 ``agentlightning.hooks``, or an object passed in code). Arguments are passed by name, so an
 implementation may accept only the ones it needs.
 
-Two kinds of hooks live here:
+Three kinds of hooks live here:
 
 * **Registry hooks** (``agl_register_*``) are called once, when the plugin manager first needs the
   table. Each receives a ``register(name, obj)`` callback; the host owns the name table, rejects a
   name registered twice (naming both plugins) and lists what is registered (``agl plugins``).
+* **The loader hook** ``agl_load_hook_file`` turns a hook file into a plugin (``agl_hooks``
+  implements it; ``agl_core`` itself never imports ``agl_hooks``).
 * **Rollout lifecycle hooks** (``agl_on_*``) mirror Agent Lightning's four ``RolloutHooks`` methods,
   but compose: every plugin implementing one is called, in plugin registration order (built-ins,
   entry points, hook files, plugins given in code). A hook that raises is logged with its plugin's
@@ -18,6 +20,7 @@ Two kinds of hooks live here:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
@@ -105,6 +108,19 @@ def agl_register_backends(register: Register) -> None:
     key). ``agl train`` reads ``agentlightning.backend`` first and, when the selected factory has
     this attribute, validates the run with it instead of :func:`agl_core.config.load_config`; the
     factory is then given that config.
+    """
+
+
+@hookspec(firstresult=True)
+def agl_load_hook_file(path: Path) -> object | None:
+    """Turn a hook file named in ``agentlightning.hooks`` into a plugin object.
+
+    ``path`` is the file's absolute path. Return the object to register (a module, a class
+    instance...) or ``None`` to leave the file to another plugin; the first non-``None`` answer
+    wins, and the manager registers it under ``hookfile:<path>``. Raise an exception subclassing
+    :class:`agl_core.plugins.PluginError` that names the file when it cannot be loaded.
+    ``agl_hooks`` implements this hook for module-level ``@hookimpl`` functions and for Agent
+    Lightning v1.0 ``RolloutHooks`` classes.
     """
 
 

@@ -14,7 +14,6 @@ Every failure is a :class:`HookFileError` that names the file.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import importlib.util
 import inspect
@@ -26,14 +25,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agl_core import hookspecs
+from agl_core.plugins import PluginError
+from agl_core.plugins.manager import KNOWN_HOOKS
+from agl_core.suggestions import suggest
 from agl_hooks import rollout_hooks
 from agl_hooks.rollout_hooks import HOOK_METHODS, RolloutHooksPlugin
 
-KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))
-
-
-class HookFileError(Exception):
+class HookFileError(PluginError):
     """A hook file could not be loaded; the message names the file and what is wrong."""
 
 
@@ -89,18 +87,12 @@ def _exec_module(path: Path) -> types.ModuleType:
     return module
 
 
-def _suggest(name: str, known: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(name, known, n=1)
-    return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
-
-
-def load_hook_file(path: str | os.PathLike[str]) -> tuple[Any, str]:
-    """Import one hook file; return ``(plugin, registration name)``."""
+def load_hook_file(path: str | os.PathLike[str]) -> Any:
+    """Import one hook file and return the plugin object to register."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise HookFileError(f"hook file not found: {path}")
     module = _exec_module(path)
-    name = f"hookfile:{path}"
 
     classes = [obj for _, obj in inspect.getmembers(module, _is_rollout_hooks_class) if obj.__module__ == module.__name__]
     functions = {
@@ -110,7 +102,7 @@ def load_hook_file(path: str | os.PathLike[str]) -> tuple[Any, str]:
     }
     for attr in functions:
         if attr not in KNOWN_HOOKS:
-            raise HookFileError(f"hook file {path} defines unknown hook {attr!r}; {_suggest(attr, KNOWN_HOOKS)}")
+            raise HookFileError(f"hook file {path} defines unknown hook {attr!r}; {suggest(attr, KNOWN_HOOKS)}")
     undecorated = [attr for attr, fn in functions.items() if not hasattr(fn, "agl_impl")]
     if undecorated:
         raise HookFileError(f"hook file {path}: {', '.join(undecorated)} must be decorated with @agl_core.hookimpl")
@@ -127,14 +119,14 @@ def load_hook_file(path: str | os.PathLike[str]) -> tuple[Any, str]:
         cls = classes[0]
         for attr in vars(cls):
             if attr.startswith("on_") and attr not in HOOK_METHODS:
-                raise HookFileError(f"hook file {path}: {cls.__name__}.{attr} is not a hook; {_suggest(attr, HOOK_METHODS)}")
+                raise HookFileError(f"hook file {path}: {cls.__name__}.{attr} is not a hook; {suggest(attr, HOOK_METHODS)}")
         try:
             instance = cls()
         except Exception as exc:
             raise HookFileError(f"hook file {path}: {cls.__name__}() failed: {exc!r}") from exc
-        return RolloutHooksPlugin(instance), name
+        return RolloutHooksPlugin(instance)
     if functions:
-        return module, name
+        return module
     raise HookFileError(
         f"no hooks found in hook file {path}: define @agl_core.hookimpl functions named after agl hooks "
         f"({', '.join(KNOWN_HOOKS)}) or one RolloutHooks subclass"

@@ -30,7 +30,8 @@ def test_plugins_lists_builtins_with_their_hooks_and_names():
     assert "aggregators: trajectory, transition" in out.stdout
     assert "policy_losses: per_rollout_mean, token_mean" in out.stdout
     assert "backends: torch" in out.stdout
-    assert "[entry point" not in out.stdout, "autoload is off"
+    assert "hookfiles  [entry point (agl-backend-verl" in out.stdout, "agl's own entry points always load"
+    assert "retoken_merge" not in out.stdout, "third-party autoload is off"
 
 
 def test_plugins_shows_a_hook_file(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins.event_writer import EventWriter
-from agl_core.plugins import PluginManager
+from agl_core import hookimpl
+from agl_core.plugins import PluginError, PluginManager
 from agl_hooks.loader import HookFileError, load_hook_file
 
 AGL_V1_HOOK_FILE = """
@@ -235,3 +236,54 @@ def test_hooks_from_config_accept_a_path_or_a_list(tmp_path):
     both = PluginManager.from_config({"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins={})
     assert one.is_registered(f"hookfile:{v1.resolve()}") and not one.is_registered(f"hookfile:{mod.resolve()}")
     assert both.is_registered(f"hookfile:{mod.resolve()}")
+
+
+class _JsonHookFiles:
+    """A plugin that loads ``.json`` hook files and leaves other files to the next loader."""
+
+    @hookimpl(tryfirst=True)
+    def agl_load_hook_file(self, path):
+        if path.suffix != ".json":
+            return None
+        return _StartupLogger(path.name)
+
+
+class _StartupLogger:
+    def __init__(self, label):
+        self.label = label
+        self.seen = []
+
+    @hookimpl
+    def agl_on_startup(self, config):
+        self.seen.append(config)
+
+
+def test_hook_file_loading_is_a_hook_another_plugin_can_implement(tmp_path):
+    json_file = write(tmp_path, "hooks.json", "{}")
+    py_file = write(tmp_path, "hooks.py", MODULE_HOOK_FILE)
+    manager = PluginManager(load_entrypoints=False, builtins={})
+    manager.register(_JsonHookFiles(), name="json-hook-files")
+    names = manager.load_hook_files([json_file, py_file])
+    assert names == [f"hookfile:{json_file.resolve()}", f"hookfile:{py_file.resolve()}"]
+    logger = manager.get_plugin(names[0])
+    assert isinstance(logger, _StartupLogger) and logger.label == "hooks.json"
+    manager.on_startup({"x": 1})
+    assert logger.seen == [{"x": 1}]
+    # the .py file fell through to agl_hooks' loader (the 'hookfiles' entry point)
+    assert manager.get_plugin(names[1]).__name__.startswith("agl_hookfile_hooks_")
+
+
+def test_without_a_hook_file_loader_the_error_says_what_provides_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGL_BLOCKED_PLUGINS", "hookfiles")
+    path = write(tmp_path, "hooks.py", MODULE_HOOK_FILE)
+    manager = PluginManager(load_entrypoints=False, builtins={})
+    with pytest.raises(PluginError, match=r"hook file .*hooks\.py: no plugin loads hook files \(agl_hooks provides"):
+        manager.load_hook_files([path])
+
+
+def test_registering_one_plugin_twice_names_both_registrations():
+    manager = PluginManager(load_entrypoints=False, builtins={})
+    plugin = _StartupLogger("once")
+    manager.register(plugin, name="first")
+    with pytest.raises(PluginError, match=r"already registered as 'first' \(code\); register each plugin once"):
+        manager.register(plugin, name="second")

@@ -13,7 +13,6 @@ pytestmark = pytest.mark.verl
 
 pytest.importorskip("verl")
 
-import agl_backend_verl.plugin  # noqa: E402
 from agl_core.cli import main  # noqa: E402
 from agl_core.config import ConfigError  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
@@ -52,9 +51,10 @@ def write_config(tmp_path, backend="verl", offload_key="param_offload"):
 
 @pytest.fixture
 def no_autoload(monkeypatch):
-    """Only the built-ins and the verl backend module, however the environment is installed."""
+    """Only the built-ins and agl's own entry points (the verl backend among them), however the
+    environment is installed."""
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
-    return [agl_backend_verl.plugin]
+    return []
 
 
 def test_verl_only_keys_are_accepted_under_backend_verl(tmp_path, no_autoload):

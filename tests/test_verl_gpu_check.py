@@ -21,7 +21,6 @@ pytest.importorskip("verl")
 
 from omegaconf import OmegaConf  # noqa: E402
 
-import agl_backend_verl.plugin  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from agl_core.train import resolve_config  # noqa: E402
 
@@ -63,7 +62,7 @@ def gpu_check_config(gpu_check, policy_dir, tmp_path, monkeypatch):
     args = recorded_train_args(command, env, tmp_path)
     assert args[:3] == ["-m", "agl_core.cli", "train"]
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
-    config, _ = resolve_config(str(REPO_ROOT / args[3]), args[4:], [agl_backend_verl.plugin])
+    config, _ = resolve_config(str(REPO_ROOT / args[3]), args[4:])
     return config
 
 

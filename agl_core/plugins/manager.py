@@ -3,9 +3,11 @@
 Discovery order (it is also the order in which lifecycle hooks run):
 
 1. the built-ins in :data:`DEFAULT_PLUGINS`, registered as ordinary plugins;
-2. distributions exposing an entry point in group ``agl`` (skipped when the environment variable
-   ``AGL_DISABLE_PLUGIN_AUTOLOAD`` is set to a true value);
-3. hook files named in ``agentlightning.hooks`` (:meth:`PluginManager.load_hook_files`);
+2. distributions exposing an entry point in group ``agl``: agl's own always (the ``verl`` backend and
+   ``hookfiles``, the hook-file loader from ``agl_hooks``), third-party ones unless the environment
+   variable ``AGL_DISABLE_PLUGIN_AUTOLOAD`` is set to a true value;
+3. hook files named in ``agentlightning.hooks``, each turned into a plugin by the
+   ``agl_load_hook_file`` hook (:meth:`PluginManager.load_hook_files`);
 4. plugin objects passed in code (:meth:`PluginManager.register`).
 
 ``AGL_BLOCKED_PLUGINS`` (comma-separated registration names) blocks plugins, built-ins included.
@@ -14,11 +16,13 @@ Callers never touch pluggy: they use the registry properties and the ``on_*``/``
 
 from __future__ import annotations
 
-import difflib
+import functools
 import importlib
 import logging
 import os
 from collections import Counter
+from importlib.metadata import packages_distributions
+from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +33,7 @@ from agl_core import hookspecs
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
+from agl_core.suggestions import suggest
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +108,7 @@ class PluginManager:
                 self.register(importlib.import_module(module_name), name=name, source="built-in")
         if load_entrypoints is None:
             load_entrypoints = not _env_flag(DISABLE_AUTOLOAD_ENV)
-        if load_entrypoints:
-            self._load_entrypoints()
+        self._load_entrypoints(third_party=load_entrypoints)
         self.check_pending()
 
     @classmethod
@@ -120,11 +124,15 @@ class PluginManager:
 
     # -- registration -------------------------------------------------------------------------
 
-    def _load_entrypoints(self) -> None:
+    def _load_entrypoints(self, *, third_party: bool) -> None:
+        """Load the ``agl`` entry points: always agl's own (its distribution's: the verl backend, the
+        hook-file loader), and third-party ones when ``third_party`` is true."""
         from importlib.metadata import entry_points
 
         for ep in entry_points(group=ENTRYPOINT_GROUP):
             if self._pm.is_blocked(ep.name) or self._pm.get_plugin(ep.name) is not None:
+                continue
+            if not third_party and not _is_own(ep):
                 continue
             try:
                 plugin = ep.load()
@@ -135,18 +143,28 @@ class PluginManager:
             self.register(plugin, name=ep.name, source=f"entry point ({dist})")
 
     def load_hook_files(self, paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-        """Load user hook files (see :mod:`agl_hooks.loader`) as plugins; return their names."""
-        from agl_hooks.loader import load_hook_file
-
+        """Load user hook files as plugins through ``agl_load_hook_file``; return their names."""
         names = []
         for path in paths:
-            plugin, name = load_hook_file(path)
-            names.append(self.register(plugin, name=name, source=f"hook file {os.fspath(path)}"))
+            resolved = Path(path).expanduser().resolve()
+            plugin = self._pm.hook.agl_load_hook_file(path=resolved)
+            if plugin is None:
+                raise PluginError(
+                    f"hook file {resolved}: no plugin loads hook files (agl_hooks provides the loader through "
+                    f"the {ENTRYPOINT_GROUP!r} entry point; is agl installed, and is 'hookfiles' not blocked?)"
+                )
+            names.append(self.register(plugin, name=f"hookfile:{resolved}", source=f"hook file {resolved}"))
         return names
 
     def register(self, plugin: Any, name: str | None = None, *, source: str = "code") -> str:
         """Register a plugin object (module, class instance...); return its registration name."""
         _refuse_unknown_hooks(plugin, name)
+        existing = self._pm.get_name(plugin)
+        if existing is not None:
+            raise PluginError(
+                f"plugin {name or plugin!r} is already registered as {existing!r} "
+                f"({self._sources.get(existing, 'code')}); register each plugin once"
+            )
         try:
             registered = self._pm.register(plugin, name=name)
         except ValueError as exc:
@@ -305,14 +323,24 @@ def _in_plugin_order(impls: Sequence[Any]) -> list[Any]:
     return first + middle + last
 
 
+KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))
+
+
 def _refuse_unknown_hooks(plugin: Any, name: str | None) -> None:
     """Refuse a plugin with an ``agl_*`` attribute that no hookspec defines, suggesting the right name."""
-    known = [n for n in dir(hookspecs) if n.startswith("agl_")]
     for attr in dir(plugin):
-        if attr.startswith("agl_") and attr not in known and callable(getattr(plugin, attr, None)):
-            close = difflib.get_close_matches(attr, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known hooks: {', '.join(known)}"
-            raise PluginError(f"plugin {name or plugin!r} defines unknown hook {attr!r}{hint}")
+        if attr.startswith("agl_") and attr not in KNOWN_HOOKS and callable(getattr(plugin, attr, None)):
+            raise PluginError(f"plugin {name or plugin!r} defines unknown hook {attr!r}; {suggest(attr, KNOWN_HOOKS)}")
+
+
+@functools.cache
+def _own_distributions() -> frozenset[str]:
+    return frozenset(packages_distributions().get("agl_core", ()))
+
+
+def _is_own(ep: Any) -> bool:
+    """Whether entry point ``ep`` belongs to the distribution that installed ``agl_core``."""
+    return ep.dist is not None and ep.dist.name in _own_distributions()
 
 
 def _select(config: Any, dotted: str) -> Any:

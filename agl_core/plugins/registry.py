@@ -11,6 +11,8 @@ from typing import Any
 
 import attrs
 
+from agl_core.suggestions import closest
+
 
 class RegistryError(LookupError):
     """A registry name is unknown, or claimed by two plugins."""
@@ -52,7 +54,9 @@ class Registry:
             return self._entries[name]
         except KeyError:
             known = ", ".join(sorted(self._entries)) or "none"
-            raise RegistryError(f"unknown {self.kind} {name!r} (set by {self.config_key}); registered: {known}") from None
+            match = closest(str(name), self._entries)
+            hint = f"; did you mean {match!r}?" if match else ""
+            raise RegistryError(f"unknown {self.kind} {name!r} (set by {self.config_key}); registered: {known}{hint}") from None
 
     def names(self) -> list[str]:
         return sorted(self._entries)

@@ -1,0 +1,181 @@
+"""The package map's import rules (docs/architecture.md), checked by parsing every import.
+
+Each module belongs to one part; a part may import only the parts listed for it. Imports under
+``if TYPE_CHECKING:`` are annotations only and are not counted. A rollout source family (the
+gateway sources, the embedded source) may import the shared rollout modules and itself, never
+another family.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
+
+# Top-level agl_core modules everything may use: the data model, the config, the hookspecs, helpers.
+BASE = {"agl_core", "agl_core.data", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
+        "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
+ENTRY = {"agl_core.cli", "agl_core.train"}
+# The rollout source families; every other agl_core.rollouts module is shared by all sources.
+SOURCE_FAMILIES = {
+    "gateway": ("agl_core.rollouts.gateway", "agl_core.rollouts.gateway_async", "agl_core.rollouts.gateway_client"),
+    "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),
+}
+
+# part -> the parts it may import (its own part always included)
+ALLOWED = {
+    "base": {"base"},
+    "plugins": {"base"},
+    "stages": {"base", "plugins"},
+    "rollouts": {"base", "plugins"},
+    "serving": {"base"},
+    "backends": {"base", "plugins", "stages", "rollouts", "serving"},
+    "backend:torch": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
+    "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch"},
+    "entry": {"base", "plugins", "backends", "entry"},
+    "agl_hooks": {"base", "plugins", "stages", "rollouts"},
+    "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
+}
+
+
+def part_of(module: str) -> str:
+    """Which part of the package map ``module`` belongs to."""
+    if module.startswith("agl_backend_verl"):
+        return "backend:verl"
+    if module.startswith("agl_hooks"):
+        return "agl_hooks"
+    if module in BASE or module.startswith("agl_core.config."):
+        return "base"
+    if module in ENTRY:
+        return "entry"
+    parts = module.split(".")
+    if parts[1] == "backends" and len(parts) > 2 and parts[2] in {"torch"}:
+        return "backend:torch"
+    if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "testing"}:
+        return parts[1]
+    raise AssertionError(f"{module} is in no part of the package map: add it to tests/test_import_rules.py and docs/architecture.md")
+
+
+def source_family(module: str) -> str | None:
+    for family, modules in SOURCE_FAMILIES.items():
+        if module in modules:
+            return family
+    return None
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, package: str) -> list[tuple[int, str]]:
+    """``(line, module)`` for every runtime import of an agl package (relative ones resolved)."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, alias.name) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    module = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    module = child.module or ""
+                found.append((child.lineno, module))
+                # "from agl_core import stages" imports the submodule agl_core.stages
+                found.extend((child.lineno, f"{module}.{alias.name}") for alias in child.names)
+            visit(child)
+
+    visit(tree)
+    return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
+
+
+def _known_modules(root: Path) -> set[str]:
+    return {_module_name(root, p) for package in PACKAGES for p in (root / package).rglob("*.py")}
+
+
+def forbidden_imports(root: Path) -> list[str]:
+    """Every import under ``root`` that breaks the package map's rules, as readable lines."""
+    known = _known_modules(root)
+    problems = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            importer = _module_name(root, path)
+            own_package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+            source = part_of(importer)
+            for line, imported in _imports(ast.parse(path.read_text(), str(path)), own_package):
+                if imported not in known:
+                    continue  # a name imported from a module, already counted as its module
+                target = part_of(imported)
+                where = f"{path.relative_to(root)}:{line} imports {imported}"
+                if target != source and target not in ALLOWED[source]:
+                    problems.append(f"{where}: {source} may not import {target}")
+                elif source == target == "rollouts":
+                    mine, theirs = source_family(importer), source_family(imported)
+                    if theirs is not None and mine != theirs:
+                        problems.append(f"{where}: the {mine or 'shared rollout'} code may not import the {theirs} source")
+    return problems
+
+
+def test_every_import_follows_the_package_map():
+    assert forbidden_imports(REPO_ROOT) == []
+
+
+def test_every_rollout_source_module_named_in_the_rules_exists():
+    known = _known_modules(REPO_ROOT)
+    missing = [m for modules in SOURCE_FAMILIES.values() for m in modules if m not in known]
+    assert not missing, f"rename them in SOURCE_FAMILIES: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("module", "planted", "message"),
+    [
+        ("agl_backend_verl/planted.py", "from agl_core.backends.torch.backend import TorchBackend\n", "backend:verl may not import backend:torch"),
+        ("agl_core/stages/planted.py", "import agl_core.rollouts.events\n", "stages may not import rollouts"),
+        ("agl_core/plugins/planted.py", "from agl_hooks import loader\n", "plugins may not import agl_hooks"),
+        ("agl_core/rollouts/embedded.py", "from agl_core.rollouts.gateway_client import GatewayClient\n", "may not import the gateway source"),
+        ("agl_core/serving/planted.py", "if True:\n    from agl_core.stages import tensorize\n", "serving may not import stages"),
+    ],
+)
+def test_a_planted_forbidden_import_is_reported(tmp_path, module, planted, message):
+    for package in PACKAGES:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            copy = tmp_path / path.relative_to(REPO_ROOT)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(path.read_text())
+    target = tmp_path / module
+    target.write_text(target.read_text() + "\n" + planted if target.exists() else planted)
+    problems = forbidden_imports(tmp_path)
+    assert any(message in p for p in problems), problems
+
+
+def test_imports_under_type_checking_are_not_counted(tmp_path):
+    (tmp_path / "agl_core" / "stages").mkdir(parents=True)
+    for package in PACKAGES:
+        (tmp_path / package).mkdir(exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "agl_core" / "rollouts").mkdir()
+    (tmp_path / "agl_core" / "rollouts" / "events.py").write_text("")
+    (tmp_path / "agl_core" / "stages" / "__init__.py").write_text("")
+    (tmp_path / "agl_core" / "stages" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agl_core.rollouts.events import x\n"
+    )
+    assert forbidden_imports(tmp_path) == []
