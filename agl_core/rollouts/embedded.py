@@ -48,8 +48,9 @@ import numpy as np
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.event_writer import EventWriter, PendingEvent
-from agl_core.rollouts.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
+from agl_core.plugins.event_writer import EventWriter
+from agl_core.rollouts.events import apply_failed_policy, timing_metrics
+from agl_core.rollouts.finish import finish_rollout
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
 from agl_core.rollouts.source import RolloutBatch, make_requests, rollout_config
 
@@ -177,6 +178,11 @@ def load_agent_class(path: str | None) -> type:
 # -- the gateway-shaped local server ---------------------------------------------------------------
 
 
+def recorded_event(rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any]) -> dict[str, Any]:
+    """One event as the gateway's raw events route returns it, stamped now."""
+    return {"event_type": event_type, "rollout_id": rollout_id, "attempt_id": attempt_id, "timestamp": time.time(), "data": data}
+
+
 class _Recorder:
     """The events of open rollouts, and the forwarding of model calls to the engine."""
 
@@ -206,15 +212,7 @@ class _Recorder:
             events = self.events.get(rollout_id)
             if events is None:
                 return False
-            events.append(
-                {
-                    "event_type": event_type,
-                    "rollout_id": rollout_id,
-                    "attempt_id": attempt_id,
-                    "timestamp": time.time(),
-                    "data": data,
-                }
-            )
+            events.append(recorded_event(rollout_id, attempt_id, event_type, data))
             return True
 
     def is_open(self, rollout_id: str) -> bool:
@@ -442,44 +440,24 @@ class EmbeddedRolloutSource:
     def _finish(
         self, request: RolloutRequest, events: list[dict[str, Any]], state: str, error: str | None, queued_at: float, counts: Counter[str]
     ) -> CompletedRollout:
-        """Parse, run the lifecycle hooks, append what they wrote and parse again if they wrote anything."""
+        """Finish one rollout; what its hooks write is appended to its recorded events."""
 
-        def build(count: bool) -> CompletedRollout:
-            rollout, parsed_counts = completed_rollout(
-                request,
-                events,
-                state=state,
-                reward_fillna_value=self.reward_fillna_value,
-                error=error,
-                attempt_id=ATTEMPT_ID,
-                queued_at=queued_at,
-                ended_at=time.time(),
-            )
-            if count:
-                counts.update(parsed_counts)
-            return rollout
+        def store(writer: EventWriter) -> int:
+            return writer.flush(lambda e: events.append(recorded_event(e.rollout_id, e.attempt_id, e.event_type, e.data)))
 
-        rollout = build(count=True)
-        writer = EventWriter()
-        if state == "succeeded":
-            self.plugins.on_succeeded(rollout, events_by_attempt(events, ATTEMPT_ID), writer)
-        else:
-            self.plugins.on_failed(rollout, writer)
-
-        def append(event: PendingEvent) -> None:
-            events.append(
-                {
-                    "event_type": event.event_type,
-                    "rollout_id": event.rollout_id,
-                    "attempt_id": event.attempt_id,
-                    "timestamp": time.time(),
-                    "data": event.data,
-                }
-            )
-
-        written = writer.flush(append)
-        counts["training/hooks/n_events_written"] += written
-        return build(count=False) if written else rollout
+        return finish_rollout(
+            request,
+            events,
+            state=state,
+            error=error,
+            queued_at=queued_at,
+            attempt_id=ATTEMPT_ID,
+            reward_fillna_value=self.reward_fillna_value,
+            plugins=self.plugins,
+            store=store,
+            reread=lambda: events,
+            counts=counts,
+        )
 
     def before_weight_update(self) -> dict[str, float]:
         return {}  # collect() returns only once every agent is done: nothing is in flight

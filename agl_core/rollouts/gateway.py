@@ -30,7 +30,8 @@ import attrs
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins.event_writer import EventWriter, PendingEvent
-from agl_core.rollouts.events import apply_failed_policy, completed_rollout, events_by_attempt, timing_metrics
+from agl_core.rollouts.events import apply_failed_policy, timing_metrics
+from agl_core.rollouts.finish import finish_rollout
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.source import RolloutBatch, make_requests, new_id, rollout_config
 
@@ -242,53 +243,47 @@ class GatewayRolloutSource:
         list(self._pool.map(self._delete, finished))
         return len(finished)
 
-    def _finish(self, rid: str, state: str, events: list[dict[str, Any]], error: str | None) -> None:
+    def _finish(self, rid: str, state: str, events: list[dict[str, Any]], error: str | None, *, held: bool = True) -> None:
+        """Finish a terminal rollout; ``held`` is false when the gateway no longer holds it (lost, or
+        timed out and about to be deleted), so what its hooks write cannot be stored and is counted."""
         pending = self.pending[rid]
-        rollout = self._build(pending, events, state=state, error=error)
-        writer = EventWriter()
-        if state == "succeeded":
-            self.plugins.on_succeeded(rollout, events_by_attempt(events, rollout.attempt_id or "0"), writer)
-        else:
-            self.plugins.on_failed(rollout, writer)
-        if self._flush(rid, writer, len(events)) and state == "succeeded":
-            try:
-                events = self.client.get_events(rid)
-                rollout = self._build(pending, events, state=state, error=error, count=False)
-            except GatewayError as exc:
-                self.counts["training/hooks/n_reread_failures"] += 1
-                logger.warning("could not re-read events of %s after its hooks wrote some: %s", rid, exc)
-        self._done(rid, rollout)
-
-    def _build(self, pending: _Pending, events: list[dict[str, Any]], *, state: str, error: str | None, count: bool = True) -> CompletedRollout:
-        attempts = [e.get("attempt_id") for e in events if isinstance(e, Mapping) and e.get("attempt_id")]
-        rollout, counts = completed_rollout(
+        rollout = finish_rollout(
             pending.request,
             events,
             state=state,
-            reward_fillna_value=self.reward_fillna_value,
             error=error,
-            attempt_id=attempts[-1] if attempts else None,
             queued_at=pending.queued_at,
-            ended_at=time.time(),
+            attempt_id=None,
+            reward_fillna_value=self.reward_fillna_value,
+            plugins=self.plugins,
+            store=(lambda writer: self._flush(rid, writer, len(events))) if held else self._unflushed,
+            # A failed rollout is not read again: the failed-rollout policy skips it or fills its reward.
+            reread=(lambda: self._reread(rid)) if held and state == "succeeded" else None,
+            counts=self.counts,
         )
-        if count:
-            self.counts.update(counts)
-        return rollout
+        self._done(rid, rollout)
+
+    def _reread(self, rid: str) -> list[dict[str, Any]] | None:
+        try:
+            return self.client.get_events(rid)
+        except GatewayError as exc:
+            self.counts["training/hooks/n_reread_failures"] += 1
+            logger.warning("could not re-read events of %s after its hooks wrote some: %s", rid, exc)
+            return None
+
+    def _unflushed(self, writer: EventWriter) -> int:
+        if dropped := writer.discard():
+            self.counts["training/hooks/n_unflushed_events"] += dropped
+        return 0
 
     def _fail(self, rid: str, error: str, *, read_events: bool) -> None:
-        pending = self.pending[rid]
         events: list[dict[str, Any]] = []
         if read_events:
             try:
                 events = self.client.get_events(rid)
             except GatewayError:
                 self.counts["training/gateway/n_event_read_errors"] += 1
-        rollout = self._build(pending, events, state="failed", error=error)
-        writer = EventWriter()
-        self.plugins.on_failed(rollout, writer)
-        if writer.pending:
-            self.counts["training/hooks/n_unflushed_events"] += len(writer.pending)  # the gateway lost the rollout
-        self._done(rid, rollout)
+        self._finish(rid, "failed", events, error, held=False)
 
     def _done(self, rid: str, rollout: CompletedRollout) -> None:
         del self.pending[rid]
@@ -335,9 +330,7 @@ class GatewayRolloutSource:
                     writer.discard()
                     break
                 time.sleep(self.client.backoff(attempt))
-        sent = total - unflushed
-        self.counts["training/hooks/n_events_written"] += sent
-        return sent
+        return total - unflushed
 
     def _was_applied(self, rid: str, event: PendingEvent, index: int) -> bool:
         try:
