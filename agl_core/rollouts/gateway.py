@@ -152,7 +152,7 @@ class GatewayRolloutSource:
             elif self.pending and time.monotonic() - self.last_progress > self.gateway.liveness_check_seconds:
                 self._check_liveness()
         except GatewayError as exc:
-            if exc.status is not None and exc.status < 500 and exc.status not in (404, 408, 429):
+            if not exc.not_found and not self.client.retry.is_retryable(exc):
                 raise
             self.counts["training/gateway/n_poll_errors"] += 1
             logger.warning("gateway poll failed, will retry until the rollouts' deadlines: %s", exc)
@@ -233,7 +233,7 @@ class GatewayRolloutSource:
             if isinstance(read, GatewayError):
                 if read.not_found:
                     self._handle_lost([rid])
-                elif read.status is not None and read.status < 500 and read.status not in (408, 429):
+                elif not self.client.retry.is_retryable(read):
                     raise read
                 else:
                     self.counts["training/gateway/n_event_read_errors"] += 1
@@ -304,43 +304,25 @@ class GatewayRolloutSource:
             logger.warning("could not delete rollout %s: %s", rid, exc)
 
     def _flush(self, rid: str, writer: EventWriter, n_events: int) -> int:
-        """Send what the hooks wrote, retrying; an ambiguous failure is checked against the events
-        before re-sending, so nothing is appended twice. Return how many events were sent."""
-        expected = n_events
+        """Append what the hooks wrote after the rollout's ``n_events`` events; return how many were sent.
+
+        The client retries each event as its retry policy allows and, after an ambiguous failure,
+        reads the events back before re-sending, so nothing is appended twice. An event that still
+        fails is dropped with those after it, and counted."""
+        total, position = len(writer.pending), n_events
 
         def post(event: PendingEvent) -> None:
-            nonlocal expected
-            try:
-                self.client.append_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
-            except GatewayError as exc:
-                if not exc.ambiguous or not self._was_applied(rid, event, expected):
-                    raise
-            expected += 1
+            nonlocal position
+            self.client.append_event(event.rollout_id, event.attempt_id, event.event_type, event.data, position=position)
+            position += 1
 
-        total, unflushed = len(writer.pending), 0
-        for attempt in range(self.gateway.max_retries + 1):
-            try:
-                writer.flush(post)
-                break
-            except GatewayError as exc:
-                if attempt == self.gateway.max_retries or (exc.status is not None and exc.status not in (408, 429, 503)):
-                    unflushed = len(writer.pending)
-                    self.counts["training/hooks/n_unflushed_events"] += unflushed
-                    logger.warning("dropping %d hook events of %s: %s", unflushed, rid, exc)
-                    writer.discard()
-                    break
-                time.sleep(self.client.backoff(attempt))
-        return total - unflushed
-
-    def _was_applied(self, rid: str, event: PendingEvent, index: int) -> bool:
         try:
-            events = self.client.get_events(rid)
-        except GatewayError:
-            return False
-        if len(events) <= index:
-            return False
-        got = events[index]
-        return got.get("event_type") == event.event_type and got.get("data") == event.data
+            return writer.flush(post)
+        except GatewayError as exc:
+            unflushed = writer.discard()
+            self.counts["training/hooks/n_unflushed_events"] += unflushed
+            logger.warning("dropping %d hook events of %s: %s", unflushed, rid, exc)
+            return total - unflushed
 
     # -- the RolloutSource interface ----------------------------------------------------------
 
