@@ -45,14 +45,15 @@ from typing import Any
 
 import httpx
 import numpy as np
+from omegaconf import DictConfig
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.event_writer import EventWriter
-from agl_core.rollouts.events import apply_failed_policy, timing_metrics
-from agl_core.rollouts.finish import finish_rollout
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
-from agl_core.rollouts.source import RolloutBatch, make_requests, rollout_config
+from agl_core.plugins import EventWriter, PluginManager
+from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
+from agl_core.rollouts.finish import finish_rollout
+from agl_core.rollouts.source import RolloutBatch, RolloutSource, make_requests, rollout_config
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class _Overlay:
     def __enter__(self) -> None:
         self.environ._local.values = self.values
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.environ._local.values = None
 
 
@@ -338,11 +339,11 @@ def _handler_for(recorder: _Recorder) -> type[JSONRequestHandler]:
 # -- the rollout source ---------------------------------------------------------------------------
 
 
-class EmbeddedRolloutSource:
-    """A :class:`~agl_core.rollouts.source.RolloutSource` running agents in-process against ``engine_url``
-    (the inference engine's OpenAI base URL) serving ``model_name``."""
+class EmbeddedRolloutSource(RolloutSource):
+    """Runs agents in-process against ``engine_url`` (the inference engine's OpenAI base URL) serving
+    ``model_name``."""
 
-    def __init__(self, config: Any, plugins: Any, engine_url: str, model_name: str):
+    def __init__(self, config: DictConfig, plugins: PluginManager, engine_url: str, model_name: str):
         agl = config.agentlightning
         self.plugins = plugins
         self.agent_class = load_agent_class(agl.local.agent_class)
@@ -350,7 +351,7 @@ class EmbeddedRolloutSource:
         self.env_map = dict(agl.local.env_map)
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.reward_fillna_value = float(agl.reward_fillna_value)
-        self.failed_rollout_policy = agl.failed_rollout_policy
+        self.failed_rollout_policy: FailedRolloutPolicy = agl.failed_rollout_policy
         self.deadline_seconds = float(agl.rollout_timeout_seconds) + float(agl.rollout_timeout_grace_seconds)
         workers = int(agl.embedded.max_workers)
         self.recorder = _Recorder(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.event_writer import EventWriter
+from agl_core.plugins import EventWriter, PluginManager
 from agl_core.rollouts.events import completed_rollout, events_by_attempt
 
 __all__ = ["finish_rollout", "last_attempt_id"]
@@ -36,7 +36,7 @@ def finish_rollout(
     queued_at: float | None,
     attempt_id: str | None,
     reward_fillna_value: float,
-    plugins: Any,
+    plugins: PluginManager,
     store: Callable[[EventWriter], int],
     reread: Callable[[], list[dict[str, Any]] | None] | None,
     counts: Counter[str],

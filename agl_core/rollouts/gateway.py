@@ -21,19 +21,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+from omegaconf import DictConfig
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.event_writer import EventWriter, PendingEvent
-from agl_core.rollouts.events import apply_failed_policy, timing_metrics
+from agl_core.plugins import EventWriter, PendingEvent, PluginManager
+from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
 from agl_core.rollouts.finish import finish_rollout
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
-from agl_core.rollouts.source import RolloutBatch, make_requests, new_id, rollout_config
+from agl_core.rollouts.source import RolloutBatch, RolloutSource, make_requests, new_id, rollout_config
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +68,22 @@ class _Group:
         return [r for r in self.done.values() if r is not None]
 
 
-class GatewayRolloutSource:
+class GatewayRolloutSource(RolloutSource):
     """Synchronous mode: each ``collect`` enqueues its samples and returns once all of them are terminal."""
 
-    def __init__(self, config: Any, plugins: Any, client: GatewayClient | None = None):
+    def __init__(self, config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None):
         agl = config.agentlightning
         if not agl.agl_base_url and client is None:
             raise ConfigError("agentlightning.agl_base_url", "the gateway rollout source needs the gateway's URL")
         self.plugins = plugins
         self.client = client or GatewayClient.from_config(config)
         self.rollout_config = rollout_config(config)
-        gateway = agl.gateway
+        gateway: DictConfig = agl.gateway
         self.gateway = gateway
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.model_name = config.actor_rollout_ref.model.path
         self.reward_fillna_value = float(agl.reward_fillna_value)
-        self.failed_rollout_policy = agl.failed_rollout_policy
+        self.failed_rollout_policy: FailedRolloutPolicy = agl.failed_rollout_policy
         self.deadline_seconds = float(agl.rollout_timeout_seconds) + float(agl.rollout_timeout_grace_seconds)
         self.pending: dict[str, _Pending] = {}
         self._pool = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="agl-gateway-read")
@@ -120,7 +121,7 @@ class GatewayRolloutSource:
 
     # -- waiting ------------------------------------------------------------------------------
 
-    def _wait(self, done: Any) -> None:
+    def _wait(self, done: Callable[[], bool]) -> None:
         """Poll until ``done()``; every pending rollout has a deadline, so this ends."""
         while not done():
             progressed = self._poll_once()
@@ -384,7 +385,7 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
     registers the new endpoints, then resumes, so agents never see an empty model table.
     """
 
-    def __init__(self, config: Any, plugins: Any, client: GatewayClient | None = None):
+    def __init__(self, config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None):
         super().__init__(config, plugins, client)
         self.train_batch_size = int(config.data.train_batch_size)
         self.in_flight = int(config.agentlightning.async_rollout.async_train_batch_size)
@@ -444,7 +445,7 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
             self.paused = False
 
 
-def gateway_source(config: Any, plugins: Any, client: GatewayClient | None = None) -> GatewayRolloutSource:
+def gateway_source(config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None) -> GatewayRolloutSource:
     """The sync or async gateway source, as ``agentlightning.async_rollout.enabled`` says."""
     if config.agentlightning.async_rollout.enabled:
         return AsyncGatewayRolloutSource(config, plugins, client)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
+from omegaconf import DictConfig
 
 from agl_core.data import RolloutRequest, thaw
 from agl_core.rollouts.retry import RetryPolicy
@@ -102,14 +103,13 @@ class GatewayClient:
         self._count_lock = threading.Lock()  # the client is shared by reader threads
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> GatewayClient:
+    def from_config(cls, config: DictConfig) -> GatewayClient:
         agl = config.agentlightning
         return cls(
             agl.agl_base_url,
             agl.agl_key or "",
             timeout_seconds=agl.gateway.http_timeout_seconds,
             retry=RetryPolicy.from_config(config),
-            **kwargs,
         )
 
     def __repr__(self) -> str:
