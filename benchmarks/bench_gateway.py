@@ -6,7 +6,7 @@ requests per completed rollout and completion pickup latency (terminal PATCH →
 rollout's events), p50 and p90.
 
 - agl: batched create, terminal-cursor polls with an adaptive interval, one events read and one
-  delete per rollout (``agl_core.rollouts.gateway``, default config).
+  delete per rollout (``agl_core.rollouts.gateway_sync``, default config).
 - naive (Agent Lightning v1.0's manager): batched create, then every second one status GET per
   pending rollout, and for each finished one a raw and a triplet events GET and a delete.
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agl_core.config import load_config  # noqa: E402
 from agl_core.rollouts.gateway_client import GatewayClient  # noqa: E402
-from agl_core.rollouts.gateway import GatewayRolloutSource  # noqa: E402
+from agl_core.rollouts.gateway_sync import GatewayRolloutSource  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
 from agl_core.rollouts.source import make_requests  # noqa: E402
 from tests.gateway_fixtures import Plan, SimulatedController  # noqa: E402

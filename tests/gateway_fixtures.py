@@ -21,6 +21,7 @@ import pytest
 
 from agl_core.config import load_config
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
+from agl_core.rollouts.retry import RetryPolicy
 from agl_core.plugins import PluginManager
 from tests.gateway_server import MODEL_NAME, GatewayServer
 
@@ -67,7 +68,7 @@ class SimulatedController:
         self.server = server
         self.plan = plan
         self.poll_seconds = poll_seconds
-        self.client = GatewayClient(server.url, server.key, timeout_seconds=5.0, max_retries=0)
+        self.client = GatewayClient(server.url, server.key, timeout_seconds=5.0, retry=RetryPolicy(max_retries=0))
         self.started: Counter[str] = Counter()  # rollout id -> times it was started (must stay 1)
         self.finished_at: dict[str, float] = {}  # rollout id -> wall time of its terminal PATCH
         self.inputs: dict[str, Any] = {}

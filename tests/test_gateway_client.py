@@ -8,6 +8,7 @@ import pytest
 
 from agl_core.data import RolloutRequest
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
+from agl_core.rollouts.retry import RetryPolicy
 from tests.fault_proxy import FaultProxy
 from tests.gateway_fixtures import gateway, good_call  # noqa: F401  (fixture)
 from tests.gateway_server import MODEL_NAME
@@ -21,7 +22,7 @@ def request(rid: str, **kwargs) -> RolloutRequest:
 
 @pytest.fixture
 def client(gateway):
-    with GatewayClient(gateway.url, gateway.key, timeout_seconds=2, max_retries=2, backoff_seconds=0.01) as c:
+    with GatewayClient(gateway.url, gateway.key, timeout_seconds=2, retry=RetryPolicy(max_retries=2, backoff_seconds=0.01)) as c:
         yield c
 
 
@@ -31,9 +32,8 @@ def proxy(gateway):
         yield p
 
 
-def via(proxy, gateway, **kwargs) -> GatewayClient:
-    options = {"timeout_seconds": 0.5, "max_retries": 2, "backoff_seconds": 0.01, **kwargs}
-    return GatewayClient(proxy.url, gateway.key, **options)
+def via(proxy, gateway, max_retries: int = 2) -> GatewayClient:
+    return GatewayClient(proxy.url, gateway.key, timeout_seconds=0.5, retry=RetryPolicy(max_retries=max_retries, backoff_seconds=0.01))
 
 
 def test_rollout_lifecycle_round_trip(client):
@@ -94,7 +94,7 @@ def test_client_errors_are_not_retried_and_say_what_failed(client):
 
 def test_the_key_never_shows(gateway, caplog):
     caplog.set_level(logging.DEBUG)
-    wrong = GatewayClient(gateway.url, "not-the-key-123", max_retries=0)
+    wrong = GatewayClient(gateway.url, "not-the-key-123", retry=RetryPolicy(max_retries=0))
     with pytest.raises(GatewayError) as err:
         wrong.terminal_page(0)
     assert err.value.status == 401 and err.value.endpoint == "GET /api/rollouts/terminal"
@@ -144,10 +144,21 @@ def test_event_appends_retry_only_when_provably_not_applied(gateway, proxy, clie
     assert [e["data"]["value"] for e in client.get_events("append")] == [0.1, 0.3]
 
 
+def test_event_append_with_a_position_settles_ambiguity_by_reading_back(gateway, proxy, client):
+    client.create_rollouts([request("settle")])
+    c = via(proxy, gateway)
+    proxy.inject("reset_after", 1, path_contains="/attempt/")  # applied, answer lost: found, not re-sent
+    assert c.append_event("settle", "0", "reward", {"value": 0.1}, position=0)["data"] == {"value": 0.1}
+    proxy.inject("reset", 1, path_contains="/attempt/")  # not applied: not found, sent again
+    c.append_event("settle", "0", "reward", {"value": 0.2}, position=1)
+    assert c.requests_sent["append_event"] == 3 and c.retries["append_event"] == 1
+    assert [e["data"]["value"] for e in client.get_events("settle")] == [0.1, 0.2]
+
+
 def test_unreachable_gateway_fails_after_bounded_retries():
     from tests.gateway_server import free_port
 
-    c = GatewayClient(f"http://127.0.0.1:{free_port()}", "k", max_retries=2, backoff_seconds=0.01)
+    c = GatewayClient(f"http://127.0.0.1:{free_port()}", "k", retry=RetryPolicy(max_retries=2, backoff_seconds=0.01))
     with pytest.raises(GatewayError) as err:
         c.get_rollout("x")
     assert err.value.status is None and "ConnectError" in err.value.message

@@ -11,6 +11,7 @@ import pytest
 from agl_core import hookimpl
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.gateway import gateway_source
+from agl_core.rollouts.retry import RetryPolicy
 from tests.fault_proxy import FaultProxy
 from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     Plan,
@@ -197,19 +198,43 @@ def test_hook_event_flush_survives_an_ambiguous_reset_without_duplicating(gatewa
         proxy.inject("reset_after", 1, path_contains="/attempt/0/events")  # applied, answer lost
         proxy.inject("reset", 1, path_contains="/attempt/0/events")  # not applied, answer lost
         with SimulatedController(gateway, always(Plan(events=(good_call(),)))):
-            source.client.max_retries = 0  # the flush's own retry must do the work
             batch = source.collect([{"q": 1}], step=0, is_train=True)
         (rollout,) = batch.rollouts
         assert rollout.final_reward == 0.3
         assert batch.metrics["training/hooks/n_events_written"] == 2
         assert "training/hooks/n_unflushed_events" not in batch.metrics
+        # The applied event was found by reading back, not re-sent; the unapplied one was sent again.
+        assert source.client.requests_sent["append_event"] == 3 and source.client.retries["append_event"] == 1
+        source.close()
+
+
+@pytest.mark.parametrize("fault", ["503", "reset"])
+def test_a_hook_event_takes_at_most_max_retries_plus_one_attempts(gateway, fault):
+    """A gateway that never takes the event: one budget of attempts, then the event is dropped and counted."""
+    with FaultProxy(gateway.port) as proxy:
+        cfg = gateway_config(gateway, f"agentlightning.agl_base_url={proxy.url}", "actor_rollout_ref.rollout.n=1")
+
+        class Judge:
+            @hookimpl
+            def agl_on_succeeded(self, rollout, events, writer):
+                writer.add_event(rollout.rollout_id, rollout.attempt_id, "reward", {"value": 0.3})
+
+        source = gateway_source(cfg, plugin_manager(Judge()))
+        proxy.inject(fault, 1000, path_contains="/attempt/0/events")  # every append, never a read
+        with SimulatedController(gateway, always(Plan())):
+            batch = source.collect([{"q": 1}], step=0, is_train=True)
+        attempts = cfg.agentlightning.gateway.max_retries + 1
+        assert proxy.applied[fault] == attempts and source.client.requests_sent["append_event"] == attempts
+        assert batch.metrics["training/hooks/n_unflushed_events"] == 1
+        assert batch.metrics["training/hooks/n_events_written"] == 0
+        assert [r.final_reward for r in batch.rollouts] == [1.0]  # the agent's own reward stands
         source.close()
 
 
 def test_unauthorised_polls_fail_the_step_clearly(gateway):
     cfg = gateway_config(gateway)
     source = gateway_source(cfg, plugin_manager())
-    source.client = GatewayClient(gateway.url, "wrong-key", max_retries=0)
+    source.client = GatewayClient(gateway.url, "wrong-key", retry=RetryPolicy(max_retries=0))
     with pytest.raises(GatewayError) as err:
         source.collect([{"q": 1}], step=0, is_train=True)
     assert err.value.status == 401 and "wrong-key" not in str(err.value)

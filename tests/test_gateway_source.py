@@ -14,7 +14,9 @@ from agl_core import hookimpl
 from agl_core.config import ConfigError
 from agl_core.data import RolloutRequest
 from agl_core.rollouts.gateway_client import GatewayClient
-from agl_core.rollouts.gateway import AsyncGatewayRolloutSource, GatewayRolloutSource, gateway_source
+from agl_core.rollouts.gateway import gateway_source
+from agl_core.rollouts.gateway_async import AsyncGatewayRolloutSource
+from agl_core.rollouts.gateway_sync import GatewayRolloutSource
 from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     Plan,
     SimulatedController,

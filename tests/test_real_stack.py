@@ -26,7 +26,7 @@ import pytest
 from agl_core.config import load_config
 from agl_core.data import RolloutRequest
 from agl_core.rollouts.gateway_client import GatewayClient
-from agl_core.rollouts.gateway import AsyncGatewayRolloutSource
+from agl_core.rollouts.gateway_async import AsyncGatewayRolloutSource
 from agl_core.plugins import PluginManager
 from agl_core.serving.vllm_engine import VllmEngine
 from examples.corridor.build_policy import build

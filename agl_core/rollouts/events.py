@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -51,8 +51,8 @@ from agl_core.data import (
 )
 
 __all__ = [
-    "FAILED_ROLLOUT_POLICIES",
     "METRICS",
+    "FailedRolloutPolicy",
     "ParsedEvents",
     "apply_failed_policy",
     "completed_rollout",
@@ -295,20 +295,18 @@ def completed_rollout_from_record(
     )
 
 
-FAILED_ROLLOUT_POLICIES = ("skip", "train")
+FailedRolloutPolicy = Literal["skip", "train"]
 
 
 def apply_failed_policy(
-    rollouts: Sequence[CompletedRollout], policy: str, reward_fillna_value: float
+    rollouts: Sequence[CompletedRollout], policy: FailedRolloutPolicy, reward_fillna_value: float
 ) -> tuple[list[CompletedRollout], Counter[str]]:
-    """Apply ``agentlightning.failed_rollout_policy`` to terminal rollouts.
+    """Apply ``agentlightning.failed_rollout_policy`` (validated by the config schema) to terminal rollouts.
 
     ``skip``: a failed rollout is left out of training. ``train``: it is kept with
     ``reward_fillna_value`` as its final reward (whatever it reported), so its calls are trained
     against the fill value. Either way ``training/rollouts/n_failed_{skipped,trained}`` counts it.
     """
-    if policy not in FAILED_ROLLOUT_POLICIES:
-        raise ValueError(f"agentlightning.failed_rollout_policy must be one of {FAILED_ROLLOUT_POLICIES}, got {policy!r}")
     counts: Counter[str] = Counter()
     kept = []
     for rollout in rollouts:

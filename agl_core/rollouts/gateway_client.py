@@ -1,11 +1,13 @@
 """A synchronous HTTP client for the Agent Lightning gateway (``agl-server`` 1.0.x).
 
-Every call has a timeout. Idempotent calls (reads, deletes, model registration, pause/resume and
-rollout creation, which is idempotent because rollout ids are chosen here) are retried with jittered
-exponential backoff on timeouts, connection errors and 408/429/5xx answers. Appending an event is
-not idempotent: it is retried only when the server provably did not apply it (the connection was
-refused, or it answered 408/429/503); an ambiguous failure raises a :class:`GatewayError` with
-``ambiguous=True`` so the caller can check before re-sending. Any other 4xx raises at once.
+Every call has a timeout and is retried as its :class:`~agl_core.rollouts.retry.RetryPolicy` says.
+Idempotent calls (reads, deletes, model registration, pause/resume and rollout creation, which is
+idempotent because rollout ids are chosen here) are retried on timeouts, connection errors and
+408/429/5xx answers. Appending an event is not idempotent: it is retried only when the server
+provably did not apply it (the connection was refused, or it answered 408/429/503). An ambiguous
+failure raises a :class:`GatewayError` with ``ambiguous=True``, unless the caller said where the
+event belongs: then the events are read back and the event is re-sent only if it is not there.
+Any other 4xx raises at once.
 
 The key is sent as a bearer token and never appears in an error, a log line or ``repr``.
 """
@@ -13,21 +15,21 @@ The key is sent as a bearer token and never appears in an error, a log line or `
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import httpx
+from omegaconf import DictConfig
 
 from agl_core.data import RolloutRequest, thaw
+from agl_core.rollouts.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
-NOT_APPLIED_STATUS = frozenset({408, 429, 503})
+T = TypeVar("T")
 
 
 class GatewayError(Exception):
@@ -87,9 +89,7 @@ class GatewayClient:
         key: str = "",
         *,
         timeout_seconds: float = 30.0,
-        max_retries: int = 5,
-        backoff_seconds: float = 0.5,
-        backoff_max_seconds: float = 10.0,
+        retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ):
         self.base_url = base_url.rstrip("/")
@@ -97,25 +97,19 @@ class GatewayClient:
         self._http = httpx.Client(
             base_url=self.base_url, headers=headers, timeout=timeout_seconds, transport=transport
         )
-        self.max_retries = max_retries
-        self.backoff_seconds = backoff_seconds
-        self.backoff_max_seconds = backoff_max_seconds
+        self.retry = retry or RetryPolicy()
         self.requests_sent: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
         self._count_lock = threading.Lock()  # the client is shared by reader threads
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> GatewayClient:
+    def from_config(cls, config: DictConfig) -> GatewayClient:
         agl = config.agentlightning
-        gateway = agl.gateway
         return cls(
             agl.agl_base_url,
             agl.agl_key or "",
-            timeout_seconds=gateway.http_timeout_seconds,
-            max_retries=gateway.max_retries,
-            backoff_seconds=gateway.retry_backoff_seconds,
-            backoff_max_seconds=gateway.retry_backoff_max_seconds,
-            **kwargs,
+            timeout_seconds=agl.gateway.http_timeout_seconds,
+            retry=RetryPolicy.from_config(config),
         )
 
     def __repr__(self) -> str:
@@ -132,40 +126,42 @@ class GatewayClient:
 
     # -- transport ----------------------------------------------------------------------------
 
-    def backoff(self, attempt: int) -> float:
-        """The jittered wait before retry number ``attempt + 1``."""
-        return min(self.backoff_max_seconds, self.backoff_seconds * 2**attempt) * random.uniform(0.5, 1.0)
+    def _send(self, method: str, path: str, *, kind: str, **kwargs: Any) -> httpx.Response:
+        """One attempt: a successful response, or a :class:`GatewayError` that says whether the
+        request may have been applied."""
+        with self._count_lock:
+            self.requests_sent[kind] += 1
+        endpoint = f"{method} {path}"
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            raise GatewayError(endpoint, None, message, ambiguous=not self.retry.unsent(exc)) from exc
+        if response.status_code >= 400:
+            raise GatewayError(endpoint, response.status_code, _server_message(response))
+        return response
+
+    def _retrying(self, kind: str, attempt: Callable[[], T], *, idempotent: bool) -> T:
+        """Call ``attempt`` until it succeeds, the policy calls its failure final, or the attempts run out."""
+        retries = 0
+        while True:
+            try:
+                return attempt()
+            except GatewayError as error:
+                if retries >= self.retry.max_retries or not self.retry.is_retryable(error, idempotent=idempotent):
+                    raise
+                delay = self.retry.backoff(retries)
+                retries += 1
+                with self._count_lock:
+                    self.retries[kind] += 1
+                logger.warning("%s; retry %d/%d in %.2fs", error, retries, self.retry.max_retries, delay)
+                time.sleep(delay)
 
     def _request(
         self, method: str, path: str, *, kind: str, idempotent: bool = True, **kwargs: Any
     ) -> httpx.Response:
         """Send with retries; return a successful response or raise :class:`GatewayError`."""
-        endpoint = f"{method} {path}"
-        attempt = 0
-        while True:
-            with self._count_lock:
-                self.requests_sent[kind] += 1
-            try:
-                response = self._http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                provably_unsent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
-                retry, error = idempotent or provably_unsent, GatewayError(
-                    endpoint, None, f"{type(exc).__name__}: {exc}", ambiguous=not provably_unsent
-                )
-            else:
-                if response.status_code < 400:
-                    return response
-                retryable = RETRYABLE_STATUS if idempotent else NOT_APPLIED_STATUS
-                retry = response.status_code in retryable
-                error = GatewayError(endpoint, response.status_code, _server_message(response))
-            if not retry or attempt >= self.max_retries:
-                raise error
-            delay = self.backoff(attempt)
-            attempt += 1
-            with self._count_lock:
-                self.retries[kind] += 1
-            logger.warning("%s; retry %d/%d in %.2fs", error, attempt, self.max_retries, delay)
-            time.sleep(delay)
+        return self._retrying(kind, lambda: self._send(method, path, kind=kind, **kwargs), idempotent=idempotent)
 
     # -- rollouts -----------------------------------------------------------------------------
 
@@ -212,10 +208,38 @@ class GatewayClient:
             params["format"] = "triplet"
         return self._request("GET", f"/api/rollouts/{rollout_id}/events", kind="events", params=params).json()
 
-    def append_event(self, rollout_id: str, attempt_id: str, event_type: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    def append_event(
+        self, rollout_id: str, attempt_id: str, event_type: str, data: Mapping[str, Any], *, position: int | None = None
+    ) -> dict[str, Any]:
+        """Append one event to the rollout's attempt.
+
+        ``position`` is how many events the rollout held before this one. Given it, an ambiguous
+        failure is settled by reading the events back: an event found there counts as sent, one not
+        found as not applied, so it is retried within the same attempts as any other.
+        """
         path = f"/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
         body = {"event_type": event_type, "data": thaw(data)}
-        return self._request("POST", path, kind="append_event", idempotent=False, json=body).json()
+
+        def attempt() -> dict[str, Any]:
+            try:
+                return self._send("POST", path, kind="append_event", json=body).json()
+            except GatewayError as error:
+                if not error.ambiguous or position is None:
+                    raise
+                landed = self._event_at(rollout_id, position)
+                if landed is not None and (landed.get("event_type"), landed.get("data")) == (event_type, body["data"]):
+                    return landed
+                raise GatewayError(error.endpoint, None, f"{error.message} (not applied: read back)") from error
+
+        return self._retrying("append_event", attempt, idempotent=False)
+
+    def _event_at(self, rollout_id: str, position: int) -> dict[str, Any] | None:
+        """The rollout's event at ``position``, or ``None`` if it has none there or cannot be read."""
+        try:
+            events = self.get_events(rollout_id)
+        except GatewayError:
+            return None
+        return events[position] if len(events) > position else None
 
     # -- models and proxy ---------------------------------------------------------------------
 

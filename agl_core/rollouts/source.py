@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+from omegaconf import DictConfig
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.plugins import PluginManager
 
 
 @attrs.frozen
@@ -28,6 +30,8 @@ class RolloutBatch:
 
 
 class RolloutSource(Protocol):
+    """What a backend holds to get rollouts; every source subclasses it explicitly."""
+
     def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
         """Run rollouts for ``samples`` (``rollout.n`` each when training, one when validating) and return
         the completed ones. In async mode the samples top up the groups in flight, and the first
@@ -56,13 +60,12 @@ def make_requests(
     step: int,
     is_train: bool,
     rollout_config: Mapping[str, Any],
-    plugins: Any,
+    plugins: PluginManager,
 ) -> list[list[RolloutRequest]]:
     """One group per sample, ``n`` requests per group, each passed through the ``agl_on_enqueue`` chain.
 
     Every group gets a fresh ``group_id`` (Agent Lightning's ``data_id``) and every request a
-    client-chosen ``rollout_id``, so creating them is idempotent. ``plugins`` is the
-    :class:`~agl_core.plugins.PluginManager` whose ``enqueue`` runs the hooks.
+    client-chosen ``rollout_id``, so creating them is idempotent; ``plugins.enqueue`` runs the hooks.
     """
     groups = []
     for sample_index, sample in enumerate(samples):
@@ -85,7 +88,7 @@ def make_requests(
     return groups
 
 
-def rollout_config(config: Any) -> dict[str, Any]:
+def rollout_config(config: DictConfig) -> dict[str, Any]:
     """The controller-facing config every rollout carries, built once at start.
 
     ``k8s.job_template`` is the text of ``agentlightning.k8s.job_template_path``; a missing or

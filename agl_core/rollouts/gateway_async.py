@@ -1,0 +1,95 @@
+"""The asynchronous rollout source backed by the real Agent Lightning gateway.
+
+It is the synchronous source of :mod:`agl_core.rollouts.gateway_sync` with groups kept in flight
+across steps, and the gateway's proxy paused and drained around each weight update.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from omegaconf import DictConfig
+
+from agl_core.plugins import PluginManager
+from agl_core.rollouts.gateway_client import GatewayClient
+from agl_core.rollouts.gateway_sync import Group, GatewayRolloutSource
+from agl_core.rollouts.source import RolloutBatch
+
+__all__ = ["AsyncGatewayRolloutSource"]
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncGatewayRolloutSource(GatewayRolloutSource):
+    """Async mode: ``async_train_batch_size`` training groups stay in flight; a step takes the first
+    ``train_batch_size`` whose rollouts are all terminal, and unfinished groups carry over whole
+    (keeping their original step) while only the difference is topped up. Samples beyond what the
+    top-up needs wait in a backlog for the next step, in order. Validation runs synchronously.
+
+    Around the weight update: :meth:`before_weight_update` pauses the proxy and waits (up to
+    ``gateway.drain_timeout_seconds``) for in-flight model calls to end; :meth:`after_weight_update`
+    registers the new endpoints, then resumes, so agents never see an empty model table.
+    """
+
+    def __init__(self, config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None):
+        super().__init__(config, plugins, client)
+        self.train_batch_size = int(config.data.train_batch_size)
+        self.in_flight = int(config.agentlightning.async_rollout.async_train_batch_size)
+        self.backlog: list[Mapping[str, Any]] = []
+        self.paused = False
+
+    def _train_groups(self) -> list[Group]:
+        return [g for g in self.groups.values() if g.is_train]
+
+    def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
+        if not is_train:
+            return super().collect(samples, step=step, is_train=False)
+        carried = self._train_groups()
+        n_prev = sum(g.size - len(g.done) for g in carried)
+        self.backlog.extend(samples)
+        need = max(0, self.in_flight - len(carried))
+        take, self.backlog = self.backlog[:need], self.backlog[need:]
+        self._enqueue(take, step=step, is_train=True)
+        target = min(self.train_batch_size, len(self._train_groups()))
+        self._wait(lambda: sum(g.complete for g in self._train_groups()) >= target)
+        ready = sorted((g for g in self._train_groups() if g.complete), key=lambda g: g.completed_at)[:target]
+        rest = [g for g in self._train_groups() if g not in ready]
+        extra = {
+            "training/async/n_prev_carry_over_rollouts": float(n_prev),
+            "training/async/n_completed_rollouts": float(sum(len(g.done) for g in ready)),
+            "training/async/n_new_carry_over_rollouts": float(sum(g.size - len(g.done) for g in rest)),
+            "training/async/new_carry_over_age_max_steps": float(max((step - g.step for g in rest), default=0)),
+            "training/async/n_backlog_samples": float(len(self.backlog)),
+        }
+        return self._batch(ready, extra)
+
+    def before_weight_update(self) -> dict[str, float]:
+        """Pause the proxy and wait for in-flight model calls to reach zero, up to the drain deadline."""
+        start = time.monotonic()
+        state = self.client.pause(self.gateway.pause_retry_after_seconds, reason="weight update")
+        self.paused = True
+        at_pause = int(state.get("inflight", 0))
+        inflight, interval = at_pause, self.gateway.poll_interval_min_seconds
+        deadline = start + self.gateway.drain_timeout_seconds
+        while inflight > 0 and time.monotonic() < deadline:
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(self.gateway.poll_interval_max_seconds, interval * 1.5)
+            inflight = int(self.client.proxy_state().get("inflight", 0))
+        if inflight > 0:
+            logger.warning("drain deadline passed with %d model calls still in flight", inflight)
+        return {
+            "training/async/proxy_inflight_at_pause": float(at_pause),
+            "training/async/proxy_drain_seconds": time.monotonic() - start,
+            "training/async/proxy_inflight_after_drain": float(inflight),
+            "training/async/drain_timed_out": float(inflight > 0),
+        }
+
+    def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
+        super().after_weight_update(endpoints, version)
+        if self.paused:
+            self.client.resume()
+            self.paused = False
+

@@ -1,0 +1,377 @@
+"""The synchronous rollout source backed by the real Agent Lightning gateway.
+
+It creates rollouts in batches with client-chosen ids, then learns what finished from the gateway's
+terminal cursor (``GET /api/rollouts/terminal?after=N``): one request per poll however many rollouts
+are pending, with a poll interval that drops to ``poll_interval_min_seconds`` while rollouts finish
+and backs off to ``poll_interval_max_seconds`` while none do. A finished rollout costs one events
+read and one delete (plus a record read when it failed, for its error message).
+
+Every wait is bounded. A rollout still pending ``rollout_timeout_seconds +
+rollout_timeout_grace_seconds`` after its creation is failed on the trainer side. A gateway restart
+(the terminal log shrinks, or a known rollout answers 404) is detected, counted, and the lost
+rollouts are re-created under fresh ids or failed (``gateway.restart_policy``); the registered
+models are registered again. The gateway being unreachable is survived until those deadlines.
+
+Each rollout is finished by :func:`~agl_core.rollouts.finish.finish_rollout` as it is read: what its
+lifecycle hooks write is appended to the gateway (retried as the client's retry policy allows), and
+the rollout's events are re-read when anything was written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+from omegaconf import DictConfig
+
+from agl_core.config import ConfigError
+from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.plugins import EventWriter, PendingEvent, PluginManager
+from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
+from agl_core.rollouts.finish import finish_rollout
+from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
+from agl_core.rollouts.source import RolloutBatch, RolloutSource, make_requests, new_id, rollout_config
+
+__all__ = ["GatewayRolloutSource", "Group"]
+
+logger = logging.getLogger(__name__)
+
+CREATE_CHUNK = 256
+READ_WORKERS = 8  # concurrent events reads / deletes of rollouts that finished together
+TERMINAL_PAGE = 1000
+
+
+@attrs.define
+class _Pending:
+    request: RolloutRequest
+    queued_at: float  # wall clock
+    deadline: float  # monotonic
+    reenqueues: int = 0
+
+
+@attrs.define
+class Group:
+    group_id: str
+    step: int
+    is_train: bool
+    size: int
+    done: dict[str, CompletedRollout | None] = attrs.field(factory=dict)  # None: failed and skipped
+    completed_at: float | None = None  # monotonic, once every member is terminal
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.size
+
+    def rollouts(self) -> list[CompletedRollout]:
+        return [r for r in self.done.values() if r is not None]
+
+
+class GatewayRolloutSource(RolloutSource):
+    """Synchronous mode: each ``collect`` enqueues its samples and returns once all of them are terminal."""
+
+    def __init__(self, config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None):
+        agl = config.agentlightning
+        if not agl.agl_base_url and client is None:
+            raise ConfigError("agentlightning.agl_base_url", "the gateway rollout source needs the gateway's URL")
+        self.plugins = plugins
+        self.client = client or GatewayClient.from_config(config)
+        self.rollout_config = rollout_config(config)
+        gateway: DictConfig = agl.gateway
+        self.gateway = gateway
+        self.n = int(config.actor_rollout_ref.rollout.n)
+        self.model_name = config.actor_rollout_ref.model.path
+        self.reward_fillna_value = float(agl.reward_fillna_value)
+        self.failed_rollout_policy: FailedRolloutPolicy = agl.failed_rollout_policy
+        self.deadline_seconds = float(agl.rollout_timeout_seconds) + float(agl.rollout_timeout_grace_seconds)
+        self.pending: dict[str, _Pending] = {}
+        self._pool = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="agl-gateway-read")
+        self.terminal: dict[str, str] = {}  # pending rollouts the cursor reported terminal, not yet read
+        self.groups: dict[str, Group] = {}
+        self.cursor = 0
+        self.poll_interval = float(gateway.poll_interval_min_seconds)
+        self.last_progress = time.monotonic()
+        self.registered: tuple[list[str], int] | None = None
+        self.counts: Counter[str] = Counter()
+        self._requests_at_last_report = Counter(self.client.requests_sent)
+
+    # -- creating -----------------------------------------------------------------------------
+
+    def _enqueue(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> list[Group]:
+        batches = make_requests(
+            samples, n=self.n, step=step, is_train=is_train, rollout_config=self.rollout_config, plugins=self.plugins
+        )
+        groups = []
+        for requests in batches:
+            group = Group(requests[0].group_id, step, is_train, len(requests))
+            self.groups[group.group_id] = group
+            groups.append(group)
+        self._create([r for requests in batches for r in requests])
+        return groups
+
+    def _create(self, requests: list[RolloutRequest], reenqueues: int = 0) -> None:
+        for start in range(0, len(requests), CREATE_CHUNK):
+            chunk = requests[start : start + CREATE_CHUNK]
+            self.client.create_rollouts(chunk)
+            now, mono = time.time(), time.monotonic()
+            for r in chunk:
+                self.pending[r.rollout_id] = _Pending(r, now, mono + self.deadline_seconds, reenqueues)
+        self.counts["training/rollouts/n_created"] += len(requests)
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Poll until ``done()``; every pending rollout has a deadline, so this ends."""
+        while not done():
+            progressed = self._poll_once()
+            if done():
+                return
+            low, high = self.gateway.poll_interval_min_seconds, self.gateway.poll_interval_max_seconds
+            self.poll_interval = low if progressed else min(high, self.poll_interval * 1.5)
+            nearest = min((p.deadline for p in self.pending.values()), default=time.monotonic())
+            time.sleep(max(0.0, min(self.poll_interval, nearest - time.monotonic() + 0.01)))
+
+    def _poll_once(self) -> bool:
+        """Read the terminal cursor, process what finished, enforce deadlines. True if anything finished."""
+        finished = 0
+        try:
+            while True:
+                page = self.client.terminal_page(self.cursor, TERMINAL_PAGE)
+                if page["total_terminal"] < self.cursor:
+                    self._recover_from_restart("the terminal log restarted")
+                    return True
+                self.cursor = page["next_after"]
+                for item in page["items"]:
+                    if item["rollout_id"] in self.pending:
+                        self.terminal[item["rollout_id"]] = item["state"]
+                if self.cursor >= page["total_terminal"]:
+                    break
+            finished = self._finish_terminal()
+            if finished:
+                self.last_progress = time.monotonic()
+            elif self.pending and time.monotonic() - self.last_progress > self.gateway.liveness_check_seconds:
+                self._check_liveness()
+        except GatewayError as exc:
+            if not exc.not_found and not self.client.retry.is_retryable(exc):
+                raise
+            self.counts["training/gateway/n_poll_errors"] += 1
+            logger.warning("gateway poll failed, will retry until the rollouts' deadlines: %s", exc)
+        return self._expire() + finished > 0
+
+    def _check_liveness(self) -> None:
+        """No progress for a while: does the oldest pending rollout still exist?"""
+        self.last_progress = time.monotonic()
+        oldest = min(self.pending.values(), key=lambda p: p.queued_at)
+        try:
+            self.client.get_rollout(oldest.request.rollout_id)
+        except GatewayError as exc:
+            if not exc.not_found:
+                raise
+            self._recover_from_restart(f"rollout {oldest.request.rollout_id} is unknown to the gateway")
+
+    def _expire(self) -> int:
+        now = time.monotonic()
+        expired = [rid for rid, p in self.pending.items() if p.deadline <= now]
+        for rid in expired:
+            self.counts["training/rollouts/n_timed_out"] += 1
+            self._fail(rid, f"trainer-side timeout: not terminal after {self.deadline_seconds:.0f}s", read_events=True)
+            self._delete(rid)
+        return len(expired)
+
+    # -- gateway restarts ---------------------------------------------------------------------
+
+    def _recover_from_restart(self, why: str) -> None:
+        logger.warning("gateway restart detected (%s); checking %d pending rollouts", why, len(self.pending))
+        self.counts["training/gateway/n_restarts_detected"] += 1
+        self.cursor = 0
+        self.last_progress = time.monotonic()
+        if self.registered is not None:
+            self._register(*self.registered)
+        lost = []
+        for rid in list(self.pending):
+            try:
+                self.client.get_rollout(rid)
+            except GatewayError as exc:
+                if not exc.not_found:
+                    raise
+                lost.append(rid)
+        self._handle_lost(lost)
+
+    def _handle_lost(self, lost: list[str]) -> None:
+        """Re-create each lost rollout under a fresh id (so a stale agent of the old one cannot write
+        into it), or fail it, per ``gateway.restart_policy`` and ``gateway.max_reenqueues``."""
+        for rid in lost:
+            pending = self.pending[rid]
+            if self.gateway.restart_policy == "reenqueue" and pending.reenqueues < self.gateway.max_reenqueues:
+                self._create([attrs.evolve(pending.request, rollout_id=new_id())], pending.reenqueues + 1)
+                del self.pending[rid]
+                self.terminal.pop(rid, None)
+                self.counts["training/rollouts/n_reenqueued"] += 1
+            else:
+                self._fail(rid, "lost by the gateway (restarted) and not re-enqueued", read_events=False)
+            self.counts["training/rollouts/n_lost"] += 1
+
+    # -- finishing ----------------------------------------------------------------------------
+
+    def _read_terminal(self, rid: str, state: str) -> tuple[list[dict[str, Any]], str | None] | GatewayError:
+        try:
+            events = self.client.get_events(rid)
+            error = self.client.get_rollout(rid)["rollout"]["status"].get("error_message") if state == "failed" else None
+        except GatewayError as exc:
+            return exc
+        return events, error
+
+    def _finish_terminal(self) -> int:
+        """Read the rollouts the cursor reported (concurrently), run their hooks in order, delete them.
+
+        A read that fails stays in ``self.terminal`` and is retried at the next poll; a 404 means the
+        gateway lost the rollout."""
+        ready = [(rid, state) for rid, state in self.terminal.items() if rid in self.pending]
+        reads = list(self._pool.map(lambda item: self._read_terminal(*item), ready))
+        finished = []
+        for (rid, state), read in zip(ready, reads):
+            if isinstance(read, GatewayError):
+                if read.not_found:
+                    self._handle_lost([rid])
+                elif not self.client.retry.is_retryable(read):
+                    raise read
+                else:
+                    self.counts["training/gateway/n_event_read_errors"] += 1
+                continue
+            self._finish(rid, state, *read)
+            finished.append(rid)
+        list(self._pool.map(self._delete, finished))
+        return len(finished)
+
+    def _finish(self, rid: str, state: str, events: list[dict[str, Any]], error: str | None, *, held: bool = True) -> None:
+        """Finish a terminal rollout; ``held`` is false when the gateway no longer holds it (lost, or
+        timed out and about to be deleted), so what its hooks write cannot be stored and is counted."""
+        pending = self.pending[rid]
+        rollout = finish_rollout(
+            pending.request,
+            events,
+            state=state,
+            error=error,
+            queued_at=pending.queued_at,
+            attempt_id=None,
+            reward_fillna_value=self.reward_fillna_value,
+            plugins=self.plugins,
+            store=(lambda writer: self._flush(rid, writer, len(events))) if held else self._unflushed,
+            # A failed rollout is not read again: the failed-rollout policy skips it or fills its reward.
+            reread=(lambda: self._reread(rid)) if held and state == "succeeded" else None,
+            counts=self.counts,
+        )
+        self._done(rid, rollout)
+
+    def _reread(self, rid: str) -> list[dict[str, Any]] | None:
+        try:
+            return self.client.get_events(rid)
+        except GatewayError as exc:
+            self.counts["training/hooks/n_reread_failures"] += 1
+            logger.warning("could not re-read events of %s after its hooks wrote some: %s", rid, exc)
+            return None
+
+    def _unflushed(self, writer: EventWriter) -> int:
+        if dropped := writer.discard():
+            self.counts["training/hooks/n_unflushed_events"] += dropped
+        return 0
+
+    def _fail(self, rid: str, error: str, *, read_events: bool) -> None:
+        events: list[dict[str, Any]] = []
+        if read_events:
+            try:
+                events = self.client.get_events(rid)
+            except GatewayError:
+                self.counts["training/gateway/n_event_read_errors"] += 1
+        self._finish(rid, "failed", events, error, held=False)
+
+    def _done(self, rid: str, rollout: CompletedRollout) -> None:
+        del self.pending[rid]
+        self.terminal.pop(rid, None)
+        self.counts[f"training/rollouts/n_{rollout.state}"] += 1
+        kept, counts = apply_failed_policy([rollout], self.failed_rollout_policy, self.reward_fillna_value)
+        self.counts.update(counts)
+        group = self.groups[rollout.group_id]
+        group.done[rollout.rollout_id] = kept[0] if kept else None
+        if group.complete:
+            group.completed_at = time.monotonic()
+
+    def _delete(self, rid: str) -> None:
+        try:
+            self.client.delete_rollout(rid)
+        except GatewayError as exc:
+            self.counts["training/gateway/n_delete_errors"] += 1
+            logger.warning("could not delete rollout %s: %s", rid, exc)
+
+    def _flush(self, rid: str, writer: EventWriter, n_events: int) -> int:
+        """Append what the hooks wrote after the rollout's ``n_events`` events; return how many were sent.
+
+        The client retries each event as its retry policy allows and, after an ambiguous failure,
+        reads the events back before re-sending, so nothing is appended twice. An event that still
+        fails is dropped with those after it, and counted."""
+        total, position = len(writer.pending), n_events
+
+        def post(event: PendingEvent) -> None:
+            nonlocal position
+            self.client.append_event(event.rollout_id, event.attempt_id, event.event_type, event.data, position=position)
+            position += 1
+
+        try:
+            return writer.flush(post)
+        except GatewayError as exc:
+            unflushed = writer.discard()
+            self.counts["training/hooks/n_unflushed_events"] += unflushed
+            logger.warning("dropping %d hook events of %s: %s", unflushed, rid, exc)
+            return total - unflushed
+
+    # -- the RolloutSource interface ----------------------------------------------------------
+
+    def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
+        groups = self._enqueue(samples, step=step, is_train=is_train)
+        self._wait(lambda: all(g.complete for g in groups))
+        return self._batch(groups)
+
+    def _batch(self, groups: list[Group], extra: Mapping[str, float] | None = None) -> RolloutBatch:
+        rollouts = []
+        for group in groups:
+            rollouts.extend(group.rollouts())
+            del self.groups[group.group_id]
+        metrics = {k: float(v) for k, v in self.counts.items()}
+        self.counts.clear()
+        metrics.update(timing_metrics(rollouts))
+        metrics.update(self.plugins.pop_metrics())
+        sent = Counter(self.client.requests_sent)
+        sent.subtract(self._requests_at_last_report)
+        self._requests_at_last_report = Counter(self.client.requests_sent)
+        metrics["training/gateway/n_http_requests"] = float(sum(sent.values()))
+        metrics["training/gateway/poll_interval_s"] = self.poll_interval
+        metrics.update(extra or {})
+        return RolloutBatch(rollouts, metrics)
+
+    def before_weight_update(self) -> dict[str, float]:
+        return {}
+
+    def _register(self, endpoints: list[str], version: int) -> None:
+        if not self.model_name:
+            raise ConfigError("actor_rollout_ref.model.path", "needed to register models with the gateway")
+        previous = self.registered
+        if previous is not None and not set(previous[0]) <= set(endpoints):
+            self.client.delete_models()  # stale endpoints; the gateway only clears all at once
+        self.client.register_models(self.model_name, endpoints, version)
+        self.registered = (list(endpoints), int(version))
+
+    def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
+        """Register ``endpoints`` with ``version`` (upserted, so unchanged endpoints are never absent)."""
+        self._register(list(endpoints), version)
+
+    def close(self) -> None:
+        """Delete every rollout still pending (so no controller keeps running it) and close the client."""
+        for rid in list(self.pending):
+            self._delete(rid)
+        self.pending.clear()
+        self._pool.shutdown()
+        self.client.close()

@@ -1,0 +1,59 @@
+"""When a gateway call is sent again, and how long to wait first.
+
+One :class:`RetryPolicy` per gateway client, built from ``agentlightning.gateway.{max_retries,
+retry_backoff_seconds, retry_backoff_max_seconds}``. The client's retry loop is the only one: the
+gateway sources ask the same policy whether a failure that reached them is transient
+(:meth:`RetryPolicy.is_retryable`) and never wrap a retrying call in a retry loop of their own.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import attrs
+import httpx
+from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from agl_core.rollouts.gateway_client import GatewayError
+
+__all__ = ["RetryPolicy"]
+
+
+@attrs.frozen
+class RetryPolicy:
+    """An idempotent call is retried on a timeout, a connection error or a ``retryable_status``
+    answer; a call that is not idempotent only when the gateway provably did not apply it: the
+    request never left (``unsent_errors``) or the answer is a ``not_applied_status``. Each call makes
+    at most ``max_retries + 1`` attempts, waiting a jittered exponential backoff between them."""
+
+    max_retries: int = attrs.field(default=5, validator=attrs.validators.ge(0))
+    backoff_seconds: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    backoff_max_seconds: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
+    retryable_status: frozenset[int] = frozenset({408, 429}) | frozenset(range(500, 600))
+    not_applied_status: frozenset[int] = frozenset({408, 429, 503})
+    unsent_errors: tuple[type[httpx.TransportError], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+    @classmethod
+    def from_config(cls, config: DictConfig) -> RetryPolicy:
+        gateway = config.agentlightning.gateway
+        return cls(
+            max_retries=int(gateway.max_retries),
+            backoff_seconds=float(gateway.retry_backoff_seconds),
+            backoff_max_seconds=float(gateway.retry_backoff_max_seconds),
+        )
+
+    def backoff(self, retry: int) -> float:
+        """The jittered wait before retry number ``retry + 1``."""
+        return min(self.backoff_max_seconds, self.backoff_seconds * 2**retry) * random.uniform(0.5, 1.0)
+
+    def unsent(self, error: httpx.TransportError) -> bool:
+        """Whether the request provably never reached the gateway."""
+        return isinstance(error, self.unsent_errors)
+
+    def is_retryable(self, error: GatewayError, *, idempotent: bool = True) -> bool:
+        """Whether sending the failed call again is safe and may succeed."""
+        if error.status is None:
+            return idempotent or not error.ambiguous
+        return error.status in (self.retryable_status if idempotent else self.not_applied_status)
