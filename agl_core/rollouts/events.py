@@ -40,15 +40,8 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from agl_core.data import (
-    CompletedRollout,
-    DataValidationError,
-    RolloutRequest,
-    Triplet,
-    log_probs,
-    reward_value,
-    token_ids,
-)
+from agl_core.data import CompletedRollout, DataValidationError, RolloutRequest, Triplet
+from agl_core.fields import log_probs, reward_value, token_ids
 
 __all__ = [
     "METRICS",

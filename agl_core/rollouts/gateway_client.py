@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 import httpx
 from omegaconf import DictConfig
 
-from agl_core.data import RolloutRequest, thaw
+from agl_core.data import RolloutRequest
+from agl_core.fields import thaw
 from agl_core.rollouts.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
