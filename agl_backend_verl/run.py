@@ -16,8 +16,9 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from agl_core.backends.contract import OnStep
 from agl_core.config import ConfigError
-from agl_backend_verl.trainer import OnStep, SampleDataset
+from agl_backend_verl.trainer import SampleDataset
 from agl_backend_verl.verl_plugins import ray_runtime_env
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.metric import reduce_metrics
 
+from agl_core.backends.contract import OnStep
 from agl_core.data import CompletedRollout
 from agl_core.stages.pipeline import StepPipeline, rollout_metrics
 from agl_core.stages.tensorize import tensorize
@@ -36,9 +37,6 @@ from agl_backend_verl.verl_plugins import ensure_registered
 from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 
 logger = logging.getLogger(__name__)
-
-OnStep = Callable[[int, int, Mapping[str, float]], None]
-
 
 class SampleDataset(Dataset):
     """In-memory dataset rows (JSON-like dicts); each becomes one rollout group's ``input``."""

@@ -43,10 +43,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from agl_core.backends.contract import BackendSpec, OnStep
 from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
-from agl_core.hookspecs import hookimpl
+from agl_core.hookspecs import Register, hookimpl
 from agl_core.datasets import load_dataset
 from agl_core.stages.policy_loss import LossSettings
 from agl_core.stages.normalization import token_weights
@@ -55,9 +56,6 @@ from agl_core.stages.tensorize import tensorize
 from agl_core.serving.vllm_engine import VllmEngineError
 
 logger = logging.getLogger(__name__)
-
-OnStep = Callable[[int, int, Mapping[str, float]], None]
-
 
 def model_folder(config: Any) -> Path:
     path = config.actor_rollout_ref.model.path
@@ -412,5 +410,5 @@ class TorchBackend:
 
 
 @hookimpl
-def agl_register_backends(register: Any) -> None:
-    register("torch", TorchBackend)
+def agl_register_backends(register: Register) -> None:
+    register("torch", BackendSpec(TorchBackend))
