@@ -9,8 +9,9 @@ the initial policy, − ``actor.entropy_coeff`` × the policy's entropy, weighte
 loss is; ``actor/entropy`` is reported either way) → AdamW step with gradient clipping → lr schedule step → the serving copy of the
 policy gets the new weights.
 
-Validation (``data.val_files``): before the first step when ``trainer.val_before_train`` is set, and
-after every ``trainer.test_freq``-th step and the last, one rollout per validation row
+The steps run in the loop every backend shares (:mod:`agl_core.backends.loop`). Validation
+(``data.val_files``): before the first step of a fresh run when ``trainer.val_before_train`` is set,
+and after every ``trainer.test_freq``-th step and the last, one rollout per validation row
 (``is_train=False``; the embedded source samples them at
 ``actor_rollout_ref.rollout.val_kwargs.temperature``, 0 = greedy), in batches of
 ``data.val_batch_size`` (all rows at once when unset). ``val/reward`` is the mean final reward over
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from agl_core.backends.contract import BackendSpec, OnStep
+from agl_core.backends.loop import LoopSettings, run_steps
 from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
@@ -193,9 +195,10 @@ class TorchBackend:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else 0)
         self.step = 0
+        self.loop = LoopSettings.from_config(config, self.total_steps, has_validation=bool(self.val_rows))
         self.engine: Any = None
-        self.is_async = bool(config.agentlightning.async_rollout.enabled)
-        if self.is_async and not config.agentlightning.agl_base_url:
+        self.source: Any = None
+        if config.agentlightning.async_rollout.enabled and not config.agentlightning.agl_base_url:
             raise ConfigError(
                 "agentlightning.async_rollout.enabled",
                 "async rollout runs through the gateway: set agentlightning.agl_base_url (the embedded source is sync only)",
@@ -224,7 +227,7 @@ class TorchBackend:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def save(self) -> Path:
+    def save(self) -> None:
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -233,7 +236,7 @@ class TorchBackend:
         }
         if hasattr(self.engine, "generator_state"):
             state["sampler_rng"] = self.engine.generator_state()
-        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
+        save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint when ``trainer.resume_mode`` is ``auto``."""
@@ -258,88 +261,61 @@ class TorchBackend:
         self._sampler_rng = None
         self.resume()
         self.engine = self.make_engine()
-        source = None
         try:
             self.engine.start()
             self.engine.push_weights(self.model, self.step)
             if self._sampler_rng is not None and hasattr(self.engine, "set_generator_state"):
                 self.engine.set_generator_state(self._sampler_rng)
-            source = self.make_source()
-            source.after_weight_update([self.engine.base_url], self.step)
-            save_freq = int(self.config.trainer.save_freq)
-            test_freq = int(self.config.trainer.test_freq)
-            if self.val_rows and self.config.trainer.val_before_train and self.step == 0 and on_step is not None:
-                on_step(0, self.total_steps, self.validate(source))
-            first = True
-            while self.step < self.total_steps:
-                metrics = self.train_step(source, self.next_samples(first))
-                first = False
-                self.step += 1
-                if self.val_rows and test_freq > 0 and (self.step % test_freq == 0 or self.step == self.total_steps):
-                    metrics.update(self.validate(source))
-                # The step is logged before it is checkpointed: a run killed in between resumes from
-                # the previous checkpoint, redoes this step, and the run log replaces its line.
-                if on_step is not None:
-                    on_step(self.step, self.total_steps, metrics)
-                if save_freq > 0 and (self.step % save_freq == 0 or self.step == self.total_steps):
-                    started = time.perf_counter()
-                    self.save()
-                    logger.info("checkpoint of step %d saved in %.2f s", self.step, time.perf_counter() - started)
+            self.source = self.make_source()
+            try:
+                self.source.after_weight_update([self.engine.base_url], self.step)
+                for step, total, metrics in run_steps(self, self.loop):
+                    if on_step is not None:
+                        on_step(step, total, metrics)
+            finally:
+                self.source.close()
         finally:
-            if source is not None:
-                source.close()
             self.engine.close()
 
-    def next_samples(self, first: bool) -> list[Mapping[str, Any]]:
-        """The next batch; async, at a run's first step, enough batches to put
-        ``async_train_batch_size`` groups in flight (the source keeps what it cannot start yet)."""
-        samples = self.data.next_batch()
-        if self.is_async and first:
-            while len(samples) < int(self.config.agentlightning.async_rollout.async_train_batch_size):
-                samples += self.data.next_batch()
-        return samples
+    def next_batch(self) -> list[Mapping[str, Any]]:
+        return self.data.next_batch()
 
-    def validate(self, source: Any) -> dict[str, float]:
+    def validate(self) -> dict[str, float]:
         """One rollout per validation row with the current weights; ``val/*`` metrics over all batches."""
-        started = time.perf_counter()
         size = int(self.config.data.val_batch_size or len(self.val_rows))
         rollouts: list[CompletedRollout] = []
         counts: dict[str, float] = {}
         n_batches = 0
         for start in range(0, len(self.val_rows), size):
-            batch = source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
+            batch = self.source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
             rollouts.extend(batch.rollouts)
             for name, value in batch.metrics.items():
                 if name.startswith("training/"):
                     key = "val/" + name[len("training/") :]
                     counts[key] = counts.get(key, 0.0) + value
             n_batches += 1
-        return {
-            **counts,
-            **rollout_metrics(rollouts, "val"),
-            "val/n_batches": float(n_batches),
-            "timing/val_s": time.perf_counter() - started,
-        }
+        return {**counts, **rollout_metrics(rollouts, "val"), "val/n_batches": float(n_batches)}
 
-    def train_step(self, source: Any, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        step = self.step + 1
+    def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Train step ``step + 1`` on ``samples`` and advance ``step``."""
+        self.step += 1
+        step = self.step
         started = time.perf_counter()
-        batch = source.collect(samples, step=step, is_train=True)
+        batch = self.source.collect(samples, step=step, is_train=True)
         metrics: dict[str, float] = dict(batch.metrics)
         metrics["timing/gen_s"] = time.perf_counter() - started
-        metrics.update(source.before_weight_update())  # async: pause the gateway, drain in-flight calls
+        metrics.update(self.source.before_weight_update())  # async: pause the gateway, drain in-flight calls
         update_started = time.perf_counter()
         prepared = self.pipeline.prepare(batch.rollouts, step)
         metrics.update(prepared.metrics)
         if prepared.shaped is not None:
             metrics.update(self.update(prepared))
         self.scheduler.step()
-        metrics.update(self.serve_weights(source, step))
+        metrics.update(self.serve_weights(step))
         metrics["timing/update_s"] = time.perf_counter() - update_started
-        metrics["timing/step_s"] = time.perf_counter() - started
         return metrics
 
-    def serve_weights(self, source: Any, version: int) -> dict[str, float]:
+    def serve_weights(self, version: int) -> dict[str, float]:
         """Push the weights and register the engine with ``version``. A vLLM server that died (its
         rollouts this step failed and were counted) is started again (an attached one: waited for,
         up to ``agentlightning.vllm.startup_timeout_seconds``) and pushed to once more; a second
@@ -352,7 +328,7 @@ class TorchBackend:
             self.engine.start()
             self.engine.push_weights(self.model, version)
             restarts = 1
-        source.after_weight_update([self.engine.base_url], version)
+        self.source.after_weight_update([self.engine.base_url], version)
         return {"training/engine/n_restarts": float(restarts)}
 
     def update(self, prepared: PreparedBatch) -> dict[str, float]:
