@@ -29,6 +29,8 @@ from verl.utils.metric import reduce_metrics
 from agl_core.backends.contract import OnStep
 from agl_core.backends.loop import LoopSettings, Step, run_steps
 from agl_core.data import CompletedRollout
+from agl_core.plugins import PluginManager
+from agl_core.rollouts.source import RolloutSource
 from agl_core.stages.pipeline import StepPipeline, rollout_metrics
 from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.advantages import compute_advantages
@@ -69,7 +71,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
     verl's workers once :meth:`init_workers` has run.
     """
 
-    def __init__(self, *args: Any, plugins: Any, rollout_source: Any, worker_calls: WorkerCalls | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, plugins: PluginManager, rollout_source: RolloutSource, worker_calls: WorkerCalls | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         validate_verl(self.config)
         self.plugins = plugins

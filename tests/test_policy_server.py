@@ -185,3 +185,18 @@ def test_sampling_follows_the_distribution(served):
     nucleus = torch.bincount(_sample(logits, ones, ones * 0.7, uniforms), minlength=4).float() / 20000
     assert nucleus.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0], abs=0.015)
     assert _sample(logits[:1], torch.zeros(1), ones[:1], uniforms[:1]).item() == 0  # temperature 0 is greedy
+
+
+def test_a_restored_sampler_state_samples_the_same_tokens_again(served):
+    """What a checkpoint keeps of the engine: unseeded requests sample the same after a restore."""
+    server = served[0]
+    state = server.sampler_state()
+    def sample():
+        return [_chat(server, temperature=1.0, return_token_ids=True).json()["choices"][0]["token_ids"] for _ in range(3)]
+
+    first = sample()
+    assert sample() != first  # the stream moves on
+    server.restore_sampler_state(state)
+    assert sample() == first
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        server.restore_sampler_state([1, 2])

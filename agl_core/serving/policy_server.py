@@ -242,11 +242,13 @@ class PolicyServer:
             thread.join(timeout=10)
         self._httpd = None
 
-    def generator_state(self) -> torch.Tensor:
-        """The sampler's RNG state (saved in checkpoints so a resumed run samples the same way)."""
+    def sampler_state(self) -> torch.Tensor:
+        """The shared sampling generator's state (requests with a ``seed`` have their own)."""
         return self._generator.get_state()
 
-    def set_generator_state(self, state: torch.Tensor) -> None:
+    def restore_sampler_state(self, state: object) -> None:
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"a policy server's sampler state is a torch.Tensor, got {type(state).__name__}")
         self._generator.set_state(state)
 
     # -- generation -----------------------------------------------------------------------------

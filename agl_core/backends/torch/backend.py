@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,11 +55,18 @@ from agl_core.stages.policy_loss import LossSettings
 from agl_core.stages.normalization import token_weights
 from agl_core.stages.pipeline import PreparedBatch, StepPipeline, rollout_metrics
 from agl_core.stages.tensorize import tensorize
+from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.vllm_engine import VllmEngineError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from agl_core.plugins import PluginManager
+    from agl_core.rollouts.source import RolloutSource
 
 logger = logging.getLogger(__name__)
 
-def model_folder(config: Any) -> Path:
+def model_folder(config: DictConfig) -> Path:
     path = config.actor_rollout_ref.model.path
     key = "actor_rollout_ref.model.path"
     if not path:
@@ -79,7 +86,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lr_lambda(optim: Any, total_steps: int) -> Callable[[int], float]:
+def lr_lambda(optim: DictConfig, total_steps: int) -> Callable[[int], float]:
     """verl's schedules: linear warmup over ``lr_warmup_steps``, then constant or cosine down to
     ``min_lr_ratio``."""
     kind = optim.lr_scheduler_type
@@ -158,7 +165,12 @@ class DataOrder:
 class TorchBackend:
     """The reference backend; ``fit(on_step)`` trains until the configured number of steps."""
 
-    def __init__(self, config: Any, plugins: Any):
+    engine: InferenceEngine
+    """Serves the policy to the agents; made and started by :meth:`fit`."""
+    source: RolloutSource
+    """Runs the agents; made by :meth:`fit` once the engine serves the first weights."""
+
+    def __init__(self, config: DictConfig, plugins: PluginManager):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config, self.plugins = config, plugins
@@ -196,8 +208,7 @@ class TorchBackend:
         self.pad_token_id = int(pad if pad is not None else 0)
         self.step = 0
         self.loop = LoopSettings.from_config(config, self.total_steps, has_validation=bool(self.val_rows))
-        self.engine: Any = None
-        self.source: Any = None
+        self._sampler_state: object | None = None
         if config.agentlightning.async_rollout.enabled and not config.agentlightning.agl_base_url:
             raise ConfigError(
                 "agentlightning.async_rollout.enabled",
@@ -206,7 +217,7 @@ class TorchBackend:
 
     # -- serving --------------------------------------------------------------------------------
 
-    def make_engine(self) -> Any:
+    def make_engine(self) -> InferenceEngine:
         name = str(self.config.actor_rollout_ref.model.path)
         if self.config.agentlightning.engine == "vllm":
             from agl_core.serving.vllm_engine import VllmEngine
@@ -216,7 +227,7 @@ class TorchBackend:
 
         return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))
 
-    def make_source(self) -> Any:
+    def make_source(self) -> RolloutSource:
         if self.config.agentlightning.agl_base_url:
             from agl_core.rollouts.gateway import gateway_source
 
@@ -234,8 +245,9 @@ class TorchBackend:
             "data": self.data.position(),
             "rng": rng_states(),
         }
-        if hasattr(self.engine, "generator_state"):
-            state["sampler_rng"] = self.engine.generator_state()
+        sampler = self.engine.sampler_state()
+        if sampler is not None:
+            state["sampler_rng"] = sampler
         save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
 
     def resume(self) -> bool:
@@ -251,21 +263,20 @@ class TorchBackend:
         self.data.restore(state["data"])
         restore_rng_states(state["rng"])
         self.step = int(state["step"])
-        self._sampler_rng = state.get("sampler_rng")
+        self._sampler_state = state.get("sampler_rng")
         logger.info("resumed from %s (step %d)", path, self.step)
         return True
 
     # -- training -------------------------------------------------------------------------------
 
     def fit(self, on_step: OnStep | None = None) -> None:
-        self._sampler_rng = None
         self.resume()
         self.engine = self.make_engine()
         try:
             self.engine.start()
             self.engine.push_weights(self.model, self.step)
-            if self._sampler_rng is not None and hasattr(self.engine, "set_generator_state"):
-                self.engine.set_generator_state(self._sampler_rng)
+            if self._sampler_state is not None:
+                self.engine.restore_sampler_state(self._sampler_state)
             self.source = self.make_source()
             try:
                 self.source.after_weight_update([self.engine.base_url], self.step)
