@@ -14,7 +14,8 @@ from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager
 from agl_core.plugins.registry import RegistryError
 from agl_core.stages.tensorize import tensorize
-from agl_core.backends.torch.backend import TorchBackend, response_log_probs, token_entropy
+from agl_core.backends.torch.backend import TorchBackend
+from agl_core.backends.torch.model_ops import response_log_probs, token_entropy
 from agl_core.train import run
 from tests.corridor_policy import build_corridor_policy
 
