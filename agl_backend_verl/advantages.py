@@ -14,7 +14,7 @@ shaping drops any.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -25,6 +25,11 @@ from agl_core.data import TrainingRow
 from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.config import ROLLOUT_LEVEL_KEY, verl_algorithm_config
 from agl_backend_verl.dataproto import to_dataproto
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from agl_core.plugins import PluginManager
 
 
 def is_verl_estimator(name: str) -> bool:
@@ -42,7 +47,7 @@ def as_samples(rows: Sequence[TrainingRow]) -> list[TrainingRow]:
     return [attrs.evolve(row, rollout_id=f"{row.rollout_id}#{i}") for i, row in enumerate(rows)]
 
 
-def verl_rollout_advantages(rows: Sequence[TrainingRow], config: Any, pad_token_id: int = 0) -> Advantages:
+def verl_rollout_advantages(rows: Sequence[TrainingRow], config: DictConfig, pad_token_id: int = 0) -> Advantages:
     """verl's estimator ``algorithm.adv_estimator`` on one representative row per rollout, broadcast.
 
     The representative is the rollout's first row with a trained token; rows of a rollout must share
@@ -88,7 +93,7 @@ def verl_rollout_advantages(rows: Sequence[TrainingRow], config: Any, pad_token_
     return Advantages(per_row=tuple(per_row), metrics=indexed.metrics())
 
 
-def compute_advantages(rows: Sequence[TrainingRow], config: Any, plugins: Any, pad_token_id: int = 0) -> Advantages:
+def compute_advantages(rows: Sequence[TrainingRow], config: DictConfig, plugins: PluginManager, pad_token_id: int = 0) -> Advantages:
     """Advantages of every row by ``algorithm.adv_estimator`` (see the module docstring)."""
     name = str(config.algorithm.adv_estimator)
     samples = list(rows) if config.algorithm[ROLLOUT_LEVEL_KEY] else as_samples(rows)

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agl_backend_verl.config import load_verl_config
 from agl_core import hookimpl
+from agl_core.backends.contract import Backend, BackendSpec
+from agl_core.hookspecs import Register
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from agl_core.plugins import PluginManager
 
 
-def verl_backend(config: Any, plugins: Any) -> Any:
+def verl_backend(config: DictConfig, plugins: PluginManager) -> Backend:
     """The verl backend for a config built by :func:`load_verl_config` (see :class:`agl_backend_verl.run.VerlBackend`)."""
     from agl_backend_verl.run import VerlBackend
 
     return VerlBackend(config, plugins)
 
 
-# ``agl train`` validates a verl run against verl's full config, not the core schema.
-verl_backend.load_config = load_verl_config  # type: ignore[attr-defined]
-
-
 @hookimpl
-def agl_register_backends(register: Any) -> None:
-    register("verl", verl_backend)
+def agl_register_backends(register: Register) -> None:
+    # ``agl train`` validates a verl run against verl's full config, not the core schema.
+    register("verl", BackendSpec(verl_backend, load_config=load_verl_config))

@@ -16,8 +16,10 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from agl_core.backends.contract import OnStep
 from agl_core.config import ConfigError
-from agl_backend_verl.trainer import OnStep, SampleDataset
+from agl_core.plugins import PluginManager
+from agl_backend_verl.trainer import SampleDataset
 from agl_backend_verl.verl_plugins import ray_runtime_env
 
 
@@ -128,7 +130,7 @@ class TaskRunner:
 class VerlBackend:
     """Backend ``verl`` for ``agl train``: the datasets are ``data.train_files`` / ``data.val_files`` (JSONL)."""
 
-    def __init__(self, config: DictConfig, plugins: Any):
+    def __init__(self, config: DictConfig, plugins: PluginManager):
         from agl_core.datasets import load_dataset
 
         if "ray_kwargs" not in config:

@@ -1,15 +1,15 @@
 """The verl trainer: verl's ``RayPPOTrainer`` (FSDP workers, vLLM replicas) with agl's training step.
 
-One step (:meth:`AglRayPPOTrainer.train_step`), in order: the next dataset batch (async: the
-rollout source tops its in-flight groups up) → replicas resumed → rollouts through the rollout
-source → (async: the gateway paused and drained; sync: leftover replica requests aborted) →
+One step (:meth:`AglRayPPOTrainer.train_step`) on the samples the step loop hands it (async: they
+top the rollout source's in-flight groups up), in order: replicas resumed → rollouts through the
+rollout source → (async: the gateway paused and drained; sync: leftover replica requests aborted) →
 :meth:`learn`: the configured aggregator → advantages on every collected row
 (:mod:`agl_backend_verl.advantages`) → batch shaping (whole rollouts dropped, marked ones first) →
 tensorise → ``DataProto`` → replicas slept → old log-probs / reference / values through verl's
 workers → per-rollout normalisation (``per_rollout_mean``) → critic / actor update → weights pushed
 → the replicas' addresses registered with the gateway with ``version`` = step (stale ones deleted
-first; async: the gateway resumed). Validation runs every ``trainer.test_freq`` steps with metrics
-over all validation batches; checkpoints every ``trainer.save_freq``.
+first; async: the gateway resumed). The loop around the step (validation over all validation
+batches, reporting, checkpoints) is the one every backend runs, :func:`agl_core.backends.loop.run_steps`.
 
 Only the calls of :class:`~agl_backend_verl.worker_calls.WorkerCalls` need GPUs.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,11 @@ from torch.utils.data import Dataset
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.metric import reduce_metrics
 
+from agl_core.backends.contract import OnStep
+from agl_core.backends.loop import LoopSettings, Step, run_steps
 from agl_core.data import CompletedRollout
+from agl_core.plugins import PluginManager
+from agl_core.rollouts.source import RolloutSource
 from agl_core.stages.pipeline import StepPipeline, rollout_metrics
 from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.advantages import compute_advantages
@@ -36,9 +40,6 @@ from agl_backend_verl.verl_plugins import ensure_registered
 from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 
 logger = logging.getLogger(__name__)
-
-OnStep = Callable[[int, int, Mapping[str, float]], None]
-
 
 class SampleDataset(Dataset):
     """In-memory dataset rows (JSON-like dicts); each becomes one rollout group's ``input``."""
@@ -70,7 +71,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
     verl's workers once :meth:`init_workers` has run.
     """
 
-    def __init__(self, *args: Any, plugins: Any, rollout_source: Any, worker_calls: WorkerCalls | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, plugins: PluginManager, rollout_source: RolloutSource, worker_calls: WorkerCalls | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         validate_verl(self.config)
         self.plugins = plugins
@@ -93,9 +94,13 @@ class AglRayPPOTrainer(RayPPOTrainer):
         super().init_workers()
         self.calls = VerlWorkerCalls(self)
 
-    # -- data -----------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Training steps done (verl's ``global_steps``; a resumed run starts at its checkpoint's)."""
+        return self.global_steps
 
-    def _next_batch(self) -> list[Mapping[str, Any]]:
+    def next_batch(self) -> list[Mapping[str, Any]]:
+        """The data loader's next batch; past its end, the first of the next epoch."""
         while True:
             if self._batches is None:
                 self._batches = iter(self.train_dataloader)
@@ -104,14 +109,6 @@ class AglRayPPOTrainer(RayPPOTrainer):
                 return batch
             self._batches = None
             self.epoch += 1
-
-    def next_samples(self) -> list[Mapping[str, Any]]:
-        """One batch (sync); async, on the first step, enough batches to fill the in-flight groups."""
-        samples = self._next_batch()
-        if self.is_async and self.global_steps == 1:
-            while len(samples) < self.config.agentlightning.async_rollout.async_train_batch_size:
-                samples = samples + self._next_batch()
-        return samples
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -125,9 +122,10 @@ class AglRayPPOTrainer(RayPPOTrainer):
             if on_step is not None:
                 on_step(step, total, metrics)
 
-    def steps(self) -> Iterator[tuple[int, int, dict[str, float]]]:
-        """Train, yielding ``(step, total_steps, metrics)`` after each step (step 0: the validation
-        before training); every step is also logged to verl's ``trainer.logger`` backends."""
+    def steps(self) -> Iterator[Step]:
+        """Train (:func:`~agl_core.backends.loop.run_steps`), yielding ``(step, total_steps, metrics)``
+        after each step (step 0: the validation before training); every step is also logged to
+        verl's ``trainer.logger`` backends."""
         from omegaconf import OmegaConf
         from verl.utils.tracking import Tracking
 
@@ -141,32 +139,18 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.calls.load_checkpoint()
         self.calls.push_weights(self.global_steps)
         self._register_replicas(self.global_steps)
-        if self.config.trainer.get("val_before_train", True):
-            metrics = self.validate()
-            tracker.log(data=metrics, step=self.global_steps)
-            yield self.global_steps, self.total_training_steps, metrics
-            if self.config.trainer.get("val_only", False):
-                return
-        test_freq, save_freq = int(self.config.trainer.test_freq), int(self.config.trainer.save_freq)
-        while self.global_steps < self.total_training_steps:
-            self.global_steps += 1
-            last = self.global_steps >= self.total_training_steps
-            started = time.perf_counter()
-            metrics = self.train_step(self.next_samples())
-            if test_freq > 0 and (last or self.global_steps % test_freq == 0):
-                metrics.update(self.validate())
-            metrics["timing/step_s"] = time.perf_counter() - started
-            metrics["training/global_step"] = float(self.global_steps)
-            metrics["training/epoch"] = float(self.epoch)
-            tracker.log(data=metrics, step=self.global_steps)
-            # Logged before checkpointed: a run killed in between redoes this step after resuming, and
-            # the run log (agl_core.train.MetricsLog) replaces its line.
-            yield self.global_steps, self.total_training_steps, metrics
-            if save_freq > 0 and (last or self.global_steps % save_freq == 0):
-                self.calls.save_checkpoint()
+        settings = LoopSettings.from_config(self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only))
+        for step, total, metrics in run_steps(self, settings):
+            tracker.log(data=metrics, step=step)
+            yield step, total, metrics
+
+    def save(self) -> None:
+        self.calls.save_checkpoint()
 
     def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        """Rollouts for ``samples``, then :meth:`learn`, then the new weights served and registered."""
+        """Train step ``global_steps + 1`` and advance ``global_steps``: rollouts for ``samples``,
+        then :meth:`learn`, then the new weights served and registered."""
+        self.global_steps += 1
         step = self.global_steps
         started = time.perf_counter()
         self.calls.resume_replicas()
@@ -182,6 +166,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.calls.push_weights(step)
         self._register_replicas(step)
         metrics["timing/update_weights_s"] = time.perf_counter() - started
+        metrics["training/global_step"] = float(step)
+        metrics["training/epoch"] = float(self.epoch)
         return metrics
 
     def learn(self, rollouts: Sequence[CompletedRollout]) -> dict[str, float]:

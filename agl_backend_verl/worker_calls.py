@@ -12,6 +12,7 @@ import asyncio
 from typing import Any, Protocol
 
 from verl import DataProto
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 
 class WorkerCalls(Protocol):
@@ -67,7 +68,7 @@ def _run(coroutine: Any) -> Any:
 class VerlWorkerCalls:
     """:class:`WorkerCalls` on a ``RayPPOTrainer`` after ``init_workers()`` (verl 0.9.1)."""
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: RayPPOTrainer):
         self.trainer = trainer
 
     def _replicas(self) -> list[Any]:

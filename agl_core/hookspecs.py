@@ -95,19 +95,21 @@ def agl_register_policy_losses(register: Register) -> None:
 def agl_register_backends(register: Register) -> None:
     """Register training backends: the engines that run a training step.
 
-    Called once per plugin manager. Call ``register(name, backend_factory)``; ``name`` is what
+    Called once per plugin manager. Call ``register(name, spec)``; ``name`` is what
     ``agentlightning.backend`` selects (built-in: ``torch``; ``agl-backend-verl`` adds ``verl``).
-    ``backend_factory(config, plugins)`` returns an object with a ``fit(on_step)`` method that trains
-    until the configured number of steps, given the validated config and this plugin manager, and
-    calls ``on_step(step, total_steps, metrics)`` after every training step (``metrics``: metric name
-    → float, DESIGN §7 names; a validation before the first step is reported as step 0); ``agl
-    train`` writes them to ``metrics.jsonl`` and the progress bar.
+    ``spec`` is a :class:`~agl_core.backends.contract.BackendSpec`: ``factory(config, plugins)``
+    returns a :class:`~agl_core.backends.contract.Backend` for the validated run config and this
+    plugin manager, and ``load_config(path, overrides)`` is what validates that run config (by
+    default the core schema's :func:`agl_core.config.load_config`; a backend with a larger schema
+    gives its own, returning the validated ``DictConfig`` and raising ``ConfigError`` naming the
+    key). A bare factory may be registered instead of a spec: it stands for ``BackendSpec(factory)``.
+    ``agl train`` reads ``agentlightning.backend`` first, validates the run with that backend's
+    ``load_config``, then builds the backend with its factory.
 
-    A backend with a config schema larger than the core's gives its factory a ``load_config(path,
-    overrides)`` attribute returning the validated ``DictConfig`` (errors: ``ConfigError`` naming the
-    key). ``agl train`` reads ``agentlightning.backend`` first and, when the selected factory has
-    this attribute, validates the run with it instead of :func:`agl_core.config.load_config`; the
-    factory is then given that config.
+    The backend's ``fit(on_step)`` trains until the configured number of steps and calls
+    ``on_step(step, total_steps, metrics)`` after every training step (``metrics``: metric name →
+    float; a validation before the first step is reported as step 0); ``agl train`` writes them to
+    ``metrics.jsonl`` and the progress bar. :mod:`agl_core.backends.contract` holds these types.
     """
 
 

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agl_core.config import load_config, redacted
+from agl_core.backends.contract import BackendSpec, backend_spec
+from agl_core.config import redacted
 from agl_core.jsonl import read_json_objects
 from agl_core.plot import plot_metrics
 from agl_core.plugins import PluginManager
@@ -89,7 +90,7 @@ def run(
 ) -> Path:
     """Train as the config says; return the run directory (metrics, plot, checkpoints)."""
     config, manager = resolve_config(config_path, overrides, plugins)
-    backend = manager.backends.get(config.agentlightning.backend)(config, manager)
+    backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
     manager.on_startup(redacted(config))
     log = MetricsLog(Path(config.trainer.default_local_dir), show_progress)
     try:
@@ -105,9 +106,9 @@ def resolve_config(
     """The run's validated config and its plugin manager.
 
     The backend is read first (``agentlightning.backend`` from the overrides, else the YAML, else the
-    schema's default), so that a backend whose factory has a ``load_config(path, overrides)``
-    attribute validates the run against its own schema (verl: verl's full config); every other
-    backend's run is validated against the core schema by :func:`~agl_core.config.load_config`.
+    schema's default), so that the run is validated by that backend's
+    :attr:`~agl_core.backends.contract.BackendSpec.load_config` (verl: verl's full config; by default
+    the core schema's :func:`~agl_core.config.load_config`).
     """
     from omegaconf import OmegaConf
 
@@ -119,8 +120,12 @@ def resolve_config(
         hooks = None  # malformed: validation names the key
     manager = PluginManager.from_config({"agentlightning": {"hooks": hooks}}, plugins)
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
-    factory = manager.backends.get(default_config().agentlightning.backend if name is None else name)
-    return getattr(factory, "load_config", load_config)(config_path, overrides), manager
+    spec = _spec(manager, default_config().agentlightning.backend if name is None else name)
+    return spec.load_config(config_path, overrides), manager
+
+
+def _spec(manager: PluginManager, name: str) -> BackendSpec:
+    return backend_spec(manager.backends.entry(name))
 
 
 def _unvalidated(config_path: str | None, overrides: Sequence[str]) -> Any:

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agl_core.rollouts.events import parse_events
-from agl_core.serving.policy_server import PolicyServer, SamplingParams
+from agl_core.serving.policy_server import PolicyServer
+from agl_core.serving.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_push_weights_changes_what_is_served(served, tiny_model_dir):
 def test_batched_sampling_matches_the_unbatched_distribution(served):
     """Left padding must not change what a prompt sees: greedy outputs agree batched and alone."""
     server, model, tokenizer = served
-    from agl_core.serving.policy_server import generate_batch
+    from agl_core.serving.sampling import generate_batch
 
     prompts = [[21, 225, 22], [3, 89, 507, 203, 59, 76, 283, 315]]
     kwargs = dict(stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode, generator=torch.Generator().manual_seed(0))
@@ -161,7 +162,7 @@ def test_batched_sampling_matches_the_unbatched_distribution(served):
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch(served):
     """A request's seed fixes its tokens whatever shares its batch; unseeded requests draw from the server's stream."""
     server, model, tokenizer = served
-    from agl_core.serving.policy_server import generate_batch
+    from agl_core.serving.sampling import generate_batch
 
     prompts = [[21, 225, 22], [3, 89, 507, 203, 59, 76, 283, 315], [40, 41]]
     kwargs = dict(stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode)
@@ -175,13 +176,28 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch(served):
 
 def test_sampling_follows_the_distribution(served):
     """Inverse-CDF sampling draws each token with its softmax probability, nucleus-truncated by top_p."""
-    from agl_core.serving.policy_server import _sample
+    from agl_core.serving.sampling import sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
     uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(0))
     ones = torch.ones(20000)
-    counts = torch.bincount(_sample(logits, ones, ones, uniforms), minlength=4).float() / 20000
+    counts = torch.bincount(sample_tokens(logits, ones, ones, uniforms), minlength=4).float() / 20000
     assert counts.tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.015)
-    nucleus = torch.bincount(_sample(logits, ones, ones * 0.7, uniforms), minlength=4).float() / 20000
+    nucleus = torch.bincount(sample_tokens(logits, ones, ones * 0.7, uniforms), minlength=4).float() / 20000
     assert nucleus.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0], abs=0.015)
-    assert _sample(logits[:1], torch.zeros(1), ones[:1], uniforms[:1]).item() == 0  # temperature 0 is greedy
+    assert sample_tokens(logits[:1], torch.zeros(1), ones[:1], uniforms[:1]).item() == 0  # temperature 0 is greedy
+
+
+def test_a_restored_sampler_state_samples_the_same_tokens_again(served):
+    """What a checkpoint keeps of the engine: unseeded requests sample the same after a restore."""
+    server = served[0]
+    state = server.sampler_state()
+    def sample():
+        return [_chat(server, temperature=1.0, return_token_ids=True).json()["choices"][0]["token_ids"] for _ in range(3)]
+
+    first = sample()
+    assert sample() != first  # the stream moves on
+    server.restore_sampler_state(state)
+    assert sample() == first
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        server.restore_sampler_state([1, 2])

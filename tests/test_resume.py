@@ -91,7 +91,7 @@ def agl_on_enqueue(request):
 def _expected_batches(overrides, steps):
     """The dataset rows each step trains on, from the data order alone (no run needed)."""
     from agl_core.config import load_config
-    from agl_core.backends.torch.backend import DataOrder
+    from agl_core.backends.torch.data_order import DataOrder
     from agl_core.datasets import load_dataset
 
     config = load_config(CONFIG, overrides)

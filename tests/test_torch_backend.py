@@ -14,14 +14,15 @@ from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager
 from agl_core.plugins.registry import RegistryError
 from agl_core.stages.tensorize import tensorize
-from agl_core.backends.torch.backend import TorchBackend, response_log_probs, token_entropy
+from agl_core.backends.torch.backend import TorchBackend
+from agl_core.backends.torch.model_ops import response_log_probs, token_entropy
 from agl_core.train import run
 from tests.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"
 SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["right", "right", "left"]}]
 
-# DESIGN §7 names every step of the reference backend reports.
+# The metrics every step of the reference backend reports.
 STEP_METRICS = [
     "training/reward",
     "training/n_sample",
@@ -84,10 +85,10 @@ class Running:
         self.backend.engine = self.backend.make_engine()
         self.backend.engine.start()
         self.backend.engine.push_weights(self.backend.model, 0)
-        self.source = self.backend.make_source()
+        self.backend.source = self.backend.make_source()
 
     def close(self):
-        self.source.close()
+        self.backend.source.close()
         self.backend.engine.close()
 
 
@@ -147,7 +148,7 @@ def test_a_step_changes_the_weights_and_the_engine_serves_them(running):
     prompt = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
     old_ids, old_served = _served_log_probs(backend.engine, prompt, [0, 0])
 
-    metrics = backend.train_step(r.source, SAMPLES)
+    metrics = backend.train_step(SAMPLES)
 
     assert metrics["training/n_skipped_updates"] == 0.0 and metrics["actor/n_updates"] == 1.0
     changed = [k for k, v in backend.model.state_dict().items() if not torch.equal(v, before[k])]
@@ -164,7 +165,7 @@ def test_a_step_changes_the_weights_and_the_engine_serves_them(running):
 
 def test_every_design_metric_is_reported_and_rows_merge_one_per_rollout(running):
     r = running()
-    metrics = r.backend.train_step(r.source, SAMPLES)
+    metrics = r.backend.train_step(SAMPLES)
     missing = [name for name in STEP_METRICS if name not in metrics]
     assert not missing
     assert metrics["training/n_rollouts"] == 8
@@ -179,7 +180,7 @@ def test_every_design_metric_is_reported_and_rows_merge_one_per_rollout(running)
 
 def test_marked_rows_are_dropped_whole_and_counted(running):
     r = running("agentlightning.trace_aggregator.trajectory_max_prompt_length=8")  # every prompt is longer
-    metrics = r.backend.train_step(r.source, SAMPLES)
+    metrics = r.backend.train_step(SAMPLES)
     assert metrics["training/n_sample_dropped/marked"] == metrics["training/n_sample"] > 0
     assert metrics["training/n_sample_trained"] == 0
     assert metrics["training/n_skipped_updates"] == 1.0 and "actor/pg_loss" not in metrics
@@ -237,7 +238,7 @@ def test_val_reward_is_the_mean_over_every_validation_batch(running, tmp_path):
         "agentlightning.local.agent_class=tests.test_torch_backend:RowRewardAgent",
         "agentlightning.local.env_map.ROW_ID=input.id",
     )
-    metrics = r.backend.validate(r.source)
+    metrics = r.backend.validate()
     assert metrics["val/n_batches"] == 3 and metrics["val/n_rollouts"] == 5  # 2 + 2 + 1, one rollout per row
     assert metrics["val/reward"] == pytest.approx((0 + 1 + 2 + 3 + 4) / 10 / 5)  # the last batch alone: 0.4
     assert metrics["val/rollouts/n_succeeded"] == 5 and metrics["val/n_rollouts_w_reward"] == 5
@@ -300,7 +301,7 @@ def test_the_entropy_bonus_raises_the_entropy_and_nothing_moves_without_it(polic
         try:
             before = {k: v.clone() for k, v in backend.model.state_dict().items()}
             entropy_before = _next_token_entropy(backend, "junction 1 : the sign points left")
-            metrics = backend.train_step(r.source, SAMPLES)
+            metrics = backend.train_step(SAMPLES)
             moved = any(not torch.equal(v, before[k]) for k, v in backend.model.state_dict().items())
             entropies[coeff] = (entropy_before, _next_token_entropy(backend, "junction 1 : the sign points left"), moved)
         finally:

@@ -8,6 +8,7 @@ import pytest
 
 from agl_core.config import ConfigError, load_config
 from agl_core.plugins import PluginManager
+from agl_core.backends.loop import next_samples
 from agl_core.backends.torch.backend import TorchBackend
 from tests.corridor_policy import REPO_ROOT, build_corridor_policy
 
@@ -39,10 +40,11 @@ def backend(policy: Path, tmp_path: Path, *extra: str) -> TorchBackend:
 def test_the_first_async_step_fills_the_in_flight_groups_and_later_steps_top_up(policy: Path, tmp_path: Path):
     trainer = backend(policy, tmp_path, "agentlightning.agl_base_url=http://127.0.0.1:1")
     rows = trainer.data.rows
-    first = trainer.next_samples(first=True)
+    assert trainer.loop.fill == 5
+    first = next_samples(trainer, trainer.loop.fill)
     # Whole batches until at least async_train_batch_size groups: the source keeps the extra one.
     assert first == rows[:6]
-    assert trainer.next_samples(first=False) == rows[6:8]
+    assert next_samples(trainer) == rows[6:8]
     assert trainer.data.position() == {"epoch": 0, "index": 4}  # a checkpoint records what was handed out
 
 

@@ -213,6 +213,7 @@ def test_fit_runs_every_stage_in_order(tokenizer):
     assert batch.batch["token_level_scores"].dtype.__str__() == "torch.float32"
     assert set(batch.non_tensor_batch["rollout_ids"]) and len(batch) == metrics["training/n_sample_trained"]
     assert "actor/pg_clipfrac" in metrics and "actor/ppo_kl" in metrics
+    assert (metrics["training/global_step"], metrics["training/epoch"]) == (1.0, 0.0)
 
 
 def test_advantages_are_normalised_per_rollout_before_the_update(tokenizer):

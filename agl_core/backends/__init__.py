@@ -1,4 +1,5 @@
-"""Training backends: the contract every backend keeps and the reference ``torch`` backend.
+"""Training backends: the contract every backend keeps (:mod:`agl_core.backends.contract`) and the
+reference ``torch`` backend.
 
 A backend may import stages, sources and serving modules; no backend imports another backend.
 """

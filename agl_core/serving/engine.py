@@ -8,7 +8,12 @@ and every stage downstream cannot tell them apart.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["InferenceEngine"]
 
 
 class InferenceEngine(Protocol):
@@ -22,13 +27,20 @@ class InferenceEngine(Protocol):
     def start(self) -> None:
         """Start serving (idempotent); return once the server answers requests."""
 
-    def push_weights(self, model: Any, version: int) -> None:
+    def push_weights(self, model: torch.nn.Module, version: int) -> None:
         """Make the server generate with ``model``'s current weights from now on.
 
-        ``model`` is the trainer's ``torch.nn.Module`` (a Hugging Face causal LM); ``version`` the
-        training step the weights belong to. When this returns, no request is answered with older
-        weights (and no cached prompt state computed with them is reused).
+        ``model`` is the trainer's module (a Hugging Face causal LM); ``version`` the training step
+        the weights belong to. When this returns, no request is answered with older weights (and no
+        cached prompt state computed with them is reused).
         """
+
+    def sampler_state(self) -> object | None:
+        """The random state the server samples with, for a checkpoint (so a resumed run samples as
+        an uninterrupted one would); ``None`` when the server's sampling cannot be restored."""
+
+    def restore_sampler_state(self, state: object) -> None:
+        """Continue sampling from a state :meth:`sampler_state` returned (never ``None``)."""
 
     def close(self) -> None:
         """Stop the server and free what it holds."""

@@ -10,9 +10,10 @@ at ``stop`` strings or at ``max_tokens``. A request's ``seed`` gives it its own 
 in vLLM, so the same prompt and seed sample the same tokens whichever requests share its batch.
 
 Concurrent requests are batched: handler threads queue their prompts and one generation thread
-decodes whatever is waiting as one left-padded batch with a KV cache. The server owns a copy of
-the policy; :meth:`PolicyServer.push_weights` copies the trainer's weights into it between batches,
-so no request is answered with a mix of weight versions.
+decodes whatever is waiting as one left-padded batch with a KV cache
+(:func:`agl_core.serving.sampling.generate_batch`). The server owns a copy of the policy;
+:meth:`PolicyServer.push_weights` copies the trainer's weights into it between batches, so no
+request is answered with a mix of weight versions.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import torch
 
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
+from agl_core.serving.sampling import Generation, SamplingParams, generate_batch
+
+__all__ = ["PolicyServer", "RequestError"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,118 +51,6 @@ class RequestError(Exception):
     def body(self) -> dict[str, Any]:
         kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
-
-
-@attrs.frozen
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-
-@attrs.frozen
-class Generation:
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str  # "stop" or "length"
-    text: str
-
-
-# -- batched sampling ------------------------------------------------------------------------------
-
-
-def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row: greedy where temperature is 0, else nucleus sampling at that temperature.
-
-    ``uniforms`` holds one draw in [0, 1) per row; inverting the nucleus's cumulative distribution
-    with it makes each row's token depend on its own draw alone.
-    """
-    greedy = logits.argmax(-1)
-    probs = torch.softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p[:, None]
-    cdf = sorted_probs.masked_fill(outside, 0.0).cumsum(-1)
-    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).clamp(max=logits.shape[-1] - 1)
-    sampled = order.gather(-1, picked).squeeze(-1)
-    return torch.where(temperature > 0, sampled, greedy)
-
-
-def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
-    return torch.cat([torch.rand(1, generator=g) for g in generators])
-
-
-@torch.no_grad()
-def generate_batch(
-    model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    params: Sequence[SamplingParams],
-    *,
-    stop_token_ids: Sequence[int],
-    pad_token_id: int,
-    decode: Any,
-    generator: torch.Generator,
-) -> list[Generation]:
-    """Generate for every prompt at once (left-padded, KV-cached); log-probs are the raw model's.
-
-    A prompt whose params carry a ``seed`` samples from its own generator; the others share ``generator``.
-    """
-    batch = len(prompts)
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention[i, width - len(prompt) :] = 1
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    max_tokens = torch.tensor([p.max_tokens for p in params])
-    stops = torch.tensor(list(stop_token_ids), dtype=torch.long)
-    with_stop_strings = [i for i, p in enumerate(params) if p.stop]
-    generators = [generator if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
-
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
-    cache = out.past_key_values
-    logits = out.logits[:, -1, :].float()
-    lengths = torch.zeros(batch, dtype=torch.long)  # generated tokens kept per row
-    done = torch.zeros(batch, dtype=torch.bool)
-    stopped = torch.zeros(batch, dtype=torch.bool)
-    tokens, token_log_probs = [], []
-    for step in range(int(max_tokens.max())):
-        token = _sample(logits, temperature, top_p, _uniforms(generators))
-        tokens.append(token)
-        token_log_probs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
-        lengths = torch.where(done, lengths, lengths + 1)
-        hit_stop = torch.isin(token, stops) & ~done
-        for i in with_stop_strings:
-            if not done[i] and not hit_stop[i]:
-                text = decode(torch.stack(tokens, 1)[i, : lengths[i]].tolist())
-                hit_stop[i] = any(s in text for s in params[i].stop)
-        stopped |= hit_stop
-        done |= hit_stop | (lengths >= max_tokens)
-        if bool(done.all()):
-            break
-        attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=1)
-        positions = positions[:, -1:] + 1
-        out = model(
-            input_ids=token[:, None], attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-        cache = out.past_key_values
-        logits = out.logits[:, -1, :].float()
-
-    all_tokens = torch.stack(tokens, 1).tolist()
-    all_log_probs = torch.stack(token_log_probs, 1).tolist()
-    results = []
-    for i, p in enumerate(params):
-        ids = all_tokens[i][: int(lengths[i])]
-        text = decode(ids)
-        for s in p.stop:
-            if s in text:
-                text = text[: text.index(s)]
-        results.append(Generation(ids, all_log_probs[i][: int(lengths[i])], "stop" if stopped[i] else "length", text))
-    return results
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -242,11 +134,13 @@ class PolicyServer:
             thread.join(timeout=10)
         self._httpd = None
 
-    def generator_state(self) -> torch.Tensor:
-        """The sampler's RNG state (saved in checkpoints so a resumed run samples the same way)."""
+    def sampler_state(self) -> torch.Tensor:
+        """The shared sampling generator's state (requests with a ``seed`` have their own)."""
         return self._generator.get_state()
 
-    def set_generator_state(self, state: torch.Tensor) -> None:
+    def restore_sampler_state(self, state: object) -> None:
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"a policy server's sampler state is a torch.Tensor, got {type(state).__name__}")
         self._generator.set_state(state)
 
     # -- generation -----------------------------------------------------------------------------

@@ -21,11 +21,14 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from agl_core.serving.processes import free_port, kill_process_group, stop_process_group
+
+if TYPE_CHECKING:
+    import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm_venv.sh"
@@ -221,7 +224,7 @@ class VllmEngine:
 
     # -- weights --------------------------------------------------------------------------------
 
-    def push_weights(self, model: Any, version: int) -> None:
+    def push_weights(self, model: torch.nn.Module, version: int) -> None:
         """Save ``model`` as safetensors and reload the server from it: pause (in-flight requests
         finish) → ``reload_weights`` → reset the prefix cache → resume."""
         target = self.weights_dir / f"step_{version:08d}"
@@ -250,6 +253,13 @@ class VllmEngine:
             # killed, and the next start() brings it back on these weights.
             self.kill()
             raise
+
+    def sampler_state(self) -> None:
+        """None: the server's sampling state cannot be read, so a resumed run samples afresh."""
+        return None
+
+    def restore_sampler_state(self, state: object) -> None:
+        """Nothing to restore (:meth:`sampler_state` never returns a state)."""
 
     def _admin(self, path: str, *, timeout: float, **kwargs: Any) -> httpx.Response:
         url = f"{self.server_url}{path}"

@@ -3,14 +3,14 @@
 One training step, with every stage reached through the plugin registries:
 
 rollouts (embedded source, or the gateway when ``agl_base_url`` is set) → Triplets → the configured
-aggregator → the configured advantage estimator (on everything collected) → batch shaping → tensors
-→ old log-probs → for each PPO epoch and mini-batch: the configured policy loss (+ optional KL to
-the initial policy, − ``actor.entropy_coeff`` × the policy's entropy, weighted over tokens as the
-loss is; ``actor/entropy`` is reported either way) → AdamW step with gradient clipping → lr schedule step → the serving copy of the
+aggregator → the configured advantage estimator (on everything collected) → batch shaping → the
+actor update (:mod:`agl_core.backends.torch.update`: tensors → old log-probs → PPO epochs of the
+configured policy loss over mini-batches, AdamW) → lr schedule step → the serving copy of the
 policy gets the new weights.
 
-Validation (``data.val_files``): before the first step when ``trainer.val_before_train`` is set, and
-after every ``trainer.test_freq``-th step and the last, one rollout per validation row
+The steps run in the loop every backend shares (:mod:`agl_core.backends.loop`). Validation
+(``data.val_files``): before the first step of a fresh run when ``trainer.val_before_train`` is set,
+and after every ``trainer.test_freq``-th step and the last, one rollout per validation row
 (``is_train=False``; the embedded source samples them at
 ``actor_rollout_ref.rollout.val_kwargs.temperature``, 0 = greedy), in batches of
 ``data.val_batch_size`` (all rows at once when unset). ``val/reward`` is the mean final reward over
@@ -34,32 +34,38 @@ with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trai
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from agl_core.backends.contract import BackendSpec, OnStep
+from agl_core.backends.loop import LoopSettings, run_steps
 from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from agl_core.backends.torch.data_order import DataOrder
+from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
-from agl_core.hookspecs import hookimpl
 from agl_core.datasets import load_dataset
-from agl_core.stages.policy_loss import LossSettings
-from agl_core.stages.normalization import token_weights
-from agl_core.stages.pipeline import PreparedBatch, StepPipeline, rollout_metrics
-from agl_core.stages.tensorize import tensorize
+from agl_core.hookspecs import Register, hookimpl
+from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.vllm_engine import VllmEngineError
+from agl_core.stages.pipeline import StepPipeline, rollout_metrics
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from agl_core.plugins import PluginManager
+    from agl_core.rollouts.source import RolloutSource
+
+__all__ = ["TorchBackend", "agl_register_backends", "model_folder", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
-OnStep = Callable[[int, int, Mapping[str, float]], None]
 
-
-def model_folder(config: Any) -> Path:
+def model_folder(config: DictConfig) -> Path:
     path = config.actor_rollout_ref.model.path
     key = "actor_rollout_ref.model.path"
     if not path:
@@ -79,133 +85,59 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lr_lambda(optim: Any, total_steps: int) -> Callable[[int], float]:
-    """verl's schedules: linear warmup over ``lr_warmup_steps``, then constant or cosine down to
-    ``min_lr_ratio``."""
-    kind = optim.lr_scheduler_type
-    if kind not in ("constant", "cosine"):
-        raise ConfigError("actor_rollout_ref.actor.optim.lr_scheduler_type", f"must be constant or cosine, got {kind!r}")
-    warmup = max(0, int(optim.lr_warmup_steps))
-    floor = float(optim.min_lr_ratio)
+def load_policy(folder: Path, device: torch.device, *, frozen: bool = False) -> torch.nn.Module:
+    """The causal LM in ``folder`` in float32 on ``device``; ``frozen``: in eval mode, without gradients."""
+    from transformers import AutoModelForCausalLM
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def response_distributions(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``."""
-    width = tensors["responses"].shape[1]
-    logits = model(
-        input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], position_ids=tensors["position_ids"]
-    ).logits[:, -width - 1 : -1, :]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def chosen_log_probs(distributions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """The log-probs of the ``responses`` tokens, ``[rows, response_len]``, from :func:`response_distributions`."""
-    return distributions.gather(-1, responses[..., None]).squeeze(-1)
-
-
-def response_log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``."""
-    return chosen_log_probs(response_distributions(model, tensors), tensors["responses"])
-
-
-def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    """The policy's entropy at every position, from its log-softmax ``[..., vocab]``."""
-    return -(log_probs.exp() * log_probs).sum(-1)
-
-
-def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """The k3 estimator of KL(policy ‖ reference) per token, clamped as verl does."""
-    diff = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
-    return torch.clamp(torch.exp(diff) - diff - 1, min=-10, max=10)
-
-
-class DataOrder:
-    """The training rows in epoch order: reshuffled per epoch from ``(seed, epoch)``, so a position
-    ``(epoch, index)`` names the same rows in every run; an incomplete last batch is skipped."""
-
-    def __init__(self, rows: Sequence[Mapping[str, Any]], batch_size: int, shuffle: bool, seed: int):
-        if len(rows) < batch_size:
-            raise ConfigError("data.train_batch_size", f"is {batch_size}, but the dataset has only {len(rows)} rows")
-        self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
-        self.steps_per_epoch = len(rows) // batch_size
-        self.epoch, self.index = 0, 0
-
-    def next_batch(self) -> list[Mapping[str, Any]]:
-        if self.index >= self.steps_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows)) if self.shuffle else np.arange(len(self.rows))
-        picked = order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
-        self.index += 1
-        return [self.rows[i] for i in picked]
-
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def restore(self, position: Mapping[str, int]) -> None:
-        self.epoch, self.index = int(position["epoch"]), int(position["index"])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    if frozen:
+        model.eval().requires_grad_(False)
+    return model
 
 
 class TorchBackend:
     """The reference backend; ``fit(on_step)`` trains until the configured number of steps."""
 
-    def __init__(self, config: Any, plugins: Any):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    engine: InferenceEngine
+    """Serves the policy to the agents; made and started by :meth:`fit`."""
+    source: RolloutSource
+    """Runs the agents; made by :meth:`fit` once the engine serves the first weights."""
+
+    def __init__(self, config: DictConfig, plugins: PluginManager):
+        from transformers import AutoTokenizer
 
         self.config, self.plugins = config, plugins
         actor = config.actor_rollout_ref.actor
-        self.loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
+        loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
         folder = model_folder(config)
-        self.data = DataOrder(
-            load_dataset(config.data.train_files),
-            int(config.data.train_batch_size),
-            bool(config.data.shuffle),
-            int(config.data.seed if config.data.seed is not None else config.trainer.seed),
-        )
-        self.total_steps = int(config.trainer.total_training_steps or config.trainer.total_epochs * self.data.steps_per_epoch)
-        self.val_rows = load_dataset(config.data.val_files, "data.val_files") if config.data.val_files else []
-        threads = config.agentlightning.torch.num_threads
-        if threads:
-            torch.set_num_threads(int(threads))
-        torch.manual_seed(int(config.trainer.seed))
-        self.device = pick_device(config.agentlightning.torch.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device)
-        self.ref_model = None
-        if actor.use_kl_loss:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
-            self.ref_model.requires_grad_(False)
-        optim = actor.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, self.total_steps))
-        self.loss_settings = LossSettings.from_actor_config(actor)
-        self.pipeline = StepPipeline(config, plugins, self.tokenizer)
-        self.run_dir = Path(config.trainer.default_local_dir)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else 0)
-        self.step = 0
-        self.engine: Any = None
-        self.is_async = bool(config.agentlightning.async_rollout.enabled)
-        if self.is_async and not config.agentlightning.agl_base_url:
+        if config.agentlightning.async_rollout.enabled and not config.agentlightning.agl_base_url:
             raise ConfigError(
                 "agentlightning.async_rollout.enabled",
                 "async rollout runs through the gateway: set agentlightning.agl_base_url (the embedded source is sync only)",
             )
+        self.data = DataOrder.from_config(config)
+        self.total_steps = int(config.trainer.total_training_steps or config.trainer.total_epochs * self.data.steps_per_epoch)
+        self.val_rows = load_dataset(config.data.val_files, "data.val_files") if config.data.val_files else []
+        self.loop = LoopSettings.from_config(config, self.total_steps, has_validation=bool(self.val_rows))
+        if config.agentlightning.torch.num_threads:
+            torch.set_num_threads(int(config.agentlightning.torch.num_threads))
+        torch.manual_seed(int(config.trainer.seed))
+        device = pick_device(config.agentlightning.torch.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        self.model = load_policy(folder, device)
+        self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
+        ref_model = load_policy(folder, device, frozen=True) if actor.use_kl_loss else None
+        settings = ActorSettings.from_actor_config(actor)
+        self.actor_update = ActorUpdate(self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id)
+        self.pipeline = StepPipeline(config, plugins, self.tokenizer)
+        self.run_dir = Path(config.trainer.default_local_dir)
+        self.step = 0
+        self._sampler_state: object | None = None
 
     # -- serving --------------------------------------------------------------------------------
 
-    def make_engine(self) -> Any:
+    def make_engine(self) -> InferenceEngine:
         name = str(self.config.actor_rollout_ref.model.path)
         if self.config.agentlightning.engine == "vllm":
             from agl_core.serving.vllm_engine import VllmEngine
@@ -215,7 +147,7 @@ class TorchBackend:
 
         return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))
 
-    def make_source(self) -> Any:
+    def make_source(self) -> RolloutSource:
         if self.config.agentlightning.agl_base_url:
             from agl_core.rollouts.gateway import gateway_source
 
@@ -226,16 +158,17 @@ class TorchBackend:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def save(self) -> Path:
+    def save(self) -> None:
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "data": self.data.position(),
             "rng": rng_states(),
         }
-        if hasattr(self.engine, "generator_state"):
-            state["sampler_rng"] = self.engine.generator_state()
-        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
+        sampler = self.engine.sampler_state()
+        if sampler is not None:
+            state["sampler_rng"] = sampler
+        save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint when ``trainer.resume_mode`` is ``auto``."""
@@ -250,98 +183,71 @@ class TorchBackend:
         self.data.restore(state["data"])
         restore_rng_states(state["rng"])
         self.step = int(state["step"])
-        self._sampler_rng = state.get("sampler_rng")
+        self._sampler_state = state.get("sampler_rng")
         logger.info("resumed from %s (step %d)", path, self.step)
         return True
 
     # -- training -------------------------------------------------------------------------------
 
     def fit(self, on_step: OnStep | None = None) -> None:
-        self._sampler_rng = None
         self.resume()
         self.engine = self.make_engine()
-        source = None
         try:
             self.engine.start()
             self.engine.push_weights(self.model, self.step)
-            if self._sampler_rng is not None and hasattr(self.engine, "set_generator_state"):
-                self.engine.set_generator_state(self._sampler_rng)
-            source = self.make_source()
-            source.after_weight_update([self.engine.base_url], self.step)
-            save_freq = int(self.config.trainer.save_freq)
-            test_freq = int(self.config.trainer.test_freq)
-            if self.val_rows and self.config.trainer.val_before_train and self.step == 0 and on_step is not None:
-                on_step(0, self.total_steps, self.validate(source))
-            first = True
-            while self.step < self.total_steps:
-                metrics = self.train_step(source, self.next_samples(first))
-                first = False
-                self.step += 1
-                if self.val_rows and test_freq > 0 and (self.step % test_freq == 0 or self.step == self.total_steps):
-                    metrics.update(self.validate(source))
-                # The step is logged before it is checkpointed: a run killed in between resumes from
-                # the previous checkpoint, redoes this step, and the run log replaces its line.
-                if on_step is not None:
-                    on_step(self.step, self.total_steps, metrics)
-                if save_freq > 0 and (self.step % save_freq == 0 or self.step == self.total_steps):
-                    started = time.perf_counter()
-                    self.save()
-                    logger.info("checkpoint of step %d saved in %.2f s", self.step, time.perf_counter() - started)
+            if self._sampler_state is not None:
+                self.engine.restore_sampler_state(self._sampler_state)
+            self.source = self.make_source()
+            try:
+                self.source.after_weight_update([self.engine.base_url], self.step)
+                for step, total, metrics in run_steps(self, self.loop):
+                    if on_step is not None:
+                        on_step(step, total, metrics)
+            finally:
+                self.source.close()
         finally:
-            if source is not None:
-                source.close()
             self.engine.close()
 
-    def next_samples(self, first: bool) -> list[Mapping[str, Any]]:
-        """The next batch; async, at a run's first step, enough batches to put
-        ``async_train_batch_size`` groups in flight (the source keeps what it cannot start yet)."""
-        samples = self.data.next_batch()
-        if self.is_async and first:
-            while len(samples) < int(self.config.agentlightning.async_rollout.async_train_batch_size):
-                samples += self.data.next_batch()
-        return samples
+    def next_batch(self) -> list[Mapping[str, Any]]:
+        return self.data.next_batch()
 
-    def validate(self, source: Any) -> dict[str, float]:
+    def validate(self) -> dict[str, float]:
         """One rollout per validation row with the current weights; ``val/*`` metrics over all batches."""
-        started = time.perf_counter()
         size = int(self.config.data.val_batch_size or len(self.val_rows))
         rollouts: list[CompletedRollout] = []
         counts: dict[str, float] = {}
         n_batches = 0
         for start in range(0, len(self.val_rows), size):
-            batch = source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
+            batch = self.source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
             rollouts.extend(batch.rollouts)
             for name, value in batch.metrics.items():
                 if name.startswith("training/"):
                     key = "val/" + name[len("training/") :]
                     counts[key] = counts.get(key, 0.0) + value
             n_batches += 1
-        return {
-            **counts,
-            **rollout_metrics(rollouts, "val"),
-            "val/n_batches": float(n_batches),
-            "timing/val_s": time.perf_counter() - started,
-        }
+        return {**counts, **rollout_metrics(rollouts, "val"), "val/n_batches": float(n_batches)}
 
-    def train_step(self, source: Any, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        step = self.step + 1
+    def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Train step ``step + 1`` on ``samples`` and advance ``step``."""
+        self.step += 1
+        step = self.step
         started = time.perf_counter()
-        batch = source.collect(samples, step=step, is_train=True)
+        batch = self.source.collect(samples, step=step, is_train=True)
         metrics: dict[str, float] = dict(batch.metrics)
         metrics["timing/gen_s"] = time.perf_counter() - started
-        metrics.update(source.before_weight_update())  # async: pause the gateway, drain in-flight calls
+        metrics.update(self.source.before_weight_update())  # async: pause the gateway, drain in-flight calls
         update_started = time.perf_counter()
         prepared = self.pipeline.prepare(batch.rollouts, step)
         metrics.update(prepared.metrics)
         if prepared.shaped is not None:
-            metrics.update(self.update(prepared))
+            metrics.update(self.actor_update(prepared))
+            metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
-        metrics.update(self.serve_weights(source, step))
+        metrics.update(self.serve_weights(step))
         metrics["timing/update_s"] = time.perf_counter() - update_started
-        metrics["timing/step_s"] = time.perf_counter() - started
         return metrics
 
-    def serve_weights(self, source: Any, version: int) -> dict[str, float]:
+    def serve_weights(self, version: int) -> dict[str, float]:
         """Push the weights and register the engine with ``version``. A vLLM server that died (its
         rollouts this step failed and were counted) is started again (an attached one: waited for,
         up to ``agentlightning.vllm.startup_timeout_seconds``) and pushed to once more; a second
@@ -354,63 +260,10 @@ class TorchBackend:
             self.engine.start()
             self.engine.push_weights(self.model, version)
             restarts = 1
-        source.after_weight_update([self.engine.base_url], version)
+        self.source.after_weight_update([self.engine.base_url], version)
         return {"training/engine/n_restarts": float(restarts)}
-
-    def update(self, prepared: PreparedBatch) -> dict[str, float]:
-        """PPO epochs over the prepared batch's mini-batches; returns the actor metrics."""
-        shaped = prepared.shaped
-        padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
-        tensors = {k: v.to(self.device) for k, v in padded.tensors.items()}
-        mask = tensors["response_mask"]
-        advantages = prepared.advantages(mask.shape[1]).to(self.device)
-        with torch.no_grad():
-            self.model.eval()
-            old_log_prob = response_log_probs(self.model, tensors)
-            ref_log_prob = response_log_probs(self.ref_model, tensors) if self.ref_model is not None else None
-        self.model.train()
-        actor = self.config.actor_rollout_ref.actor
-        entropy_coeff = float(actor.entropy_coeff)
-        scales = None if prepared.row_scales is None else torch.as_tensor(prepared.row_scales, device=self.device)
-        n_rows = len(shaped.rows)
-        per_mini = n_rows // shaped.n_mini_batches
-        sums: dict[str, float] = {}
-        n_updates = 0
-        for _ in range(int(actor.ppo_epochs)):
-            for start in range(0, n_rows, per_mini):
-                part = slice(start, start + per_mini)
-                mini = {k: v[part] for k, v in tensors.items()}
-                distributions = response_distributions(self.model, mini)
-                log_prob = chosen_log_probs(distributions, mini["responses"])
-                loss, loss_metrics = self.loss_fn(old_log_prob[part], log_prob, advantages[part], mask[part], self.loss_settings)
-                with torch.set_grad_enabled(entropy_coeff > 0):
-                    entropy = (token_weights(mask[part], None if scales is None else scales[part]) * token_entropy(distributions)).sum()
-                if entropy_coeff > 0:
-                    loss = loss - entropy_coeff * entropy
-                loss_metrics = {**loss_metrics, "actor/entropy": entropy.item()}
-                if ref_log_prob is not None:
-                    trained = mask[part].bool()
-                    kl = torch.where(trained, low_var_kl(log_prob, ref_log_prob[part]), 0.0).sum() / trained.sum().clamp(min=1)
-                    loss = loss + float(actor.kl_loss_coef) * kl
-                    loss_metrics = {**loss_metrics, "actor/kl_loss": kl.item()}
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(actor.grad_clip))
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    sums["actor/n_skipped_nonfinite_grad"] = sums.get("actor/n_skipped_nonfinite_grad", 0.0) + 1.0
-                for name, value in {**loss_metrics, "actor/pg_loss": loss.item(), "actor/grad_norm": float(grad_norm)}.items():
-                    sums[name] = sums.get(name, 0.0) + float(value)
-                n_updates += 1
-        metrics = {k: v if k.startswith("actor/n_") else v / n_updates for k, v in sums.items()}
-        metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
-        metrics["actor/n_updates"] = float(n_updates)
-        n_tokens = int(tensors["attention_mask"].sum())
-        metrics["perf/total_num_tokens"] = float(n_tokens)
-        return metrics
 
 
 @hookimpl
-def agl_register_backends(register: Any) -> None:
-    register("torch", TorchBackend)
+def agl_register_backends(register: Register) -> None:
+    register("torch", BackendSpec(TorchBackend))

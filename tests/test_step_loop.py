@@ -1,0 +1,85 @@
+"""The step loop both backends run (agl_core.backends.loop), on a trainer that records what it is asked."""
+
+from __future__ import annotations
+
+import pytest
+
+from agl_core.backends.loop import LoopSettings, run_steps
+
+
+class Recorder:
+    """A StepTrainer whose batches are two numbered samples and whose calls land in ``log``."""
+
+    def __init__(self, step=0):
+        self.step = step
+        self.log: list[tuple] = []
+        self.n_batches = 0
+
+    def next_batch(self):
+        self.n_batches += 1
+        return [self.n_batches * 10, self.n_batches * 10 + 1]
+
+    def train_step(self, samples):
+        self.step += 1
+        self.log.append(("train", self.step, len(samples)))
+        return {"training/reward": float(self.step)}
+
+    def validate(self):
+        self.log.append(("validate", self.step))
+        return {"val/reward": 0.5}
+
+    def save(self):
+        self.log.append(("save", self.step))
+
+
+def drive(trainer, settings):
+    """Run the loop as a backend's fit does, recording each report among the trainer's calls."""
+    for step, total, metrics in run_steps(trainer, settings):
+        trainer.log.append(("report", step, total, "val/reward" in metrics))
+    return trainer.log
+
+
+def test_a_fresh_run_validates_first_then_trains_validates_reports_and_saves_in_order():
+    log = drive(Recorder(), LoopSettings(total_steps=3, test_freq=2, save_freq=2, validate_first=True))
+    assert log == [
+        ("validate", 0),
+        ("report", 0, 3, True),
+        ("train", 1, 2),
+        ("report", 1, 3, False),
+        ("train", 2, 2),
+        ("validate", 2),
+        ("report", 2, 3, True),
+        ("save", 2),
+        ("train", 3, 2),
+        ("validate", 3),  # the last step is validated and saved whatever the frequencies say
+        ("report", 3, 3, True),
+        ("save", 3),
+    ]
+
+
+def test_step_and_validation_times_are_reported():
+    reports = list(run_steps(Recorder(), LoopSettings(total_steps=1, test_freq=1, validate_first=True)))
+    assert "timing/val_s" in reports[0][2] and "timing/step_s" not in reports[0][2]
+    assert reports[1][2]["timing/step_s"] >= 0 and reports[1][2]["training/reward"] == 1.0
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_the_first_step_of_a_run_fills_the_async_source_and_later_steps_hand_it_one_batch(start):
+    log = drive(Recorder(step=start), LoopSettings(total_steps=start + 3, fill=5))
+    assert [entry[2] for entry in log if entry[0] == "train"] == [6, 2, 2]
+
+
+def test_a_resumed_run_does_not_validate_before_training():
+    log = drive(Recorder(step=2), LoopSettings(total_steps=3, validate_first=True, save_freq=1))
+    assert log == [("train", 3, 2), ("report", 3, 3, False), ("save", 3)]
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_val_only_validates_once_and_stops(start):
+    log = drive(Recorder(step=start), LoopSettings(total_steps=5, validate_first=True, val_only=True))
+    assert log == [("validate", start), ("report", start, 5, True)]
+
+
+def test_val_only_without_validation_first_trains():
+    log = drive(Recorder(), LoopSettings(total_steps=1, val_only=True))
+    assert log == [("train", 1, 2), ("report", 1, 1, False)]
