@@ -7,8 +7,8 @@
 #   antlr4-python3-runtime 4.9.3  omegaconf's parser; only published as a source archive, so its
 #                                 pure-Python wheel is built here
 #   verl 0.9.1                    for the check's verl section, which records why verl's loss does
-#                                 not import there: verl imports Ray, and Ray's wheel (79 MB for
-#                                 2.60.0, 67 MB for 2.41.0, the oldest verl accepts) alone exceeds
+#                                 not import there: verl imports Ray, and Ray's wheel (75.6 MiB for
+#                                 2.60.0, 64.3 MiB for 2.41.0, the oldest verl accepts) alone exceeds
 #                                 the limit; carrying verl's other dependencies would not change that
 #
 # Usage: bash scripts/device_wheels.sh [DIR]     (PYTHON picks the python whose pip is used)
