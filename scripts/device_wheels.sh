@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download the wheels that scripts/device_check.py needs on the lent GPU machine and that its image
 # lacks, for Python 3.12 on manylinux x86-64, into DIR (default .device_wheels, git-ignored); fail
-# when together they exceed the 64 MiB a device call may carry. See docs/gpu.md.
+# when together they exceed the 64 MiB a command on that machine may carry. See docs/gpu.md.
 #
 #   omegaconf 2.3.1               agl's config (the image has no omegaconf)
 #   antlr4-python3-runtime 4.9.3  omegaconf's parser; only published as a source archive, so its
@@ -31,8 +31,9 @@ for wheel in "$DIR"/*.whl; do
     total=$((total + size))
     printf '%10d  %s\n' "$size" "$(basename "$wheel")"
 done
-printf 'device_wheels: %d bytes (%.2f MiB) in %s; the limit is 64 MiB\n' "$total" "$(echo "$total / 1048576" | bc -l)" "$DIR"
+mib=$(awk -v bytes="$total" 'BEGIN { printf "%.2f", bytes / 1048576 }')
+echo "device_wheels: $total bytes ($mib MiB) in $DIR; the limit is 64 MiB"
 if [ "$total" -gt "$LIMIT" ]; then
-    echo "device_wheels: the wheels exceed the 64 MiB a device call may carry" >&2
+    echo "device_wheels: the wheels exceed the 64 MiB a command on the GPU machine may carry" >&2
     exit 1
 fi
