@@ -30,7 +30,7 @@ DEVICE_CHECK = SCRIPTS / "device_check.py"
 SECTIONS = ["losses", "estimators", "verl", "corridor", "synthetic"]
 IMAGE_TRANSFORMERS = ("transformers==5.17.0", "tokenizers>=0.23.1,<0.24")
 
-sys.path.insert(0, str(SCRIPTS))
+sys.path.append(str(SCRIPTS))  # device_numerics, as device_check.py imports it
 import device_numerics  # noqa: E402
 
 
