@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Download the wheels that scripts/device_check.py needs on the lent GPU machine and that its image
+# lacks, for Python 3.12 on manylinux x86-64, into DIR (default .device_wheels, git-ignored); fail
+# when together they exceed the 64 MiB a command on that machine may carry. See docs/gpu.md.
+#
+#   omegaconf 2.3.1               agl's config (the image has no omegaconf)
+#   antlr4-python3-runtime 4.9.3  omegaconf's parser; only published as a source archive, so its
+#                                 pure-Python wheel is built here
+#   verl 0.9.1                    for the check's verl section, which records why verl's loss does
+#                                 not import there: verl imports Ray, and Ray's wheel (75.6 MiB for
+#                                 2.60.0, 64.3 MiB for 2.41.0, the oldest verl accepts) alone exceeds
+#                                 the limit; carrying verl's other dependencies would not change that
+#
+# Usage: bash scripts/device_wheels.sh [DIR]     (PYTHON picks the python whose pip is used)
+set -euo pipefail
+
+DIR=${1:-.device_wheels}
+PYTHON=${PYTHON:-python3}
+LIMIT=$((64 * 1024 * 1024))
+
+mkdir -p "$DIR"
+rm -f "$DIR"/*.whl
+"$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    -d "$DIR" omegaconf==2.3.1 verl==0.9.1
+"$PYTHON" -m pip wheel --no-deps --no-binary=antlr4-python3-runtime -w "$DIR" antlr4-python3-runtime==4.9.3
+
+total=0
+for wheel in "$DIR"/*.whl; do
+    size=$(stat -c %s "$wheel")
+    total=$((total + size))
+    printf '%10d  %s\n' "$size" "$(basename "$wheel")"
+done
+mib=$(awk -v bytes="$total" 'BEGIN { printf "%.2f", bytes / 1048576 }')
+echo "device_wheels: $total bytes ($mib MiB) in $DIR; the limit is 64 MiB"
+if [ "$total" -gt "$LIMIT" ]; then
+    echo "device_wheels: the wheels exceed the 64 MiB a command on the GPU machine may carry" >&2
+    exit 1
+fi
