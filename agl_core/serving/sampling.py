@@ -99,22 +99,25 @@ def generate_batch(
     """Generate for every prompt at once (left-padded, KV-cached); log-probs are the raw model's.
 
     A prompt whose params carry a ``seed`` samples from its own generator; the others share ``generator``.
+    Every tensor lives on the model's device; the random draws come from the CPU generators.
     """
     batch = len(prompts)
-    input_ids, attention = _left_padded(prompts, pad_token_id)
+    device = next(model.parameters()).device
+    input_ids, attention = (t.to(device) for t in _left_padded(prompts, pad_token_id))
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    max_tokens = torch.tensor([p.max_tokens for p in params])
-    stops = torch.tensor(list(stop_token_ids), dtype=torch.long)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    max_tokens = torch.tensor([p.max_tokens for p in params], device=device)
+    stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
+    # The draws stay on the CPU generators (a seeded request samples the same tokens on every device).
     generators = [generator if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
-    zeros = torch.zeros(batch, dtype=torch.bool)
-    state = _Decoding([], [], torch.zeros(batch, dtype=torch.long), zeros.clone(), zeros.clone())
+    zeros = torch.zeros(batch, dtype=torch.bool, device=device)
+    state = _Decoding([], [], torch.zeros(batch, dtype=torch.long, device=device), zeros.clone(), zeros.clone())
 
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
     for _ in range(int(max_tokens.max())):
         logits = out.logits[:, -1, :].float()
-        uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])
+        uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)
         token = sample_tokens(logits, temperature, top_p, uniforms)
         state.tokens.append(token)
         state.log_probs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
@@ -124,7 +127,7 @@ def generate_batch(
         state.done |= hit_stop | (state.lengths >= max_tokens)
         if bool(state.done.all()):
             break
-        attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
         positions = positions[:, -1:] + 1
         out = model(
             input_ids=token[:, None], attention_mask=attention, position_ids=positions, past_key_values=out.past_key_values, use_cache=True
