@@ -4,9 +4,9 @@ The base is composed without Hydra from the flattened ``_generated_ppo_trainer.y
 same values Hydra's compose of ``ppo_trainer`` yields), plus the typed ``agentlightning`` section of
 :class:`agl_core.config.AgentLightningConfig`, plus :data:`OVERLAY` (Agent Lightning v1.0's values).
 :func:`load_verl_config` then merges the user's YAML and ``key=value`` overrides over it through
-:func:`agl_core.config.load_config` and validates once: unknown keys (struct mode), the types of verl's
-keys (a value must have the type of verl's default), the core's cross-key rules (async batch size...),
-and the estimator choices this backend cannot run.
+:func:`agl_core.config.merge_config` and validates once: unknown keys (struct mode), the types of verl's
+keys (a value must have the type of verl's default), then the core's ranges and cross-key rules
+(:func:`agl_core.config.checks.validate`), and the estimator choices this backend cannot run.
 
 ``algorithm.enable_rollout_level_advantage`` is Agent Lightning's key and stays where its configs put
 it, but verl's ``AlgoConfig`` dataclass refuses unknown keys: verl's legacy ``RayPPOTrainer`` reads the
@@ -24,7 +24,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_core.config import AgentLightningConfig, ConfigError, default_config, load_config
+from agl_core.config import AgentLightningConfig, ConfigError, default_config, merge_config
+from agl_core.config.checks import validate
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
 
@@ -86,8 +87,9 @@ def verl_base() -> DictConfig:
 def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """The validated run config for backend ``verl``; every error is a :class:`ConfigError` naming its key."""
     base = verl_base()
-    cfg = load_config(path, overrides, base=base.copy())
+    cfg = merge_config(path, overrides, base=base.copy())
     check_types(cfg, base)
+    validate(cfg)
     validate_verl(cfg)
     return cfg
 

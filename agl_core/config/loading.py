@@ -12,7 +12,7 @@ from agl_core.config.checks import validate
 from agl_core.config.errors import ConfigError
 from agl_core.config.schema import SECRET_KEYS, default_config
 
-__all__ = ["REDACTED", "load_config", "redacted", "to_yaml"]
+__all__ = ["REDACTED", "load_config", "merge_config", "redacted", "to_yaml"]
 
 REDACTED = "***"
 
@@ -34,6 +34,18 @@ def load_config(
 ) -> DictConfig:
     """Merge ``base`` (default: :func:`default_config`), the YAML file at ``path`` and ``key=value``
     overrides; validate; return the result with interpolations resolved."""
+    cfg = merge_config(path, overrides, base)
+    validate(cfg)
+    return cfg
+
+
+def merge_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    base: DictConfig | None = None,
+) -> DictConfig:
+    """:func:`load_config` without the cross-key checks, for a backend that checks its own keys' types
+    first (every error is still a :class:`ConfigError` naming the key)."""
     cfg = default_config() if base is None else base
     if path is not None:
         if not os.path.isfile(path):
@@ -58,7 +70,6 @@ def load_config(
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise _config_error(exc, "interpolation") from None
-    validate(cfg)
     return cfg
 
 

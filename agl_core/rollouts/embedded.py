@@ -9,7 +9,8 @@ rollout input. Those URLs point at a small local server with the gateway's route
 forwards each model call to the inference engine (forcing ``return_token_ids``, the mode's
 temperature — ``actor_rollout_ref.rollout.temperature`` in train mode,
 ``actor_rollout_ref.rollout.val_kwargs.temperature`` in val mode, 0 being greedy — and, in train
-mode, ``logprobs``, as the gateway does with its ``default_proxy.{train,val}.temperature``) and records a ``model_request``
+mode, ``actor_rollout_ref.rollout.top_p`` and ``logprobs``, as the gateway does with its
+``default_proxy.{train,val}.temperature``) and records a ``model_request``
 event of the gateway's shape; agents post ``reward`` events to the event route. The events are then
 parsed by :mod:`agl_core.rollouts.events`, so everything downstream is what the gateway path produces.
 
@@ -181,13 +182,14 @@ class _Recorder:
     """The events of open rollouts, and the forwarding of model calls to the engine."""
 
     def __init__(
-        self, key: str, upstream: str, model_name: str, temperature: Mapping[str, float], max_connections: int, seed: int
+        self, key: str, upstream: str, model_name: str, temperature: Mapping[str, float], max_connections: int, seed: int, top_p: float = 1.0
     ):
         self.key = key
         self.upstream = upstream
         self.model_name = model_name
         self.version = 0
         self.temperature = dict(temperature)  # by proxy mode: train, val
+        self.top_p = top_p  # train mode only (validation samples at the engine's default, 1.0)
         self.seed = seed
         self.events: dict[str, list[dict[str, Any]]] = {}
         self.places: dict[str, tuple[int, int, int]] = {}  # rollout id -> (step, is_train, index in batch)
@@ -246,6 +248,7 @@ class _Recorder:
             prepared["seed"] = self.call_seed(rollout_id)
         if mode == "train":
             prepared["logprobs"] = True
+            prepared["top_p"] = self.top_p
         if prepared.get("stream"):
             return 400, {"detail": "Streaming responses are not supported"}
         endpoint = self.upstream
@@ -365,6 +368,7 @@ class EmbeddedRolloutSource:
             },
             max_connections=workers,
             seed=int(config.trainer.seed),
+            top_p=float(config.actor_rollout_ref.rollout.top_p),
         )
         self.server = LocalHTTPServer(("127.0.0.1", 0), _handler_for(self.recorder))
         self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -171,7 +171,8 @@ class TorchBackend:
             bool(config.data.shuffle),
             int(config.data.seed if config.data.seed is not None else config.trainer.seed),
         )
-        self.total_steps = int(config.trainer.total_training_steps or config.trainer.total_epochs * self.data.steps_per_epoch)
+        steps = config.trainer.total_training_steps
+        self.total_steps = int(steps if steps is not None else config.trainer.total_epochs * self.data.steps_per_epoch)
         self.val_rows = load_dataset(config.data.val_files, "data.val_files") if config.data.val_files else []
         threads = config.agentlightning.torch.num_threads
         if threads:
