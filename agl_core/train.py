@@ -120,7 +120,9 @@ def resolve_config(
     manager = PluginManager.from_config({"agentlightning": {"hooks": hooks}}, plugins)
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
     factory = manager.backends.get(default_config().agentlightning.backend if name is None else name)
-    return getattr(factory, "load_config", load_config)(config_path, overrides), manager
+    config = getattr(factory, "load_config", load_config)(config_path, overrides)
+    manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
+    return config, manager
 
 
 def _unvalidated(config_path: str | None, overrides: Sequence[str]) -> Any:

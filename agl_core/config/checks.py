@@ -167,6 +167,7 @@ def _validate_gateway_keys(cfg: DictConfig) -> None:
         "agentlightning.gateway.poll_interval_min_seconds",
         "agentlightning.gateway.liveness_check_seconds",
         "agentlightning.gateway.drain_timeout_seconds",
+        "agentlightning.hook_timeout_seconds",
     ):
         _in_range(cfg, key, lambda v: v > 0, "greater than 0")
     for key in (

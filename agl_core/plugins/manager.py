@@ -12,6 +12,12 @@ Discovery order (it is also the order in which lifecycle hooks run):
 
 ``AGL_BLOCKED_PLUGINS`` (comma-separated registration names) blocks plugins, built-ins included.
 Callers never touch pluggy: they use the registry properties and the ``on_*``/``enqueue`` methods.
+
+The manager calls each implementation of agl's registry and lifecycle hooks on its own, so that one
+plugin's failure cannot stop the others, and each lifecycle call is bounded in time
+(``agentlightning.hook_timeout_seconds``: a call that overruns is abandoned, logged with its plugin's
+name and counted as a failure). pluggy's hook wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap
+a whole chain of calls, which this does not make: they are refused when the plugin registers.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import attrs
 import pluggy
 
 from agl_core import hookspecs
+from agl_core.config import AgentLightningConfig
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.plugins.calls import HookTimeout, call_bounded, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
 from agl_core.suggestions import suggest
@@ -59,6 +67,11 @@ REGISTRIES = {
 }
 
 HOOK_FAILURES_METRIC = "training/n_hook_failures"
+# Lifecycle calls abandoned after the time limit (each also counted as a failure).
+HOOK_TIMEOUTS_METRIC = "training/n_hook_timeouts"
+DEFAULT_HOOK_TIMEOUT_SECONDS = AgentLightningConfig.hook_timeout_seconds
+# The hook pluggy itself calls (firstresult), where hook wrappers work as pluggy documents.
+PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 # Events a hook queued before it raised: discarded (a failing hook writes nothing), and counted.
 DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
 
@@ -94,12 +107,16 @@ class PluginManager:
         load_entrypoints: bool | None = None,
         blocked: Iterable[str] = (),
         builtins: Mapping[str, str] | None = None,
+        hook_timeout_seconds: float = DEFAULT_HOOK_TIMEOUT_SECONDS,
     ):
         self._pm = pluggy.PluginManager("agl")
+        # The longest a lifecycle hook call is waited for (agentlightning.hook_timeout_seconds).
+        self.hook_timeout_seconds = hook_timeout_seconds
         self._pm.add_hookspecs(hookspecs)
         self._sources: dict[str, str] = {}
         self._registries: dict[str, Registry] = {}
         self.hook_failures: Counter[str] = Counter()
+        self.hook_timeouts: Counter[str] = Counter()
         self.discarded_hook_events = 0
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
@@ -113,7 +130,11 @@ class PluginManager:
 
     @classmethod
     def from_config(cls, config: Any, plugins: Iterable[Any] = (), **kwargs: Any) -> PluginManager:
-        """A manager with built-ins, entry points, the config's hook files, then ``plugins``."""
+        """A manager with built-ins, entry points, the config's hook files, then ``plugins``; lifecycle
+        hook calls bounded by the config's ``agentlightning.hook_timeout_seconds`` when it has one."""
+        timeout = _select(config, "agentlightning.hook_timeout_seconds")
+        if timeout is not None:
+            kwargs.setdefault("hook_timeout_seconds", float(timeout))
         manager = cls(**kwargs)
         hooks = _select(config, "agentlightning.hooks")
         if hooks:
@@ -173,9 +194,21 @@ class PluginManager:
             raise PluginError(f"plugin {name or plugin!r} does not fit the hookspecs: {exc}") from exc
         if registered is None:  # blocked
             return name or ""
+        self._refuse_wrappers(plugin, registered)
         self._sources[registered] = source
         self._registries.clear()
         return registered
+
+    def _refuse_wrappers(self, plugin: Any, name: str) -> None:
+        """Unregister ``plugin`` and raise if it implements one of the hooks the manager calls one
+        implementation at a time as a pluggy wrapper (it would silently wrap nothing)."""
+        for hook_name, kind in wrapper_impls(self._pm, plugin, skip=PLUGGY_CALLED_HOOKS):
+            self._pm.unregister(plugin)
+            raise PluginError(
+                f"plugin {name!r}: {hook_name} is a hook wrapper ({kind}); agl calls each implementation of its "
+                "hooks on its own (isolating failures and bounding their time), so wrappers are not supported: "
+                "write a plain @hookimpl (tryfirst/trylast set its place in the order)"
+            )
 
     def unregister(self, name: str) -> None:
         self._pm.unregister(name=name)
@@ -202,7 +235,7 @@ class PluginManager:
         if prop not in self._registries:
             hook_name, kind, config_key = REGISTRIES[prop]
             registry = Registry(kind, config_key)
-            for impl in _in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
+            for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
                 impl.function(lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p))
             self._registries[prop] = registry
         return self._registries[prop]
@@ -225,19 +258,39 @@ class PluginManager:
 
     # -- lifecycle hooks ----------------------------------------------------------------------
 
+    def _call(self, impl: Any, hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
+        """``(True, result)`` of one implementation, or ``(False, None)`` when it raised or overran the
+        time limit (logged with its plugin's name and counted)."""
+        args = [kwargs[arg] for arg in impl.argnames]
+        try:
+            return True, call_bounded(impl.function, args, self.hook_timeout_seconds, f"agl-hook-{impl.plugin_name}")
+        except HookTimeout:
+            self.hook_failures[hook_name] += 1
+            self.hook_timeouts[hook_name] += 1
+            logger.error(
+                "hook %s of plugin %r did not return within %g s (%s): abandoned and counted as a failure; training "
+                "continues (agentlightning.hook_timeout_seconds sets the limit)",
+                hook_name, impl.plugin_name, self.hook_timeout_seconds, subject,
+            )
+        except Exception:
+            self._record_failure(hook_name, impl.plugin_name, subject)
+        return False, None
+
     def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation in plugin order, isolating failures; return (plugin, result)."""
+        """Call every implementation in plugin order, isolating failures; return (plugin, result).
+
+        Each call gets a writer of its own; what a call that succeeded wrote is passed on to
+        ``writer``, what a failed or abandoned one wrote is discarded and counted."""
         results = []
         writer = kwargs.get("writer")
-        for impl in _in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
-            mark = len(writer.pending) if writer is not None else 0
-            try:
-                result = impl.function(*[kwargs[arg] for arg in impl.argnames])
-            except Exception:
-                if writer is not None:
-                    self.discarded_hook_events += writer.discard(keep=mark)
-                self._record_failure(hook_name, impl.plugin_name, subject)
+        for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
+            own = EventWriter()
+            ok, result = self._call(impl, hook_name, subject, {**kwargs, "writer": own} if writer is not None else kwargs)
+            if not ok:
+                self.discarded_hook_events += own.discard()
                 continue
+            for event in own.pending:
+                writer.add_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
             results.append((impl.plugin_name, result))
         return results
 
@@ -250,12 +303,12 @@ class PluginManager:
 
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
         """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result."""
-        for impl in _in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
+        for impl in in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
             subject = f"rollout {request.rollout_id}"
+            ok, result = self._call(impl, "agl_on_enqueue", subject, {"request": request})
+            if not ok or result is None:
+                continue
             try:
-                result = impl.function(*[{"request": request}[arg] for arg in impl.argnames])
-                if result is None:
-                    continue
                 if not isinstance(result, RolloutRequest):
                     raise TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
                 if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
@@ -275,15 +328,15 @@ class PluginManager:
         self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
 
     def pop_metrics(self) -> dict[str, float]:
-        """Hook-failure counts since the last call (``training/n_hook_failures[/hook]``) and the number
-        of events discarded because the hook that queued them raised."""
-        metrics: dict[str, float] = {
-            HOOK_FAILURES_METRIC: float(sum(self.hook_failures.values())),
-            DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_hook_events),
-        }
-        for hook_name, count in self.hook_failures.items():
-            metrics[f"{HOOK_FAILURES_METRIC}/{hook_name}"] = float(count)
-        self.hook_failures.clear()
+        """Hook-failure and timeout counts since the last call (``training/n_hook_failures[/hook]``,
+        ``training/n_hook_timeouts[/hook]``) and the number of events discarded because the hook that
+        queued them raised or overran."""
+        metrics: dict[str, float] = {DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_hook_events)}
+        for name, counts in ((HOOK_FAILURES_METRIC, self.hook_failures), (HOOK_TIMEOUTS_METRIC, self.hook_timeouts)):
+            metrics[name] = float(sum(counts.values()))
+            for hook_name, count in counts.items():
+                metrics[f"{name}/{hook_name}"] = float(count)
+            counts.clear()
         self.discarded_hook_events = 0
         return metrics
 
@@ -309,18 +362,6 @@ class PluginManager:
                 )
             )
         return infos
-
-
-def _in_plugin_order(impls: Sequence[Any]) -> list[Any]:
-    """Registration order, ``tryfirst`` implementations first and ``trylast`` ones last.
-
-    pluggy keeps implementations with the last registered at the end and calls from the end; agl's
-    lifecycle hooks chain in discovery order instead (built-ins, then entry points, then hook files).
-    """
-    first = [i for i in impls if i.tryfirst]
-    last = [i for i in impls if i.trylast]
-    middle = [i for i in impls if not i.tryfirst and not i.trylast]
-    return first + middle + last
 
 
 KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))
