@@ -165,9 +165,11 @@ class PluginManager:
 
     def load_hook_files(self, paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         """Load user hook files as plugins through ``agl_load_hook_file``; return their names."""
-        names = []
+        names: list[str] = []
         for path in paths:
             resolved = Path(path).expanduser().resolve()
+            if f"hookfile:{resolved}" in names or self._pm.has_plugin(f"hookfile:{resolved}"):
+                raise PluginError(f"hook file {resolved} is listed twice in agentlightning.hooks; list each hook file once")
             plugin = self._pm.hook.agl_load_hook_file(path=resolved)
             if plugin is None:
                 raise PluginError(
@@ -189,6 +191,9 @@ class PluginManager:
         try:
             registered = self._pm.register(plugin, name=name)
         except ValueError as exc:
+            if name is not None and self._pm.has_plugin(name):  # pluggy's own message lists every plugin
+                source = self._sources.get(name, "code")
+                raise PluginError(f"a plugin named {name!r} is already registered ({source}); register this one under another name") from None
             raise PluginError(str(exc)) from exc
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name or plugin!r} does not fit the hookspecs: {exc}") from exc
