@@ -6,7 +6,10 @@ same values Hydra's compose of ``ppo_trainer`` yields), plus the typed ``agentli
 :func:`load_verl_config` then merges the user's YAML and ``key=value`` overrides over it through
 :func:`agl_core.config.merge_config` and validates once: unknown keys (struct mode), the types of verl's
 keys (a value must have the type of verl's default), then the core's ranges and cross-key rules
-(:func:`agl_core.config.checks.validate`), and the estimator choices this backend cannot run.
+(:func:`agl_core.config.checks.validate`), and the estimator choices this backend cannot run. A
+verl run config written for Hydra (``defaults: [ppo_trainer, _self_]``, ``hydra.searchpath``, as Agent
+Lightning v1.0's verl config is) loads as it is: its base is what those lines compose
+(:mod:`agl_core.config.composition`).
 
 ``algorithm.enable_rollout_level_advantage`` is Agent Lightning's key and stays where its configs put
 it, but verl's ``AlgoConfig`` dataclass refuses unknown keys: verl's legacy ``RayPPOTrainer`` reads the
@@ -44,6 +47,9 @@ OVERLAY: dict[str, Any] = {
     # The core schema's one trainer key that verl's trainer section lacks.
     "trainer": {"seed": 0},
 }
+
+# The Hydra config the base holds: a user file's ``defaults`` may name it (verl's run configs do).
+COMPOSED = ("ppo_trainer",)
 
 # Estimators this backend refuses, with the reason given to the user.
 UNSUPPORTED_ESTIMATORS = {
@@ -87,7 +93,7 @@ def verl_base() -> DictConfig:
 def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """The validated run config for backend ``verl``; every error is a :class:`ConfigError` naming its key."""
     base = verl_base()
-    cfg = merge_config(path, overrides, base=base.copy())
+    cfg = merge_config(path, overrides, base=base.copy(), composed=COMPOSED)
     check_types(cfg, base)
     validate(cfg)
     validate_verl(cfg)

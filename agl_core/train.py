@@ -111,7 +111,7 @@ def resolve_config(
     """
     from omegaconf import OmegaConf
 
-    from agl_core.config import default_config
+    from agl_core.config import ConfigError, default_config, with_backend_hint
 
     raw = _unvalidated(config_path, overrides)
     hooks = OmegaConf.select(raw, "agentlightning.hooks", default=None, throw_on_resolution_failure=False)
@@ -119,8 +119,13 @@ def resolve_config(
         hooks = None  # malformed: validation names the key
     manager = PluginManager.from_config({"agentlightning": {"hooks": hooks}}, plugins)
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
-    factory = manager.backends.get(default_config().agentlightning.backend if name is None else name)
-    config = getattr(factory, "load_config", load_config)(config_path, overrides)
+    name = default_config().agentlightning.backend if name is None else name
+    factory = manager.backends.get(name)
+    try:
+        config = getattr(factory, "load_config", load_config)(config_path, overrides)
+    except ConfigError as exc:  # an unknown key may be one of another backend's: say which
+        others = {e.name: getattr(e.obj, "load_config", load_config) for e in manager.backends if e.name != name}
+        raise with_backend_hint(exc, config_path, overrides, others) from None
     manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
     return config, manager
 
