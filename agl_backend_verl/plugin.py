@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agl_backend_verl.config import load_verl_config
+from agl_backend_verl.config import check_verl_requirements, load_verl_config
 from agl_core import hookimpl
 
 
@@ -17,6 +17,7 @@ def verl_backend(config: Any, plugins: Any) -> Any:
 
 # ``agl train`` validates a verl run against verl's full config, not the core schema.
 verl_backend.load_config = load_verl_config  # type: ignore[attr-defined]
+verl_backend.check_config = check_verl_requirements  # type: ignore[attr-defined]
 
 
 @hookimpl

@@ -112,7 +112,9 @@ def agl_register_backends(register: Register) -> None:
     overrides)`` attribute returning the validated ``DictConfig`` (errors: ``ConfigError`` naming the
     key). ``agl train`` reads ``agentlightning.backend`` first and, when the selected factory has
     this attribute, validates the run with it instead of :func:`agl_core.config.load_config`; the
-    factory is then given that config.
+    factory is then given that config. A factory may also have a ``check_config(config)`` attribute
+    that checks what the backend needs before it trains (files, devices, services) without loading a
+    model, raising ``ConfigError``; ``agl check`` calls it.
     """
 
 

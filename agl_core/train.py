@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agl_core.config import load_config, redacted
+from agl_core.datasets import check_datasets
 from agl_core.jsonl import read_json_objects
 from agl_core.plot import plot_metrics
 from agl_core.plugins import PluginManager
@@ -89,6 +90,8 @@ def run(
 ) -> Path:
     """Train as the config says; return the run directory (metrics, plot, checkpoints)."""
     config, manager = resolve_config(config_path, overrides, plugins)
+    # Every row must hold the env_map fields, unless a plugin may add them when it rewrites a request.
+    check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
     backend = manager.backends.get(config.agentlightning.backend)(config, manager)
     manager.on_startup(redacted(config))
     log = MetricsLog(Path(config.trainer.default_local_dir), show_progress)

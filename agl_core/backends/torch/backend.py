@@ -158,6 +158,18 @@ class DataOrder:
 class TorchBackend:
     """The reference backend; ``fit(on_step)`` trains until the configured number of steps."""
 
+    @staticmethod
+    def check_config(config: Any) -> None:
+        """What ``agl check`` verifies without loading the model: the model folder, the device, the
+        lr schedule and, for the embedded source, that the agent class imports."""
+        model_folder(config)
+        pick_device(config.agentlightning.torch.device)
+        lr_lambda(config.actor_rollout_ref.actor.optim, 1)
+        if not config.agentlightning.agl_base_url:
+            from agl_core.rollouts.embedded import load_agent_class
+
+            load_agent_class(config.agentlightning.local.agent_class)
+
     def __init__(self, config: Any, plugins: Any):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
