@@ -153,9 +153,9 @@ def _expected(exc: BaseException) -> tuple[bool, str | None]:
     from agl_core.config import ConfigError
     from agl_core.plugins import PluginError, RegistryError
 
-    if isinstance(exc, (ConfigError, CommandError, FileNotFoundError)):
+    if isinstance(exc, (ConfigError, CommandError, FileNotFoundError, PluginError)):
         return True, None
-    if isinstance(exc, (PluginError, RegistryError)):
+    if isinstance(exc, RegistryError):
         return True, "agl plugins lists the registered plugins and what they provide"
     for (module, name), hint in LAZY_ERRORS.items():
         cls = getattr(sys.modules.get(module), name, None)

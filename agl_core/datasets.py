@@ -27,7 +27,7 @@ def load_dataset(path: Any, key: str = "data.train_files") -> list[dict[str, Any
         return [row for file in path for row in load_dataset(file, key)]
     if not isinstance(path, str):
         raise ConfigError(key, f"must be the path of a JSONL file or a list of them, got {path!r}")
-    file = Path(path)
+    file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(key, f"dataset file not found: {path}")
     try:

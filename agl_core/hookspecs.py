@@ -18,7 +18,8 @@ Three kinds of hooks live here:
   name and counted (``training/n_hook_failures``); the other plugins still run and training goes on.
   Each call runs in a worker thread and is waited for at most ``agentlightning.hook_timeout_seconds``
   (default 60): a call that overruns is abandoned, logged with its plugin's name and counted as a
-  failure and in ``training/n_hook_timeouts``. The manager calls implementations one at a time, so
+  failure and in ``training/n_hook_timeouts``; that plugin's hook is skipped (and counted,
+  ``training/n_hook_skipped``) until the abandoned call returns. The manager calls implementations one at a time, so
   pluggy hook wrappers (``wrapper=True``/``hookwrapper=True``) are refused, except on
   ``agl_load_hook_file``, which pluggy calls.
 """

@@ -190,7 +190,7 @@ def test_a_hook_file_that_fails_to_import_is_one_line(tmp_path, capsys):
     assert code == 2
     assert err.splitlines() == [
         f"agl: error: hook file {hooks.resolve()} failed to import: ModuleNotFoundError: No module named 'not_a_module_anywhere_xyz'",
-        "agl: hint: agl plugins lists the registered plugins and what they provide",
+        "agl: hint: run again with --traceback for the whole report",
     ]
 
 

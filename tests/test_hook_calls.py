@@ -87,6 +87,33 @@ def test_a_hook_that_never_returns_is_abandoned_and_training_goes_on(caplog):
     assert pm.pop_metrics()["training/n_hook_timeouts"] == 0, "counts are per step"
 
 
+def test_a_hung_hook_is_skipped_until_its_abandoned_call_returns():
+    """One time limit per hang, not one per rollout, and one thread left behind, not one per call."""
+    release = threading.Event()
+    started = []
+
+    class HangsUntilReleased:
+        @hookimpl
+        def agl_on_enqueue(self, request):
+            started.append(request.rollout_id)
+            if len(started) == 1:
+                release.wait()
+
+    pm = manager(HangsUntilReleased())
+    for rid in ("r1", "r2", "r3"):
+        pm.enqueue(RolloutRequest(rollout_id=rid, group_id="g", input={}))
+    assert started == ["r1"], "no call while the abandoned one still runs"
+    metrics = pm.pop_metrics()
+    assert (metrics["training/n_hook_timeouts"], metrics["training/n_hook_skipped"], metrics["training/n_hook_failures"]) == (1, 2, 3)
+    release.set()
+    for thread in threading.enumerate():
+        if thread.name == "agl-hook-p0":
+            thread.join(5)
+    pm.enqueue(RolloutRequest(rollout_id="r4", group_id="g", input={}))
+    assert started == ["r1", "r4"], "calls resume once it returned"
+    assert pm.pop_metrics()["training/n_hook_failures"] == 0
+
+
 def test_the_limit_comes_from_the_config():
     cfg = load_config(overrides=["agentlightning.hook_timeout_seconds=0.5"])
     assert PluginManager.from_config(cfg, load_entrypoints=False, builtins={}).hook_timeout_seconds == 0.5

@@ -16,7 +16,7 @@ Callers never touch pluggy: they use the registry properties and the ``on_*``/``
 The manager calls each implementation of agl's registry and lifecycle hooks on its own, so that one
 plugin's failure cannot stop the others, and each lifecycle call is bounded in time
 (``agentlightning.hook_timeout_seconds``: a call that overruns is abandoned, logged with its plugin's
-name and counted as a failure). pluggy's hook wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap
+name and counted as a failure; that plugin's hook is skipped until the call returns). pluggy's hook wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap
 a whole chain of calls, which this does not make: they are refused when the plugin registers.
 """
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
-from collections import Counter
 from importlib.metadata import packages_distributions
 from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,12 +36,10 @@ import pluggy
 from agl_core import hookspecs
 from agl_core.config import AgentLightningConfig
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.calls import HookTimeout, call_bounded, in_plugin_order, wrapper_impls
+from agl_core.plugins.calls import HookCalls, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
 from agl_core.suggestions import suggest
-
-logger = logging.getLogger(__name__)
 
 ENTRYPOINT_GROUP = "agl"
 DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
@@ -66,14 +62,9 @@ REGISTRIES = {
     "backends": ("agl_register_backends", "backend", "agentlightning.backend"),
 }
 
-HOOK_FAILURES_METRIC = "training/n_hook_failures"
-# Lifecycle calls abandoned after the time limit (each also counted as a failure).
-HOOK_TIMEOUTS_METRIC = "training/n_hook_timeouts"
 DEFAULT_HOOK_TIMEOUT_SECONDS = AgentLightningConfig.hook_timeout_seconds
 # The hook pluggy itself calls (firstresult), where hook wrappers work as pluggy documents.
 PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
-# Events a hook queued before it raised: discarded (a failing hook writes nothing), and counted.
-DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
 
 
 class PluginError(Exception):
@@ -110,14 +101,10 @@ class PluginManager:
         hook_timeout_seconds: float = DEFAULT_HOOK_TIMEOUT_SECONDS,
     ):
         self._pm = pluggy.PluginManager("agl")
-        # The longest a lifecycle hook call is waited for (agentlightning.hook_timeout_seconds).
-        self.hook_timeout_seconds = hook_timeout_seconds
+        self.calls = HookCalls(hook_timeout_seconds)
         self._pm.add_hookspecs(hookspecs)
         self._sources: dict[str, str] = {}
         self._registries: dict[str, Registry] = {}
-        self.hook_failures: Counter[str] = Counter()
-        self.hook_timeouts: Counter[str] = Counter()
-        self.discarded_hook_events = 0
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
         for name, module_name in (DEFAULT_PLUGINS if builtins is None else builtins).items():
@@ -127,6 +114,15 @@ class PluginManager:
             load_entrypoints = not _env_flag(DISABLE_AUTOLOAD_ENV)
         self._load_entrypoints(third_party=load_entrypoints)
         self.check_pending()
+
+    @property
+    def hook_timeout_seconds(self) -> float:
+        """The longest a lifecycle hook call is waited for (``agentlightning.hook_timeout_seconds``)."""
+        return self.calls.timeout
+
+    @hook_timeout_seconds.setter
+    def hook_timeout_seconds(self, seconds: float) -> None:
+        self.calls.timeout = seconds
 
     @classmethod
     def from_config(cls, config: Any, plugins: Iterable[Any] = (), **kwargs: Any) -> PluginManager:
@@ -267,54 +263,18 @@ class PluginManager:
 
     # -- lifecycle hooks ----------------------------------------------------------------------
 
-    def _call(self, impl: Any, hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
-        """``(True, result)`` of one implementation, or ``(False, None)`` when it raised or overran the
-        time limit (logged with its plugin's name and counted)."""
-        args = [kwargs[arg] for arg in impl.argnames]
-        try:
-            return True, call_bounded(impl.function, args, self.hook_timeout_seconds, f"agl-hook-{impl.plugin_name}")
-        except HookTimeout:
-            self.hook_failures[hook_name] += 1
-            self.hook_timeouts[hook_name] += 1
-            logger.error(
-                "hook %s of plugin %r did not return within %g s (%s): abandoned and counted as a failure; training "
-                "continues (agentlightning.hook_timeout_seconds sets the limit)",
-                hook_name, impl.plugin_name, self.hook_timeout_seconds, subject,
-            )
-        except Exception:
-            self._record_failure(hook_name, impl.plugin_name, subject)
-        return False, None
-
-    def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation in plugin order, isolating failures; return (plugin, result).
-
-        Each call gets a writer of its own; what a call that succeeded wrote is passed on to
-        ``writer``, what a failed or abandoned one wrote is discarded and counted."""
-        results = []
-        writer = kwargs.get("writer")
-        for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
-            own = EventWriter()
-            ok, result = self._call(impl, hook_name, subject, {**kwargs, "writer": own} if writer is not None else kwargs)
-            if not ok:
-                self.discarded_hook_events += own.discard()
-                continue
-            for event in own.pending:
-                writer.add_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
-            results.append((impl.plugin_name, result))
-        return results
-
-    def _record_failure(self, hook_name: str, plugin_name: str, subject: str) -> None:
-        self.hook_failures[hook_name] += 1
-        logger.exception("hook %s of plugin %r failed (%s); training continues", hook_name, plugin_name, subject)
-
     def on_startup(self, config: Any) -> None:
         self._call_each("agl_on_startup", "startup", config=config)
+
+    def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        impls = in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())
+        return self.calls.call_each(impls, hook_name, subject, kwargs)
 
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
         """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result."""
         for impl in in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
             subject = f"rollout {request.rollout_id}"
-            ok, result = self._call(impl, "agl_on_enqueue", subject, {"request": request})
+            ok, result = self.calls.call(impl, "agl_on_enqueue", subject, {"request": request})
             if not ok or result is None:
                 continue
             try:
@@ -323,7 +283,7 @@ class PluginManager:
                 if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
                     raise ValueError("agl_on_enqueue may not change rollout_id or group_id")
             except Exception:
-                self._record_failure("agl_on_enqueue", impl.plugin_name, subject)
+                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject)
                 continue
             request = result
         return request
@@ -337,17 +297,8 @@ class PluginManager:
         self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
 
     def pop_metrics(self) -> dict[str, float]:
-        """Hook-failure and timeout counts since the last call (``training/n_hook_failures[/hook]``,
-        ``training/n_hook_timeouts[/hook]``) and the number of events discarded because the hook that
-        queued them raised or overran."""
-        metrics: dict[str, float] = {DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_hook_events)}
-        for name, counts in ((HOOK_FAILURES_METRIC, self.hook_failures), (HOOK_TIMEOUTS_METRIC, self.hook_timeouts)):
-            metrics[name] = float(sum(counts.values()))
-            for hook_name, count in counts.items():
-                metrics[f"{name}/{hook_name}"] = float(count)
-            counts.clear()
-        self.discarded_hook_events = 0
-        return metrics
+        """The lifecycle hooks' failure, timeout and skip counts since the last call (see :class:`HookCalls`)."""
+        return self.calls.pop_metrics()
 
     # -- introspection ------------------------------------------------------------------------
 
