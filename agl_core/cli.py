@@ -94,7 +94,7 @@ def _check(args: argparse.Namespace) -> int:
     check_backend = getattr(manager.backends.get(config.agentlightning.backend), "check_config", None)
     if check_backend is not None:
         check_backend(config)
-        report.append(f"backend {config.agentlightning.backend!r}: requirements met (model, devices, agent...)")
+        report.append(f"backend {config.agentlightning.backend!r}: its own checks passed")
     hook_files = [info.name for info in manager.list_plugins() if info.name.startswith("hookfile:")]
     report.append(f"hook files: {', '.join(hook_files) or 'none'}")
     print(to_yaml(config), end="")

@@ -70,6 +70,12 @@ def test_sigusr1_prints_every_threads_stack():
 CONFIG = "examples/corridor/config.yaml"
 
 
+@pytest.fixture(autouse=True)
+def only_agls_own_plugins(monkeypatch):
+    """What these commands report must not depend on third-party plugins installed alongside."""
+    monkeypatch.setenv("AGL_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     from tests.corridor_policy import build_corridor_policy
@@ -105,7 +111,7 @@ def test_check_resolves_loads_and_checks_without_training(policy, tmp_path, caps
         "# agl check: data.val_files: 32 rows",
         "# agl check: agentlightning.local.env_map: every field present in every row",
         "# agl check: advantage estimator: turn_grpo (plugin estimators)",
-        "# agl check: backend 'torch': requirements met",
+        "# agl check: backend 'torch': its own checks passed",
         f"# agl check: hook files: hookfile:{hooks.resolve()}",
         "# agl check: passed; nothing was trained",
     ):
@@ -146,9 +152,8 @@ def test_rows_missing_an_env_map_field_are_refused_before_training(policy, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def test_a_verl_only_key_under_torch_is_one_line_with_the_backend_to_use(capsys, monkeypatch):
+def test_a_verl_only_key_under_torch_is_one_line_with_the_backend_to_use(capsys):
     pytest.importorskip("verl")
-    monkeypatch.setenv("AGL_DISABLE_PLUGIN_AUTOLOAD", "1")
     code, _, err = run_cli(capsys, "check", CONFIG, "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
     assert code == 2
     assert err.strip().endswith("unknown key (in overrides); it is a key of backend 'verl': run with backend=verl")
