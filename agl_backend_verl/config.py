@@ -4,9 +4,12 @@ The base is composed without Hydra from the flattened ``_generated_ppo_trainer.y
 same values Hydra's compose of ``ppo_trainer`` yields), plus the typed ``agentlightning`` section of
 :class:`agl_core.config.AgentLightningConfig`, plus :data:`OVERLAY` (Agent Lightning v1.0's values).
 :func:`load_verl_config` then merges the user's YAML and ``key=value`` overrides over it through
-:func:`agl_core.config.load_config` and validates once: unknown keys (struct mode), the types of verl's
-keys (a value must have the type of verl's default), the core's cross-key rules (async batch size...),
-and the estimator choices this backend cannot run.
+:func:`agl_core.config.merge_config` and validates once: unknown keys (struct mode), the types of verl's
+keys (a value must have the type of verl's default), then the core's ranges and cross-key rules
+(:func:`agl_core.config.checks.validate`), and the estimator choices this backend cannot run. A
+verl run config written for Hydra (``defaults: [ppo_trainer, _self_]``, ``hydra.searchpath``, as Agent
+Lightning v1.0's verl config is) loads as it is: its base is what those lines compose
+(:mod:`agl_core.config.composition`).
 
 ``algorithm.enable_rollout_level_advantage`` is Agent Lightning's key and stays where its configs put
 it, but verl's ``AlgoConfig`` dataclass refuses unknown keys: verl's legacy ``RayPPOTrainer`` reads the
@@ -24,7 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_core.config import AgentLightningConfig, ConfigError, default_config, load_config
+from agl_core.config import AgentLightningConfig, ConfigError, default_config, merge_config
+from agl_core.config.checks import validate
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
 
@@ -43,6 +47,9 @@ OVERLAY: dict[str, Any] = {
     # The core schema's one trainer key that verl's trainer section lacks.
     "trainer": {"seed": 0},
 }
+
+# The Hydra config the base holds: a user file's ``defaults`` may name it (verl's run configs do).
+COMPOSED = ("ppo_trainer",)
 
 # Estimators this backend refuses, with the reason given to the user.
 UNSUPPORTED_ESTIMATORS = {
@@ -86,8 +93,9 @@ def verl_base() -> DictConfig:
 def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """The validated run config for backend ``verl``; every error is a :class:`ConfigError` naming its key."""
     base = verl_base()
-    cfg = load_config(path, overrides, base=base.copy())
+    cfg = merge_config(path, overrides, base=base.copy(), composed=COMPOSED)
     check_types(cfg, base)
+    validate(cfg)
     validate_verl(cfg)
     return cfg
 
@@ -156,6 +164,17 @@ def validate_verl(cfg: DictConfig) -> None:
             "'gae' gives per-token advantages, which cannot be computed once per rollout; choose an outcome "
             f"estimator (grpo, rloo, ...) or set algorithm.{ROLLOUT_LEVEL_KEY}=false",
         )
+
+
+def check_verl_requirements(cfg: DictConfig) -> None:
+    """What this backend needs beyond a valid config before it starts Ray (``agl check`` runs it too):
+    the gateway's URL, verl's rollout engine and the model."""
+    if cfg.agentlightning.agl_base_url is None:
+        raise ConfigError("agentlightning.agl_base_url", "backend 'verl' runs agents through the gateway: set its URL")
+    if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):
+        raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
+    if not cfg.actor_rollout_ref.model.path:
+        raise ConfigError("actor_rollout_ref.model.path", "the policy's model (a local folder or a Hugging Face id) is not set")
 
 
 def verl_algorithm_config(cfg: DictConfig) -> DictConfig:

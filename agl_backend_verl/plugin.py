@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from agl_backend_verl.config import load_verl_config
+from agl_backend_verl.config import check_verl_requirements, load_verl_config
 from agl_core import hookimpl
 from agl_core.backends.contract import Backend, BackendSpec
 from agl_core.hookspecs import Register
@@ -25,4 +25,4 @@ def verl_backend(config: DictConfig, plugins: PluginManager) -> Backend:
 @hookimpl
 def agl_register_backends(register: Register) -> None:
     # ``agl train`` validates a verl run against verl's full config, not the core schema.
-    register("verl", BackendSpec(verl_backend, load_config=load_verl_config))
+    register("verl", BackendSpec(verl_backend, load_config=load_verl_config, check_config=check_verl_requirements))

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from agl_core.backends.contract import OnStep
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
+from agl_backend_verl.config import check_verl_requirements
 from agl_backend_verl.trainer import SampleDataset
 from agl_backend_verl.verl_plugins import ray_runtime_env
 
@@ -62,10 +63,7 @@ def run_ppo(
     """
     train = SampleDataset(train_dataset, "train_dataset")
     val = SampleDataset(val_dataset, "val_dataset")
-    if config.agentlightning.agl_base_url is None:
-        raise ConfigError("agentlightning.agl_base_url", "backend 'verl' runs agents through the gateway: set its URL")
-    if OmegaConf.is_missing(config.actor_rollout_ref.rollout, "name"):
-        raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
+    check_verl_requirements(config)
     init_ray(config)
     check_gpus(config)
     relay_steps(TaskRunner.remote(), config, train.samples, val.samples, list(plugins), on_step)

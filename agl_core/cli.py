@@ -1,4 +1,10 @@
-"""The ``agl`` command line."""
+"""The ``agl`` command line.
+
+Every error ends the command with one ``agl: error:`` line (and, where it helps, one ``agl: hint:``
+line) and exit status 2, never a traceback: errors agl expects (bad config, plugin, dataset, a
+gateway or vLLM server that cannot be reached) say what is wrong; any other is reported as an
+internal error, whose traceback ``--traceback`` shows.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,20 @@ import sys
 from collections.abc import Sequence
 
 from agl_core.plugins import PluginManager
+
+
+class CommandError(Exception):
+    """A command cannot do what it was asked (a missing or unreadable file...); the message says why."""
+
+
+# Errors of modules the CLI must not import (they may not even be loaded): (module, class) -> hint.
+# An error is one of them only if its module was loaded, so looking them up never imports anything.
+LAZY_ERRORS = {
+    ("agl_core.rollouts.gateway_client", "GatewayError"): "is the gateway running at agentlightning.agl_base_url, with agentlightning.agl_key?",
+    ("agl_core.serving.vllm_engine", "VllmEngineError"): "see agentlightning.vllm (python, url, startup_timeout_seconds)",
+    ("agl_core.stages.advantage", "AdvantageError"): None,
+    ("agl_core.fields", "DataValidationError"): None,
+}
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -34,13 +54,54 @@ def dump_stacks_on_sigusr1() -> bool:
     return True
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides, with the ``backend=NAME`` shorthand for ``agentlightning.backend=NAME``."""
+    return [f"agentlightning.backend={o[len('backend='):]}" if o.startswith("backend=") else o for o in args.overrides]
+
+
 def _train(args: argparse.Namespace) -> int:
     from agl_core.train import run
 
     dump_stacks_on_sigusr1()
-    overrides = [f"agentlightning.backend={o[len('backend='):]}" if o.startswith("backend=") else o for o in args.overrides]
-    run_dir = run(args.config, overrides)
+    run_dir = run(args.config, _overrides(args))
     print(f"agl: run finished; metrics, plot and checkpoints in {run_dir}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Everything ``agl train`` would check before training, then the resolved config (secrets hidden)."""
+    from agl_core.config import to_yaml
+    from agl_core.datasets import check_datasets
+    from agl_core.train import resolve_config
+
+    config, manager = resolve_config(args.config, _overrides(args))
+    report = [f"backend: {config.agentlightning.backend}"]
+    for registry, value in (
+        (manager.aggregators, config.agentlightning.trace_aggregator.level),
+        (manager.advantage_estimators, config.algorithm.adv_estimator),
+        (manager.policy_losses, config.actor_rollout_ref.actor.policy_loss.loss_mode),
+    ):
+        report.append(f"{registry.kind}: {value} (plugin {registry.entry(value).plugin_name})")
+    rewriters = manager.implementations("agl_on_enqueue")
+    counts = check_datasets(config, check_env_map=not rewriters)
+    report += [f"{key}: {n} rows" for key, n in counts.items()]
+    if config.agentlightning.local.env_map:
+        report.append(
+            f"agentlightning.local.env_map: not checked against the rows, since agl_on_enqueue of {', '.join(rewriters)} may rewrite them"
+            if rewriters
+            else "agentlightning.local.env_map: every field present in every row"
+        )
+    from agl_core.backends.contract import backend_spec
+
+    check_backend = backend_spec(manager.backends.entry(config.agentlightning.backend)).check_config
+    if check_backend is not None:
+        check_backend(config)
+        report.append(f"backend {config.agentlightning.backend!r}: its own checks passed")
+    hook_files = [info.name for info in manager.list_plugins() if info.name.startswith("hookfile:")]
+    report.append(f"hook files: {', '.join(hook_files) or 'none'}")
+    print(to_yaml(config), end="")
+    print("".join(f"# agl check: {line}\n" for line in report), end="")
+    print("# agl check: passed; nothing was trained")
     return 0
 
 
@@ -53,25 +114,35 @@ def _plot(args: argparse.Namespace) -> int:
     source = Path(args.run)
     metrics = source / METRICS_FILE if source.is_dir() else source
     if not metrics.is_file():
-        raise FileNotFoundError(f"no metrics file at {metrics}")
-    print(plot_metrics(metrics, args.output or metrics.with_name(PLOT_FILE)))
+        raise CommandError(f"no metrics file at {metrics}")
+    try:
+        print(plot_metrics(metrics, args.output or metrics.with_name(PLOT_FILE)))
+    except ValueError as exc:  # empty, or a line that is not a metrics record
+        raise CommandError(f"cannot plot {metrics}: {exc}") from None
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agl", description="Agent Lightning trainer side as a plugin system.")
+    parser.add_argument("--traceback", action="store_true", help="on an error, show the full traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list registered plugins, their hooks and registry names")
     plugins.add_argument("--hooks", action="append", metavar="FILE", help="also load this hook file (repeatable)")
     plugins.set_defaults(func=_plugins)
-    train = sub.add_parser(
-        "train",
-        help="train with the configured backend and plugins",
-        description="Train with the configured backend and plugins. kill -USR1 PID prints every thread's stack.",
-    )
-    train.add_argument("config", help="YAML config file")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (backend=NAME selects the backend)")
-    train.set_defaults(func=_train)
+    for name, func, text in (
+        ("train", _train, "Train with the configured backend and plugins. kill -USR1 PID prints every thread's stack."),
+        (
+            "check",
+            _check,
+            "Check a run without training: resolve the config, load plugins and hook files, read the datasets "
+            "(every field agentlightning.local.env_map names in every row), check the backend's requirements "
+            "(model, devices, agent class), then print the resolved config with secrets hidden.",
+        ),
+    ):
+        command = sub.add_parser(name, help=text.split(".")[0].split(":")[0].lower(), description=text)
+        command.add_argument("config", help="YAML config file")
+        command.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (backend=NAME selects the backend)")
+        command.set_defaults(func=func)
     plot = sub.add_parser("plot", help="draw a run's metrics per step as a PNG")
     plot.add_argument("run", help="run directory (trainer.default_local_dir) or metrics.jsonl file")
     plot.add_argument("-o", "--output", help="PNG path (default: metrics.png beside the metrics)")
@@ -79,19 +150,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _expected(exc: BaseException) -> tuple[bool, str | None]:
+    """Whether agl expects ``exc`` (its message is the explanation), and a hint to print with it."""
+    from agl_core.config import ConfigError
+    from agl_core.plugins import PluginError, RegistryError
+
+    if isinstance(exc, (ConfigError, CommandError, FileNotFoundError, PluginError)):
+        return True, None
+    if isinstance(exc, RegistryError):
+        return True, "agl plugins lists the registered plugins and what they provide"
+    for (module, name), hint in LAZY_ERRORS.items():
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(exc, cls):
+            return True, hint
+    return False, "this looks like a bug in agl or a plugin; run again with --traceback to see where it happened"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except Exception as exc:  # a clear one-line error, not a traceback, for expected failures
-        from agl_core.config import ConfigError
-        from agl_core.plugins import PluginError, RegistryError
-
-        if isinstance(exc, (ConfigError, PluginError, RegistryError, FileNotFoundError)):
-            print(f"agl: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except Exception as exc:
+        if args.traceback:
+            raise
+        expected, hint = _expected(exc)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        message = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"  # a report's gist
+        print(f"agl: error: {message if expected else f'internal error: {type(exc).__name__}: {message}'}", file=sys.stderr)
+        if hint is None and len(lines) > 1:
+            hint = "run again with --traceback for the whole report"
+        if hint:
+            print(f"agl: hint: {hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ Three kinds of hooks live here:
   but compose: every plugin implementing one is called, in plugin registration order (built-ins,
   entry points, hook files, plugins given in code). A hook that raises is logged with its plugin's
   name and counted (``training/n_hook_failures``); the other plugins still run and training goes on.
+  Each call runs in a worker thread and is waited for at most ``agentlightning.hook_timeout_seconds``
+  (default 60): a call that overruns is abandoned, logged with its plugin's name and counted as a
+  failure and in ``training/n_hook_timeouts``; that plugin's hook is skipped (and counted,
+  ``training/n_hook_skipped``) until the abandoned call returns. The manager calls implementations one at a time, so
+  pluggy hook wrappers (``wrapper=True``/``hookwrapper=True``) are refused, except on
+  ``agl_load_hook_file``, which pluggy calls.
 """
 
 from __future__ import annotations
@@ -109,7 +115,9 @@ def agl_register_backends(register: Register) -> None:
     The backend's ``fit(on_step)`` trains until the configured number of steps and calls
     ``on_step(step, total_steps, metrics)`` after every training step (``metrics``: metric name →
     float; a validation before the first step is reported as step 0); ``agl train`` writes them to
-    ``metrics.jsonl`` and the progress bar. :mod:`agl_core.backends.contract` holds these types.
+    ``metrics.jsonl`` and the progress bar. A spec's optional ``check_config(config)`` checks what
+    the backend needs before it trains (files, devices, services) without loading a model, raising
+    ``ConfigError``; ``agl check`` calls it. :mod:`agl_core.backends.contract` holds these types.
     """
 
 

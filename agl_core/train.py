@@ -18,6 +18,7 @@ from typing import Any
 
 from agl_core.backends.contract import BackendSpec, backend_spec
 from agl_core.config import redacted
+from agl_core.datasets import check_datasets
 from agl_core.jsonl import read_json_objects
 from agl_core.plot import plot_metrics
 from agl_core.plugins import PluginManager
@@ -90,6 +91,9 @@ def run(
 ) -> Path:
     """Train as the config says; return the run directory (metrics, plot, checkpoints)."""
     config, manager = resolve_config(config_path, overrides, plugins)
+    if config.data.train_files:  # a backend that reads no dataset files has none to check
+        # Every row must hold the env_map fields, unless a plugin may add them when it rewrites a request.
+        check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
     backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
     manager.on_startup(redacted(config))
     log = MetricsLog(Path(config.trainer.default_local_dir), show_progress)
@@ -112,7 +116,7 @@ def resolve_config(
     """
     from omegaconf import OmegaConf
 
-    from agl_core.config import default_config
+    from agl_core.config import ConfigError, default_config, with_backend_hint
 
     raw = _unvalidated(config_path, overrides)
     hooks = OmegaConf.select(raw, "agentlightning.hooks", default=None, throw_on_resolution_failure=False)
@@ -120,8 +124,14 @@ def resolve_config(
         hooks = None  # malformed: validation names the key
     manager = PluginManager.from_config({"agentlightning": {"hooks": hooks}}, plugins)
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
-    spec = _spec(manager, default_config().agentlightning.backend if name is None else name)
-    return spec.load_config(config_path, overrides), manager
+    name = default_config().agentlightning.backend if name is None else name
+    try:
+        config = _spec(manager, name).load_config(config_path, overrides)
+    except ConfigError as exc:  # an unknown key may be one of another backend's: say which
+        others = {e.name: backend_spec(e).load_config for e in manager.backends if e.name != name}
+        raise with_backend_hint(exc, config_path, overrides, others) from None
+    manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
+    return config, manager
 
 
 def _spec(manager: PluginManager, name: str) -> BackendSpec:

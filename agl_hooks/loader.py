@@ -6,9 +6,12 @@ Two forms are accepted:
   (``agl_on_enqueue``, ``agl_register_aggregators``...): the module itself becomes the plugin;
 * an Agent Lightning v1.0 hook file: exactly one subclass of ``RolloutHooks`` overriding
   ``on_startup / on_enqueue / on_succeeded / on_failed``: an instance is wrapped in
-  :class:`~agl_hooks.rollout_hooks.RolloutHooksPlugin`.
+  :class:`~agl_hooks.rollout_hooks.RolloutHooksPlugin`. As v1.0's loader does, the subclass is looked
+  for among all the module's attributes, so one imported from a helper module counts (while the
+  file is imported, its directory is on ``sys.path``, so a helper beside it can be imported).
 
-Every failure is a :class:`HookFileError` that names the file.
+Every failure is a :class:`HookFileError` that names the file (a ``sys.exit`` while the file is
+imported included).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 from agl_core.plugins import PluginError
 from agl_core.plugins.manager import KNOWN_HOOKS
 from agl_core.suggestions import suggest
-from agl_hooks import rollout_hooks
+from agl_hooks import rollout_hooks, schemas
 from agl_hooks.rollout_hooks import HOOK_METHODS, RolloutHooksPlugin
 
 class HookFileError(PluginError):
@@ -45,8 +48,8 @@ def _agentlightning_alias() -> Iterator[None]:
     package = types.ModuleType("agentlightning")
     package.__path__ = []  # type: ignore[attr-defined]
     package.hooks = rollout_hooks  # type: ignore[attr-defined]
-    package.schemas = rollout_hooks  # type: ignore[attr-defined]
-    aliases = {"agentlightning": package, "agentlightning.hooks": rollout_hooks, "agentlightning.schemas": rollout_hooks}
+    package.schemas = schemas  # type: ignore[attr-defined]
+    aliases = {"agentlightning": package, "agentlightning.hooks": rollout_hooks, "agentlightning.schemas": schemas}
     saved = {name: sys.modules.get(name) for name in aliases}
     sys.modules.update(aliases)
     try:
@@ -57,6 +60,20 @@ def _agentlightning_alias() -> Iterator[None]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@contextlib.contextmanager
+def _on_sys_path(directory: Path) -> Iterator[None]:
+    """``directory`` first on ``sys.path`` while a hook file executes, as a script's own directory is."""
+    entry = str(directory)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
 
 
 def _is_rollout_hooks_class(obj: Any) -> bool:
@@ -75,12 +92,14 @@ def _exec_module(path: Path) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        with _agentlightning_alias():
+        with _agentlightning_alias(), _on_sys_path(path.parent):
             spec.loader.exec_module(module)
     except BaseException as exc:
         sys.modules.pop(module_name, None)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, KeyboardInterrupt):
             raise
+        if isinstance(exc, SystemExit):
+            raise HookFileError(f"hook file {path} called sys.exit({exc.code!r}) while being imported; a hook file may not exit") from None
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
         in_file = [f for f in frames if str(path) in f or not f.startswith("  File ")]
         raise HookFileError(f"hook file {path} failed to import:\n{''.join(in_file).rstrip()}") from exc
@@ -94,7 +113,7 @@ def load_hook_file(path: str | os.PathLike[str]) -> Any:
         raise HookFileError(f"hook file not found: {path}")
     module = _exec_module(path)
 
-    classes = [obj for _, obj in inspect.getmembers(module, _is_rollout_hooks_class) if obj.__module__ == module.__name__]
+    classes = list(dict.fromkeys(obj for _, obj in inspect.getmembers(module, _is_rollout_hooks_class)))
     functions = {
         attr: obj
         for attr, obj in vars(module).items()
@@ -109,7 +128,7 @@ def load_hook_file(path: str | os.PathLike[str]) -> Any:
 
     if len(classes) > 1:
         names = ", ".join(sorted(cls.__name__ for cls in classes))
-        raise HookFileError(f"hook file {path} defines several RolloutHooks subclasses ({names}); keep exactly one")
+        raise HookFileError(f"hook file {path} holds several RolloutHooks subclasses ({names}) defined or imported; keep exactly one")
     if classes and functions:
         raise HookFileError(
             f"hook file {path} mixes a RolloutHooks subclass ({classes[0].__name__}) with @hookimpl functions "

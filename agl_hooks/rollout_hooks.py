@@ -2,14 +2,16 @@
 
 A v1.0 hook file (``from agentlightning.hooks import RolloutHooks`` and one subclass overriding
 ``on_startup / on_enqueue / on_succeeded / on_failed``) works unchanged: the loader resolves that
-import to this module when Agent Lightning itself is not installed, and :class:`RolloutHooksPlugin`
-translates between agl's data model and the objects v1.0 hooks expect (attribute access like the
-v1.0 pydantic models, ``model_copy(update=...)`` on requests).
+import to this module (and ``agentlightning.schemas`` to :mod:`agl_hooks.schemas`) when Agent
+Lightning itself is not installed, and :class:`RolloutHooksPlugin` translates between agl's data
+model and the objects v1.0 hooks receive (:mod:`agl_hooks.schemas`: v1.0's models, with their
+attribute access, ``model_copy`` and ``model_dump``).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -18,62 +20,15 @@ from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.fields import thaw
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.hookspecs import hookimpl
+from agl_hooks.schemas import Event, Rollout, RolloutConfig, RolloutCreate, RolloutLifecycleStatus, RolloutMetadata
+
+__all__ = ["HOOK_METHODS", "RolloutCreate", "RolloutHooks", "RolloutHooksPlugin", "TraceWriter", "rollout_view"]
 
 HOOK_METHODS = ("on_startup", "on_enqueue", "on_succeeded", "on_failed")
 
 
 class TraceWriter(Protocol):
     def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any]) -> Any: ...
-
-
-@attrs.define
-class RolloutCreate:
-    """What a v1.0 ``on_enqueue`` receives and returns: a mutable view of the request."""
-
-    input: Any
-    is_train: bool = True
-    config: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
-    rollout_id: str | None = None
-
-    def model_copy(self, update: dict[str, Any] | None = None, deep: bool = False) -> RolloutCreate:
-        clone = copy.deepcopy(self) if deep else copy.copy(self)
-        for key, value in (update or {}).items():
-            setattr(clone, key, value)
-        return clone
-
-    def model_dump(self, **_: Any) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-@attrs.define
-class RolloutStatus:
-    state: str
-    error_message: str | None = None
-    last_attempt_id: str | None = None
-    created_at: float | None = None
-    updated_at: float | None = None
-
-
-@attrs.define
-class Rollout:
-    """What v1.0 ``on_succeeded`` / ``on_failed`` receive."""
-
-    rollout_id: str
-    input: Any
-    is_train: bool
-    config: dict[str, Any]
-    metadata: dict[str, Any]
-    status: RolloutStatus
-
-
-@attrs.define
-class Event:
-    event_type: str
-    rollout_id: str
-    attempt_id: str
-    timestamp: float
-    data: dict[str, Any]
 
 
 class RolloutHooks:
@@ -102,9 +57,9 @@ def rollout_view(rollout: CompletedRollout) -> Rollout:
         rollout_id=rollout.rollout_id,
         input=_plain(rollout.input),
         is_train=rollout.is_train,
-        config=_plain(rollout.config),
-        metadata=_plain(rollout.metadata),
-        status=RolloutStatus(
+        config=RolloutConfig(_plain(rollout.config)),
+        metadata=RolloutMetadata(_plain(rollout.metadata)),
+        status=RolloutLifecycleStatus(
             state=rollout.state,
             error_message=rollout.error,
             last_attempt_id=rollout.attempt_id,
@@ -142,8 +97,8 @@ class RolloutHooksPlugin:
         view = RolloutCreate(
             input=_plain(request.input),
             is_train=request.is_train,
-            config=_plain(request.config),
-            metadata=_plain(request.metadata),
+            config=RolloutConfig(_plain(request.config)),
+            metadata=RolloutMetadata(_plain(request.metadata)),
             rollout_id=request.rollout_id,
         )
         result = self.hooks.on_enqueue(view)
@@ -153,7 +108,7 @@ class RolloutHooksPlugin:
             request,
             input=result.input,
             is_train=bool(result.is_train),
-            config=result.config or {},
+            config=_as_dict(result.config),
             metadata=_as_dict(result.metadata),
         )
 
@@ -167,9 +122,13 @@ class RolloutHooksPlugin:
         self.hooks.on_failed(rollout_view(rollout), writer)
 
 
-def _as_dict(metadata: Any) -> dict[str, Any]:
-    if metadata is None:
+def _as_dict(value: Any) -> dict[str, Any]:
+    """A plain dict of what a hook returned as ``config`` / ``metadata``: one of agl's views (a dict: only
+    the keys set), a pydantic model of Agent Lightning itself, a mapping, or None."""
+    if value is None:
         return {}
-    if hasattr(metadata, "model_dump"):
-        return metadata.model_dump()
-    return dict(metadata)
+    if isinstance(value, Mapping):
+        return thaw(value)
+    if hasattr(value, "model_dump"):
+        return value.model_dump(exclude_none=True)
+    return dict(value)

@@ -140,6 +140,7 @@ def gateway_config(server: GatewayServer, *overrides: str):
             f"actor_rollout_ref.model.path={MODEL_NAME}",
             "actor_rollout_ref.rollout.n=2",
             "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "agentlightning.rollout_timeout_seconds=30",
             "agentlightning.rollout_timeout_grace_seconds=0",
             "agentlightning.gateway.http_timeout_seconds=2",

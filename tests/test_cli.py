@@ -63,3 +63,155 @@ def test_sigusr1_prints_every_threads_stack():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert "Current thread 0x" in done.stderr and done.stderr.count("hread 0x") == 2  # the main thread and the sleeper
+
+
+# -- agl check, and one error line for every failure -------------------------------------------------
+
+CONFIG = "examples/corridor/config.yaml"
+
+
+@pytest.fixture(autouse=True)
+def only_agls_own_plugins(monkeypatch):
+    """What these commands report must not depend on third-party plugins installed alongside."""
+    monkeypatch.setenv("AGL_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    from tests.corridor_policy import build_corridor_policy
+
+    return build_corridor_policy(tmp_path_factory.mktemp("policy"))
+
+
+def run_cli(capsys, *args):
+    from agl_core.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def test_check_resolves_loads_and_checks_without_training(policy, tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    hooks = tmp_path / "hooks.py"
+    hooks.write_text("from agl_core import hookimpl\n\n@hookimpl\ndef agl_on_startup(config):\n    pass\n")
+    run_dir = tmp_path / "run"
+    code, out, err = run_cli(
+        capsys, "check", CONFIG, f"actor_rollout_ref.model.path={policy}", f"trainer.default_local_dir={run_dir}",
+        "agentlightning.agl_key=sk-check-secret", f"agentlightning.hooks={hooks}",
+    )
+    assert code == 0, err
+    resolved = OmegaConf.create(out)  # the output is the resolved config, as YAML (the report is comments)
+    assert resolved.actor_rollout_ref.model.path == str(policy) and resolved.agentlightning.agl_key == "***"
+    assert "sk-check-secret" not in out
+    for line in (
+        "# agl check: data.train_files: 256 rows",
+        "# agl check: data.val_files: 32 rows",
+        "# agl check: agentlightning.local.env_map: every field present in every row",
+        "# agl check: advantage estimator: turn_grpo (plugin estimators)",
+        "# agl check: backend 'torch': its own checks passed",
+        f"# agl check: hook files: hookfile:{hooks.resolve()}",
+        "# agl check: passed; nothing was trained",
+    ):
+        assert line in out
+    assert not run_dir.exists(), "nothing was trained or written"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor_rollout_ref.model.path=/nonexistent/model", "agl: error: config key actor_rollout_ref.model.path: model folder /nonexistent/model does not exist"),
+        ("agentlightning.local.agent_class=examples.corridor.nope:Agent", "agl: error: config key agentlightning.local.agent_class: cannot import"),
+        ("algorithm.adv_estimator=grpp", "agl: error: unknown advantage estimator 'grpp' (set by algorithm.adv_estimator); registered:"),
+        ("agentlightning.torch.device=cuda:7", "agl: error: config key agentlightning.torch.device: cuda:7 was asked for"),
+        ("data.val_files=/nonexistent/val.jsonl", "agl: error: config key data.val_files: dataset file not found: /nonexistent/val.jsonl"),
+    ],
+)
+def test_check_reports_what_training_would_fail_on(policy, capsys, override, message):
+    import torch
+
+    if "cuda" in override and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices")
+    code, _, err = run_cli(capsys, "check", CONFIG, f"actor_rollout_ref.model.path={policy}", override)
+    assert code == 2 and err.startswith(message), err
+
+
+def test_rows_missing_an_env_map_field_are_refused_before_training(policy, tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"signs": ["left"]}\n{"sign": ["right"]}\n')
+    common = [CONFIG, f"actor_rollout_ref.model.path={policy}", f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    expected = (
+        "agl: error: config key data.train_files: row 2 of 2: agentlightning.local.env_map.CORRIDOR_SIGNS: "
+        "path 'input.signs' not found in the rollout input\n"
+    )
+    for command in ("check", "train"):
+        code, _, err = run_cli(capsys, command, *common)
+        assert code == 2 and err == expected
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_verl_only_key_under_torch_is_one_line_with_the_backend_to_use(capsys):
+    pytest.importorskip("verl")
+    code, _, err = run_cli(capsys, "check", CONFIG, "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
+    assert code == 2
+    assert err.strip().endswith("unknown key (in overrides); it is a key of backend 'verl': run with backend=verl")
+
+
+def test_gateway_and_unexpected_errors_are_one_line(capsys, monkeypatch):
+    import agl_core.train
+    from agl_core.rollouts.gateway_client import GatewayError
+
+    def dead_gateway(*args, **kwargs):
+        raise GatewayError("POST /api/models", None, "ConnectError: [Errno 111] Connection refused")
+
+    monkeypatch.setattr(agl_core.train, "run", dead_gateway)
+    code, _, err = run_cli(capsys, "train", CONFIG)
+    assert code == 2
+    assert err.splitlines() == [
+        "agl: error: gateway POST /api/models: no answer: ConnectError: [Errno 111] Connection refused",
+        "agl: hint: is the gateway running at agentlightning.agl_base_url, with agentlightning.agl_key?",
+    ]
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("something agl did not expect")
+
+    monkeypatch.setattr(agl_core.train, "run", bug)
+    code, _, err = run_cli(capsys, "train", CONFIG)
+    assert code == 2
+    assert err.splitlines()[0] == "agl: error: internal error: RuntimeError: something agl did not expect"
+    assert "--traceback" in err.splitlines()[1]
+    from agl_core.cli import main
+
+    with pytest.raises(RuntimeError, match="did not expect"):
+        main(["--traceback", "train", CONFIG])
+
+
+def test_a_hook_file_that_fails_to_import_is_one_line(tmp_path, capsys):
+    hooks = tmp_path / "broken.py"
+    hooks.write_text("import not_a_module_anywhere_xyz\n")
+    code, _, err = run_cli(capsys, "plugins", "--hooks", str(hooks))
+    assert code == 2
+    assert err.splitlines() == [
+        f"agl: error: hook file {hooks.resolve()} failed to import: ModuleNotFoundError: No module named 'not_a_module_anywhere_xyz'",
+        "agl: hint: run again with --traceback for the whole report",
+    ]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "holds no steps to plot"),
+        ('{"step": 1, "training/reward": 0.5}\n{not json\n', "line 2 is not valid JSON"),
+        ('{"training/reward": 0.5}\n', "line 1 has no integer 'step'"),
+        ("[1, 2]\n", "line 1 must be a JSON object"),
+    ],
+)
+def test_plot_reports_empty_and_malformed_metrics_in_one_line(tmp_path, capsys, content, message):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(content)
+    code, _, err = run_cli(capsys, "plot", str(tmp_path))
+    assert code == 2 and err.startswith(f"agl: error: cannot plot {metrics}: ") and message in err
+    code, _, err = run_cli(capsys, "plot", str(tmp_path / "elsewhere"))
+    assert code == 2 and err == f"agl: error: no metrics file at {tmp_path / 'elsewhere'}\n"

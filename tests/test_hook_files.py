@@ -287,3 +287,136 @@ def test_registering_one_plugin_twice_names_both_registrations():
     manager.register(plugin, name="first")
     with pytest.raises(PluginError, match=r"already registered as 'first' \(code\); register each plugin once"):
         manager.register(plugin, name="second")
+
+
+# A v1.0 hook file that reads and writes what v1.0's pydantic models offer, beyond the four methods.
+V1_MODEL_ACCESS_HOOK_FILE = """
+from agentlightning.hooks import RolloutHooks
+from agentlightning.schemas import (
+    DEFAULT_ATTEMPT_ID, TERMINAL_STATES, Rollout, RolloutConfig, RolloutCreate, RolloutMetadata, RolloutState,
+)
+
+SEEN = []
+
+
+class Models(RolloutHooks):
+    def on_enqueue(self, request: RolloutCreate) -> RolloutCreate:
+        SEEN.append(("timeout", request.config.timeout_seconds, request.config["timeout_seconds"]))
+        SEEN.append(("agent", request.config.local.agent_class, request.metadata.batch_idx))
+        request.config.timeout_seconds = 90
+        return request.model_copy(update={"metadata": RolloutMetadata(batch_idx=3, team="red")})
+
+    def on_succeeded(self, rollout: Rollout, events, store) -> None:
+        assert rollout.status.state == RolloutState.SUCCEEDED and rollout.status.state in TERMINAL_STATES
+        SEEN.append(("succeeded", rollout.status.version, rollout.metadata.batch_idx, rollout.metadata["team"]))
+        SEEN.append(("config", rollout.config.timeout_seconds, rollout.config.k8s.job_template, DEFAULT_ATTEMPT_ID))
+
+    def on_failed(self, rollout: Rollout, store) -> None:
+        SEEN.append(("failed", rollout.status.state == "failed", rollout.status.error_message, rollout.metadata.sample_idx_in_batch))
+"""
+
+
+def test_v1_hooks_read_and_write_what_v1_models_offer(tmp_path):
+    path = write(tmp_path, "models.py", V1_MODEL_ACCESS_HOOK_FILE)
+    manager = manager_with(path)
+    seen = module_of(manager, path).SEEN
+    config = {"timeout_seconds": 1800, "local": {"agent_class": "pkg:Agent", "env_map": {}}, "k8s": {"job_template": None}}
+    out = manager.enqueue(RolloutRequest(rollout_id="r1", group_id="g1", input={"q": 1}, config=config))
+    assert seen == [("timeout", 1800, 1800), ("agent", "pkg:Agent", None)]
+    assert out.config["timeout_seconds"] == 90 and out.config["local"]["agent_class"] == "pkg:Agent"
+    assert dict(out.metadata) == {"batch_idx": 3, "team": "red"}, "only the keys set come back: no v1.0 defaults added"
+
+    done = CompletedRollout(
+        rollout_id="r1", group_id="g1", state="succeeded", attempt_id="0", config=out.config, metadata=out.metadata
+    )
+    manager.on_succeeded(done, {"0": []}, EventWriter())
+    failed = CompletedRollout(rollout_id="r2", group_id="g1", state="failed", error="agent crashed")
+    manager.on_failed(failed, EventWriter())
+    assert seen[2:] == [("succeeded", 1, 3, "red"), ("config", 90, None, "0"), ("failed", True, "agent crashed", None)]
+    assert manager.pop_metrics()["training/n_hook_failures"] == 0
+
+
+# Every name Agent Lightning v1.0's agentlightning/schemas.py defines.
+V1_SCHEMA_NAMES = (
+    "Event EventCreate ModelRequestData RewardData Model RolloutState VALID_TRANSITIONS TERMINAL_STATES DEFAULT_ATTEMPT_ID "
+    "RolloutLocalConfig RolloutK8sConfig RolloutConfig RolloutMetadata RolloutCreate RolloutLifecycleStatus "
+    "RolloutStatusPatch RolloutPatch Rollout"
+).split()
+
+
+def test_every_v1_schema_name_resolves_and_models_dump_and_copy(tmp_path):
+    names = ", ".join(V1_SCHEMA_NAMES)
+    path = write(
+        tmp_path,
+        "imports.py",
+        f"""
+        from agentlightning.hooks import RolloutHooks
+        from agentlightning.schemas import {names}
+
+        class Imports(RolloutHooks):
+            pass
+        """,
+    )
+    manager_with(path)
+    from agl_hooks.schemas import RolloutConfig, RolloutCreate, RolloutState
+
+    request = RolloutCreate(input={"a": 1}, config={"timeout_seconds": 5, "local": {"agent_class": "m:A"}})
+    assert request.config.local.env_map == {} and request.config.k8s is None
+    assert request.model_dump() == {
+        "input": {"a": 1},
+        "is_train": True,
+        "config": {"timeout_seconds": 5, "local": {"agent_class": "m:A", "env_map": {}}, "k8s": None},
+        "metadata": None,
+        "rollout_id": None,
+    }
+    deep = request.model_copy(deep=True)
+    deep.config.local.agent_class = "m:B"
+    assert request.config.local.agent_class == "m:A"
+    assert RolloutConfig().timeout_seconds == 3600 and str(RolloutState.FAILED) == "failed"
+    with pytest.raises(AttributeError, match="RolloutConfig has no field 'timeout'"):
+        RolloutConfig().timeout
+
+
+def test_a_hook_class_imported_from_a_helper_module_is_found(tmp_path):
+    write(
+        tmp_path,
+        "shared_hooks_helper.py",
+        """
+        from agentlightning.hooks import RolloutHooks
+
+        class SharedHooks(RolloutHooks):
+            def on_startup(self, store=None):
+                STARTED.append(True)
+
+        STARTED = []
+        """,
+    )
+    path = write(tmp_path, "uses_helper.py", "from shared_hooks_helper import SharedHooks\n")
+    try:
+        manager = manager_with(path)
+        manager.on_startup(config={})
+        assert sys.modules["shared_hooks_helper"].STARTED == [True]
+        assert str(tmp_path) not in sys.path, "the file's directory is on sys.path only while it is imported"
+    finally:
+        sys.modules.pop("shared_hooks_helper", None)
+
+
+def test_the_same_hook_file_listed_twice_is_one_clear_error(tmp_path):
+    path = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
+    with pytest.raises(PluginError) as info:
+        PluginManager.from_config({"agentlightning": {"hooks": [str(path), str(tmp_path / "." / "mod_hooks.py")]}}, load_entrypoints=False)
+    assert str(info.value) == f"hook file {path.resolve()} is listed twice in agentlightning.hooks; list each hook file once"
+
+
+def test_registering_a_second_plugin_under_a_taken_name_does_not_dump_every_plugin():
+    manager = PluginManager(load_entrypoints=False)
+    with pytest.raises(PluginError) as info:
+        manager.register(_StartupLogger("x"), name="losses")
+    assert str(info.value) == "a plugin named 'losses' is already registered (built-in); register this one under another name"
+
+
+@pytest.mark.parametrize("code", ["3", "0", "'bye'"])
+def test_sys_exit_while_importing_a_hook_file_is_a_clear_error(tmp_path, code):
+    path = write(tmp_path, "exits.py", f"import sys\nsys.exit({code})\n")
+    with pytest.raises(HookFileError, match=rf"hook file {path.resolve()} called sys.exit\({code}\) while being imported"):
+        load_hook_file(path)

@@ -284,6 +284,7 @@ def test_weight_push_and_reregistration_leave_no_503_window(stack, policy_dir: P
             f"actor_rollout_ref.model.path={policy_dir}",
             "agentlightning.async_rollout.enabled=true",
             "data.train_batch_size=1",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
             "agentlightning.async_rollout.async_train_batch_size=2",
             "agentlightning.gateway.pause_retry_after_seconds=1",
         ]

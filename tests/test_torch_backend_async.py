@@ -28,6 +28,7 @@ def backend(policy: Path, tmp_path: Path, *extra: str) -> TorchBackend:
             f"trainer.default_local_dir={tmp_path}",
             f"data.train_files={REPO_ROOT / 'examples' / 'corridor' / 'dataset.jsonl'}",
             "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "data.shuffle=false",
             "agentlightning.async_rollout.enabled=true",
             "agentlightning.async_rollout.async_train_batch_size=5",

@@ -23,6 +23,8 @@ def user_yaml(tmp_path):
             data:
               train_batch_size: 4
             actor_rollout_ref:
+              actor:
+                ppo_mini_batch_size: 2
               model:
                 path: /models/tiny
                 override_config:
@@ -71,6 +73,10 @@ def test_verl_defaults_overlay_and_user_values_compose(user_yaml):
         ("agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size", "greater than"),
         ("algorithm.adv_estimator=remax", "algorithm.adv_estimator", "not supported"),
         ("algorithm.adv_estimator=gae", "algorithm.adv_estimator", "per-token"),
+        # the core's ranges and relations hold under verl too
+        ("actor_rollout_ref.actor.grad_clip=-1", "actor_rollout_ref.actor.grad_clip", "greater than 0"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size", "larger than data.train_batch_size"),
+        ("trainer.total_training_steps=0", "trainer.total_training_steps", "positive integer or null"),
     ],
 )
 def test_errors_name_the_key(user_yaml, override, key, fragment):

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from agl_core.plugins import PluginManager
     from agl_core.plugins.registry import RegistryEntry
 
-__all__ = ["Backend", "BackendFactory", "BackendSpec", "ConfigLoader", "OnStep", "backend_spec"]
+__all__ = ["Backend", "BackendFactory", "BackendSpec", "ConfigCheck", "ConfigLoader", "OnStep", "backend_spec"]
 
 OnStep = Callable[[int, int, Mapping[str, float]], None]
 """``on_step(step, total_steps, metrics)``: called after every training step with the step's metrics
@@ -41,13 +41,19 @@ ConfigLoader = Callable[[str | None, Sequence[str]], "DictConfig"]
 overrides; bad input raises :class:`~agl_core.config.ConfigError` naming the key."""
 
 
+ConfigCheck = Callable[["DictConfig"], None]
+"""``check(config)``: what the backend needs before it trains (files, devices, services), checked
+without loading a model; bad input raises :class:`~agl_core.config.ConfigError` naming the key."""
+
+
 @attrs.frozen
 class BackendSpec:
-    """A backend as registered: its factory, and the loader that validates its runs (a backend whose
-    schema is larger than the core's, like verl's, brings its own)."""
+    """A backend as registered: its factory, the loader that validates its runs (a backend whose
+    schema is larger than the core's, like verl's, brings its own), and the check ``agl check`` runs."""
 
     factory: BackendFactory
     load_config: ConfigLoader = load_config
+    check_config: ConfigCheck | None = None
 
 
 def backend_spec(entry: RegistryEntry) -> BackendSpec:

@@ -13,7 +13,7 @@ gateway key in every dump.
 """
 
 from agl_core.config.errors import ConfigError
-from agl_core.config.loading import REDACTED, load_config, redacted, to_yaml
+from agl_core.config.loading import REDACTED, load_config, merge_config, redacted, to_yaml, with_backend_hint
 from agl_core.config.schema import LOSS_NORMALIZATION_MODES, SECRET_KEYS, AgentLightningConfig, CoreConfig, default_config
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
     "CoreConfig",
     "default_config",
     "load_config",
+    "merge_config",
     "redacted",
     "to_yaml",
+    "with_backend_hint",
 ]

@@ -1,30 +1,47 @@
-"""Loading a run config: base → user YAML → ``key=value`` overrides, validated once; secrets redacted in dumps."""
+"""Loading a run config: base → user YAML → ``key=value`` overrides, validated once; secrets redacted in dumps.
+
+Every failure is a :class:`ConfigError` naming the key: omegaconf's own errors often name none (a
+merge of a list into a mapping, an interpolation that cannot be resolved), so the key is found by
+comparing the two configs or resolving one interpolation at a time.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from agl_core.config.checks import validate
+from agl_core.config.composition import strip_composition
 from agl_core.config.errors import ConfigError
 from agl_core.config.schema import SECRET_KEYS, default_config
+from agl_core.suggestions import closest
 
-__all__ = ["REDACTED", "load_config", "redacted", "to_yaml"]
+__all__ = ["REDACTED", "load_config", "merge_config", "redacted", "to_yaml", "with_backend_hint"]
 
 REDACTED = "***"
 
 
-def _config_error(exc: OmegaConfBaseException, origin: str) -> ConfigError:
+def _config_error(exc: OmegaConfBaseException, origin: str, known: DictConfig | None = None) -> ConfigError:
     key = str(getattr(exc, "full_key", "") or getattr(exc, "key", "") or "?")
     message = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
     if key in SECRET_KEYS:
         message = "invalid value (not shown: it is a secret)"
     elif "not in struct" in message or "Key '" in message and "not in" in message:
-        message = "unknown key"
+        message = f"unknown key (in {origin}){_did_you_mean(key, known)}"
+        return ConfigError(key, message)
     return ConfigError(key, f"{message} (in {origin})")
+
+
+def _did_you_mean(key: str, known: DictConfig | None) -> str:
+    parent, _, name = key.rpartition(".")
+    section = OmegaConf.select(known, parent) if known is not None and parent else known
+    match = closest(name, section.keys()) if isinstance(section, DictConfig) else None
+    return f"; did you mean {match!r}?" if match else ""
 
 
 def load_config(
@@ -34,6 +51,20 @@ def load_config(
 ) -> DictConfig:
     """Merge ``base`` (default: :func:`default_config`), the YAML file at ``path`` and ``key=value``
     overrides; validate; return the result with interpolations resolved."""
+    cfg = merge_config(path, overrides, base)
+    validate(cfg)
+    return cfg
+
+
+def merge_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    base: DictConfig | None = None,
+    composed: Sequence[str] = (),
+) -> DictConfig:
+    """:func:`load_config` without the cross-key checks, for a backend that checks its own keys' types
+    first (every error is still a :class:`ConfigError` naming the key). ``composed``: the Hydra configs
+    ``base`` holds, which the file's ``defaults`` may name (see :mod:`agl_core.config.composition`)."""
     cfg = default_config() if base is None else base
     if path is not None:
         if not os.path.isfile(path):
@@ -44,32 +75,122 @@ def load_config(
             raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(user, DictConfig):
             raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
-        cfg = _merge(cfg, user, str(path))
+        cfg = _merge(cfg, strip_composition(user, str(path), composed), str(path))
     if overrides:
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(item, "override must be written key=value")
-        try:
-            dotlist = OmegaConf.from_dotlist(list(overrides))
-        except OmegaConfBaseException as exc:
-            raise _config_error(exc, "overrides") from None
-        cfg = _merge(cfg, dotlist, "overrides")
+        cfg = _merge(cfg, _parse_overrides(overrides), "overrides")
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
-        raise _config_error(exc, "interpolation") from None
-    validate(cfg)
+        raise _interpolation_error(cfg, exc) from None
     return cfg
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(item, "override must be written key=value")
+        if not key:
+            raise ConfigError("<override>", f"{item!r} names no key: write key=value")
+        if "" in key.split("."):
+            raise ConfigError(key, f"is not a key path (an empty part between dots, in override {item!r})")
+        if not value:
+            raise ConfigError(key, f"override {item!r} has no value: write {key}=null to unset it, or {key}='' for an empty string")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise _config_error(exc, "overrides") from None
 
 
 def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
     try:
         merged = OmegaConf.merge(cfg, other)
     except OmegaConfBaseException as exc:
-        raise _config_error(exc, origin) from None
+        conflict = _shape_conflict(cfg, other)
+        if conflict is not None:
+            key, expected, got = conflict
+            raise ConfigError(key, f"must be {expected}, got {got} (in {origin})") from None
+        raise _config_error(exc, origin, cfg) from None
     assert isinstance(merged, DictConfig)
     OmegaConf.set_struct(merged, True)
     return merged
+
+
+def _shape(node: Any) -> str:
+    if isinstance(node, DictConfig):
+        return "a mapping (key: value)"
+    if isinstance(node, ListConfig):
+        return "a list"
+    return "a single value"
+
+
+def _shape_conflict(base: DictConfig, other: DictConfig, prefix: str = "") -> tuple[str, str, str] | None:
+    """``(key, what base holds there, what other gives)`` for the first key where a mapping meets a
+    list or a single value (or the other way round), which omegaconf reports without the key."""
+    for key in other.keys():
+        if key not in base or OmegaConf.is_interpolation(base, key) or OmegaConf.is_interpolation(other, key):
+            continue
+        mine, theirs = base._get_node(key), other._get_node(key)
+        if mine is None or theirs is None or mine._is_none() or theirs._is_none():
+            continue
+        if isinstance(mine, DictConfig) and isinstance(theirs, DictConfig):
+            found = _shape_conflict(mine, theirs, f"{prefix}{key}.")
+            if found is not None:
+                return found
+        elif isinstance(mine, DictConfig) != isinstance(theirs, DictConfig):
+            return f"{prefix}{key}", _shape(mine), f"{_shape(theirs)} {OmegaConf.to_container(other)[key]!r}"
+    return None
+
+
+def _interpolations(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``(dotted key, resolve)`` for every interpolation under ``node``."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        dotted = f"{prefix}{key}" if isinstance(node, DictConfig) else f"{prefix.rstrip('.')}[{key}]"
+        if OmegaConf.is_interpolation(node, key):
+            yield dotted, lambda node=node, key=key: node[key]
+            continue
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
+            yield from _interpolations(child, f"{dotted}.")
+
+
+def _interpolation_error(cfg: DictConfig, exc: OmegaConfBaseException) -> ConfigError:
+    """The error of the first interpolation that cannot be resolved, naming its key."""
+    key, error = "?", exc
+    for dotted, resolve in _interpolations(cfg):
+        try:
+            resolve()
+        except OmegaConfBaseException as failed:
+            key, error = dotted, failed
+            break
+    message = (getattr(error, "msg", None) or str(error)).splitlines()[0]
+    if key in SECRET_KEYS:
+        variable = re.search(r"Environment variable '([^']+)' not found", message)
+        message = f"environment variable {variable.group(1)!r} is not set" if variable else "details not shown: it is a secret"
+    return ConfigError(key, f"its interpolation cannot be resolved: {message}")
+
+
+def with_backend_hint(
+    error: ConfigError,
+    path: str | os.PathLike[str] | None,
+    overrides: Sequence[str],
+    loaders: Mapping[str, Callable[[Any, Sequence[str]], DictConfig]],
+) -> ConfigError:
+    """``error`` (an unknown key under one backend) with a hint naming the backend among ``loaders``
+    (backend name → its config loader) whose config knows the key, if one does."""
+    if not error.message.startswith("unknown key"):
+        return error
+    for name, loader in loaders.items():
+        try:
+            loader(path, [*overrides, f"agentlightning.backend={name}"])
+        except ConfigError as other:
+            if other.key == error.key or other.message.startswith("unknown key"):
+                continue  # that backend does not know the key either (or it is not clear that it does)
+        except Exception:
+            continue
+        return ConfigError(error.key, f"{error.message}; it is a key of backend {name!r}: run with backend={name}")
+    return error
 
 
 def redacted(cfg: DictConfig) -> DictConfig:

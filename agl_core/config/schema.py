@@ -101,6 +101,9 @@ class AgentLightningConfig:
     agl_base_url: Optional[str] = None
     agl_key: str = ""
     hooks: Any = None  # a hook file path or a list of them
+    # The longest a lifecycle hook call (agl_on_startup/enqueue/succeeded/failed) is waited for; a call
+    # that overruns is abandoned, logged and counted as a hook failure, and training goes on.
+    hook_timeout_seconds: float = 60.0
     rollout_timeout_seconds: int = 1800
     local: LocalRunnerConfig = field(default_factory=LocalRunnerConfig)
     k8s: K8sRunnerConfig = field(default_factory=K8sRunnerConfig)

@@ -2,7 +2,8 @@
 
 It has Agent Lightning's ``TraceWriter`` shape (``add_event(rollout_id, attempt_id, event_type,
 data)``) so v1.0 hook files work unchanged. Events are only queued while the hook runs; the rollout
-source flushes them after the hook returns, so a hook that raises half-way writes nothing.
+source flushes them after the hook returns, so a hook that raises half-way (or is abandoned after
+its time limit) writes nothing.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class EventWriter:
     def discard(self, keep: int = 0) -> int:
         """Drop the queued events after the first ``keep`` (all by default); return how many went.
 
-        The plugin manager marks ``len(writer.pending)`` before each plugin's hook and discards back
-        to that mark when the hook raises, so a failing hook writes nothing.
+        The plugin manager gives each hook call a writer of its own and discards it when the hook
+        raises or overruns its time limit, so a failing hook writes nothing.
         """
         dropped = len(self._pending) - keep
         del self._pending[keep:]

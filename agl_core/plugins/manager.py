@@ -12,15 +12,19 @@ Discovery order (it is also the order in which lifecycle hooks run):
 
 ``AGL_BLOCKED_PLUGINS`` (comma-separated registration names) blocks plugins, built-ins included.
 Callers never touch pluggy: they use the registry properties and the ``on_*``/``enqueue`` methods.
+
+The manager calls each implementation of agl's registry and lifecycle hooks on its own, so that one
+plugin's failure cannot stop the others, and each lifecycle call is bounded in time
+(``agentlightning.hook_timeout_seconds``: a call that overruns is abandoned, logged with its plugin's
+name and counted as a failure; that plugin's hook is skipped until the call returns). pluggy's hook wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap
+a whole chain of calls, which this does not make: they are refused when the plugin registers.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
-from collections import Counter
 from importlib.metadata import packages_distributions
 from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,12 +34,12 @@ import attrs
 import pluggy
 
 from agl_core import hookspecs
+from agl_core.config import AgentLightningConfig
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.plugins.calls import HookCalls, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
 from agl_core.suggestions import suggest
-
-logger = logging.getLogger(__name__)
 
 ENTRYPOINT_GROUP = "agl"
 DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
@@ -58,9 +62,9 @@ REGISTRIES = {
     "backends": ("agl_register_backends", "backend", "agentlightning.backend"),
 }
 
-HOOK_FAILURES_METRIC = "training/n_hook_failures"
-# Events a hook queued before it raised: discarded (a failing hook writes nothing), and counted.
-DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
+DEFAULT_HOOK_TIMEOUT_SECONDS = AgentLightningConfig.hook_timeout_seconds
+# The hook pluggy itself calls (firstresult), where hook wrappers work as pluggy documents.
+PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 
 
 class PluginError(Exception):
@@ -94,13 +98,13 @@ class PluginManager:
         load_entrypoints: bool | None = None,
         blocked: Iterable[str] = (),
         builtins: Mapping[str, str] | None = None,
+        hook_timeout_seconds: float = DEFAULT_HOOK_TIMEOUT_SECONDS,
     ):
         self._pm = pluggy.PluginManager("agl")
+        self.calls = HookCalls(hook_timeout_seconds)
         self._pm.add_hookspecs(hookspecs)
         self._sources: dict[str, str] = {}
         self._registries: dict[str, Registry] = {}
-        self.hook_failures: Counter[str] = Counter()
-        self.discarded_hook_events = 0
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
         for name, module_name in (DEFAULT_PLUGINS if builtins is None else builtins).items():
@@ -111,9 +115,22 @@ class PluginManager:
         self._load_entrypoints(third_party=load_entrypoints)
         self.check_pending()
 
+    @property
+    def hook_timeout_seconds(self) -> float:
+        """The longest a lifecycle hook call is waited for (``agentlightning.hook_timeout_seconds``)."""
+        return self.calls.timeout
+
+    @hook_timeout_seconds.setter
+    def hook_timeout_seconds(self, seconds: float) -> None:
+        self.calls.timeout = seconds
+
     @classmethod
     def from_config(cls, config: Any, plugins: Iterable[Any] = (), **kwargs: Any) -> PluginManager:
-        """A manager with built-ins, entry points, the config's hook files, then ``plugins``."""
+        """A manager with built-ins, entry points, the config's hook files, then ``plugins``; lifecycle
+        hook calls bounded by the config's ``agentlightning.hook_timeout_seconds`` when it has one."""
+        timeout = _select(config, "agentlightning.hook_timeout_seconds")
+        if timeout is not None:
+            kwargs.setdefault("hook_timeout_seconds", float(timeout))
         manager = cls(**kwargs)
         hooks = _select(config, "agentlightning.hooks")
         if hooks:
@@ -144,9 +161,11 @@ class PluginManager:
 
     def load_hook_files(self, paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         """Load user hook files as plugins through ``agl_load_hook_file``; return their names."""
-        names = []
+        names: list[str] = []
         for path in paths:
             resolved = Path(path).expanduser().resolve()
+            if f"hookfile:{resolved}" in names or self._pm.has_plugin(f"hookfile:{resolved}"):
+                raise PluginError(f"hook file {resolved} is listed twice in agentlightning.hooks; list each hook file once")
             plugin = self._pm.hook.agl_load_hook_file(path=resolved)
             if plugin is None:
                 raise PluginError(
@@ -168,14 +187,29 @@ class PluginManager:
         try:
             registered = self._pm.register(plugin, name=name)
         except ValueError as exc:
+            if name is not None and self._pm.has_plugin(name):  # pluggy's own message lists every plugin
+                source = self._sources.get(name, "code")
+                raise PluginError(f"a plugin named {name!r} is already registered ({source}); register this one under another name") from None
             raise PluginError(str(exc)) from exc
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name or plugin!r} does not fit the hookspecs: {exc}") from exc
         if registered is None:  # blocked
             return name or ""
+        self._refuse_wrappers(plugin, registered)
         self._sources[registered] = source
         self._registries.clear()
         return registered
+
+    def _refuse_wrappers(self, plugin: Any, name: str) -> None:
+        """Unregister ``plugin`` and raise if it implements one of the hooks the manager calls one
+        implementation at a time as a pluggy wrapper (it would silently wrap nothing)."""
+        for hook_name, kind in wrapper_impls(self._pm, plugin, skip=PLUGGY_CALLED_HOOKS):
+            self._pm.unregister(plugin)
+            raise PluginError(
+                f"plugin {name!r}: {hook_name} is a hook wrapper ({kind}); agl calls each implementation of its "
+                "hooks on its own (isolating failures and bounding their time), so wrappers are not supported: "
+                "write a plain @hookimpl (tryfirst/trylast set its place in the order)"
+            )
 
     def unregister(self, name: str) -> None:
         self._pm.unregister(name=name)
@@ -196,13 +230,17 @@ class PluginManager:
     def is_registered(self, name: str) -> bool:
         return self._pm.get_plugin(name) is not None
 
+    def implementations(self, hook_name: str) -> list[str]:
+        """The plugins implementing ``hook_name``, in the order they are called."""
+        return [impl.plugin_name for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())]
+
     # -- registries ---------------------------------------------------------------------------
 
     def _registry(self, prop: str) -> Registry:
         if prop not in self._registries:
             hook_name, kind, config_key = REGISTRIES[prop]
             registry = Registry(kind, config_key)
-            for impl in _in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
+            for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
                 impl.function(lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p))
             self._registries[prop] = registry
         return self._registries[prop]
@@ -225,43 +263,27 @@ class PluginManager:
 
     # -- lifecycle hooks ----------------------------------------------------------------------
 
-    def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation in plugin order, isolating failures; return (plugin, result)."""
-        results = []
-        writer = kwargs.get("writer")
-        for impl in _in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
-            mark = len(writer.pending) if writer is not None else 0
-            try:
-                result = impl.function(*[kwargs[arg] for arg in impl.argnames])
-            except Exception:
-                if writer is not None:
-                    self.discarded_hook_events += writer.discard(keep=mark)
-                self._record_failure(hook_name, impl.plugin_name, subject)
-                continue
-            results.append((impl.plugin_name, result))
-        return results
-
-    def _record_failure(self, hook_name: str, plugin_name: str, subject: str) -> None:
-        self.hook_failures[hook_name] += 1
-        logger.exception("hook %s of plugin %r failed (%s); training continues", hook_name, plugin_name, subject)
-
     def on_startup(self, config: Any) -> None:
         self._call_each("agl_on_startup", "startup", config=config)
 
+    def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        impls = in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())
+        return self.calls.call_each(impls, hook_name, subject, kwargs)
+
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
         """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result."""
-        for impl in _in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
+        for impl in in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
             subject = f"rollout {request.rollout_id}"
+            ok, result = self.calls.call(impl, "agl_on_enqueue", subject, {"request": request})
+            if not ok or result is None:
+                continue
             try:
-                result = impl.function(*[{"request": request}[arg] for arg in impl.argnames])
-                if result is None:
-                    continue
                 if not isinstance(result, RolloutRequest):
                     raise TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
                 if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
                     raise ValueError("agl_on_enqueue may not change rollout_id or group_id")
             except Exception:
-                self._record_failure("agl_on_enqueue", impl.plugin_name, subject)
+                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject)
                 continue
             request = result
         return request
@@ -275,17 +297,8 @@ class PluginManager:
         self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
 
     def pop_metrics(self) -> dict[str, float]:
-        """Hook-failure counts since the last call (``training/n_hook_failures[/hook]``) and the number
-        of events discarded because the hook that queued them raised."""
-        metrics: dict[str, float] = {
-            HOOK_FAILURES_METRIC: float(sum(self.hook_failures.values())),
-            DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_hook_events),
-        }
-        for hook_name, count in self.hook_failures.items():
-            metrics[f"{HOOK_FAILURES_METRIC}/{hook_name}"] = float(count)
-        self.hook_failures.clear()
-        self.discarded_hook_events = 0
-        return metrics
+        """The lifecycle hooks' failure, timeout and skip counts since the last call (see :class:`HookCalls`)."""
+        return self.calls.pop_metrics()
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -309,18 +322,6 @@ class PluginManager:
                 )
             )
         return infos
-
-
-def _in_plugin_order(impls: Sequence[Any]) -> list[Any]:
-    """Registration order, ``tryfirst`` implementations first and ``trylast`` ones last.
-
-    pluggy keeps implementations with the last registered at the end and calls from the end; agl's
-    lifecycle hooks chain in discovery order instead (built-ins, then entry points, then hook files).
-    """
-    first = [i for i in impls if i.tryfirst]
-    last = [i for i in impls if i.trylast]
-    middle = [i for i in impls if not i.tryfirst and not i.trylast]
-    return first + middle + last
 
 
 KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))

@@ -11,7 +11,6 @@ unchanged.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 import threading
@@ -20,7 +19,7 @@ from typing import Any
 
 from agl_core.config import ConfigError
 
-__all__ = ["ThreadEnviron", "env_from_map", "install_thread_environ", "load_agent_class", "uninstall_thread_environ"]
+__all__ = ["ThreadEnviron", "install_thread_environ", "load_agent_class", "uninstall_thread_environ"]
 
 
 class ThreadEnviron(MutableMapping[str, str]):
@@ -90,33 +89,6 @@ def uninstall_thread_environ() -> None:
         _environ_users -= 1
         if _environ_users == 0 and isinstance(os.environ, ThreadEnviron):
             os.environ = os.environ.base  # type: ignore[assignment]
-
-
-def env_from_map(task_input: Any, env_map: Mapping[str, str]) -> dict[str, str]:
-    """The controller's ``local.env_map``: ``input`` / ``input.a.0.b`` paths into the rollout input
-    (strings as they are, other values as JSON); anything else is a literal value."""
-    env = {}
-    for name, path in env_map.items():
-        value: Any = path
-        if path == "input" or path.startswith("input."):
-            value = task_input
-            for part in path.split(".")[1:]:
-                if isinstance(value, Mapping) and part in value:
-                    value = value[part]
-                elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
-                    value = value[int(part)]
-                else:
-                    raise KeyError(f"agentlightning.local.env_map.{name}: path {path!r} not found in the rollout input")
-        env[name] = value if isinstance(value, str) else json.dumps(_plain(value))
-    return env
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def load_agent_class(path: str | None) -> type:

@@ -7,7 +7,9 @@ with the contract's environment: ``AGL_OPENAI_BASE_URL``
 (``…/api/rollouts/{rid}/attempt/{aid}/events``), ``AGL_KEY`` and the ``local.env_map`` fields of the
 rollout input. Those URLs point at the local recording server of :mod:`agl_core.rollouts.recorder`,
 whose proxy uses the mode's temperature — ``actor_rollout_ref.rollout.temperature`` in train mode,
-``actor_rollout_ref.rollout.val_kwargs.temperature`` in val mode, 0 being greedy. The recorded
+``actor_rollout_ref.rollout.val_kwargs.temperature`` in val mode, 0 being greedy — and, in train
+mode, ``actor_rollout_ref.rollout.top_p``, as the gateway does with its
+``default_proxy.{train,val}`` sampling settings. The recorded
 events are finished by :mod:`agl_core.rollouts.finish` and parsed by :mod:`agl_core.rollouts.events`,
 so everything downstream is what the gateway path produces.
 """
@@ -31,7 +33,8 @@ from omegaconf import DictConfig
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.local_http import LocalHTTPServer
 from agl_core.plugins import EventWriter, PluginManager
-from agl_core.rollouts.agents import env_from_map, install_thread_environ, load_agent_class, uninstall_thread_environ
+from agl_core.datasets import env_from_map
+from agl_core.rollouts.agents import install_thread_environ, load_agent_class, uninstall_thread_environ
 from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
 from agl_core.rollouts.finish import finish_rollout
 from agl_core.rollouts.recorder import Recorder, recorded_event, recorder_handler
@@ -69,6 +72,7 @@ class EmbeddedRolloutSource(RolloutSource):
             },
             max_connections=workers,
             seed=int(config.trainer.seed),
+            top_p=float(config.actor_rollout_ref.rollout.top_p),
         )
         self.server = LocalHTTPServer(("127.0.0.1", 0), recorder_handler(self.recorder))
         self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"

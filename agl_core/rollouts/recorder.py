@@ -46,13 +46,21 @@ class Recorder:
     """The events of open rollouts, and the forwarding of model calls to the engine."""
 
     def __init__(
-        self, key: str, upstream: str, model_name: str, temperature: Mapping[str, float], max_connections: int, seed: int
+        self,
+        key: str,
+        upstream: str,
+        model_name: str,
+        temperature: Mapping[str, float],
+        max_connections: int,
+        seed: int,
+        top_p: float = 1.0,
     ):
         self.key = key
         self.upstream = upstream
         self.model_name = model_name
         self.version = 0
         self.temperature = dict(temperature)  # by proxy mode: train, val
+        self.top_p = top_p  # train mode only (validation samples at the engine's default, 1.0)
         self.seed = seed
         self.events: dict[str, list[dict[str, Any]]] = {}
         self.places: dict[str, tuple[int, int, int]] = {}  # rollout id -> (step, is_train, index in batch)
@@ -103,6 +111,7 @@ class Recorder:
             prepared["seed"] = self.call_seed(rollout_id)
         if mode == "train":
             prepared["logprobs"] = True
+            prepared["top_p"] = self.top_p
         if prepared.get("stream"):
             return 400, {"detail": "Streaming responses are not supported"}
         endpoint = self.upstream

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from agl_core.plugins import PluginManager
     from agl_core.rollouts.source import RolloutSource
 
-__all__ = ["TorchBackend", "agl_register_backends", "model_folder", "pick_device"]
+__all__ = ["TorchBackend", "agl_register_backends", "check_torch_config", "model_folder", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,8 @@ class TorchBackend:
                 "async rollout runs through the gateway: set agentlightning.agl_base_url (the embedded source is sync only)",
             )
         self.data = DataOrder.from_config(config)
-        self.total_steps = int(config.trainer.total_training_steps or config.trainer.total_epochs * self.data.steps_per_epoch)
+        steps = config.trainer.total_training_steps
+        self.total_steps = int(steps if steps is not None else config.trainer.total_epochs * self.data.steps_per_epoch)
         self.val_rows = load_dataset(config.data.val_files, "data.val_files") if config.data.val_files else []
         self.loop = LoopSettings.from_config(config, self.total_steps, has_validation=bool(self.val_rows))
         if config.agentlightning.torch.num_threads:
@@ -264,6 +265,20 @@ class TorchBackend:
         return {"training/engine/n_restarts": float(restarts)}
 
 
+def check_torch_config(config: DictConfig) -> None:
+    """What ``agl check`` verifies without loading the model: the model folder, the device, the lr
+    schedule and, for the embedded source, that the agent class imports."""
+    from agl_core.backends.torch.update import lr_lambda
+
+    model_folder(config)
+    pick_device(config.agentlightning.torch.device)
+    lr_lambda(config.actor_rollout_ref.actor.optim, 1)
+    if not config.agentlightning.agl_base_url:
+        from agl_core.rollouts.agents import load_agent_class
+
+        load_agent_class(config.agentlightning.local.agent_class)
+
+
 @hookimpl
 def agl_register_backends(register: Register) -> None:
-    register("torch", BackendSpec(TorchBackend))
+    register("torch", BackendSpec(TorchBackend, check_config=check_torch_config))

@@ -1,0 +1,163 @@
+"""How the plugin manager calls hook implementations: one at a time, in plugin order, isolated, bounded in time.
+
+agl calls each implementation of its registry and lifecycle hooks on its own (not through pluggy's
+hook caller), so one plugin's failure cannot stop the others. :class:`HookCalls` runs each lifecycle
+call in a fresh daemon thread (with the caller's context variables) and waits at most its time
+limit. Python cannot stop a thread: a call that overruns is abandoned, runs on in the background with
+its result ignored, and being a daemon thread does not keep the process alive at exit. That plugin's
+hook is not called again until the abandoned call has returned (the calls in between are skipped and
+counted), so a hook that hangs every time costs one time limit, not one per rollout, and leaves one
+thread behind, not one per call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pluggy
+
+from agl_core.plugins.event_writer import EventWriter
+
+__all__ = ["HookCalls", "HookTimeout", "call_bounded", "in_plugin_order", "wrapper_impls"]
+
+logger = logging.getLogger(__name__)
+
+HOOK_FAILURES_METRIC = "training/n_hook_failures"
+# Lifecycle calls abandoned after the time limit (each also counted as a failure).
+HOOK_TIMEOUTS_METRIC = "training/n_hook_timeouts"
+# Calls not made (each also counted as a failure): the plugin's abandoned call of the hook still runs.
+HOOK_SKIPS_METRIC = "training/n_hook_skipped"
+# Events a hook queued before it raised or overran: discarded (a failing hook writes nothing), and counted.
+DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
+
+
+class HookTimeout(Exception):
+    """A hook call did not return within its time limit and was abandoned; ``thread`` still runs it."""
+
+    def __init__(self, message: str, thread: threading.Thread):
+        super().__init__(message)
+        self.thread = thread
+
+
+def call_bounded(function: Callable[..., Any], args: Sequence[Any], timeout: float, thread_name: str) -> Any:
+    """``function(*args)``, or :class:`HookTimeout` after ``timeout`` seconds; what it raises is raised here."""
+    outcome: dict[str, Any] = {}
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            outcome["result"] = context.run(function, *args)
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise HookTimeout(f"did not return within {timeout:g} s", thread)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+class HookCalls:
+    """Calls lifecycle hook implementations: isolated, bounded by ``timeout`` seconds, failures counted."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.failures: Counter[str] = Counter()
+        self.timeouts: Counter[str] = Counter()
+        self.skips: Counter[str] = Counter()
+        self.discarded_events = 0
+        self._abandoned: dict[tuple[str, str], threading.Thread] = {}  # (plugin, hook) -> the call still running
+
+    def call(self, impl: Any, hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
+        """``(True, result)`` of one implementation, or ``(False, None)`` when it raised, overran the
+        time limit or was skipped (logged with its plugin's name and counted)."""
+        key = (impl.plugin_name, hook_name)
+        if key in self._abandoned:
+            if self._abandoned[key].is_alive():
+                self.failures[hook_name] += 1
+                self.skips[hook_name] += 1
+                return False, None
+            del self._abandoned[key]
+        try:
+            args = [kwargs[arg] for arg in impl.argnames]
+            return True, call_bounded(impl.function, args, self.timeout, f"agl-hook-{impl.plugin_name}")
+        except HookTimeout as exc:
+            self._abandoned[key] = exc.thread
+            self.failures[hook_name] += 1
+            self.timeouts[hook_name] += 1
+            logger.error(
+                "hook %s of plugin %r did not return within %g s (%s): abandoned and counted as a failure; its next "
+                "calls are skipped (and counted) until it returns; training continues "
+                "(agentlightning.hook_timeout_seconds sets the limit)",
+                hook_name, impl.plugin_name, self.timeout, subject,
+            )
+        except Exception:
+            self.record_failure(hook_name, impl.plugin_name, subject)
+        return False, None
+
+    def call_each(self, impls: Sequence[Any], hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        """Call every implementation in order; return ``(plugin, result)`` of those that returned.
+
+        Each call gets a writer of its own; what a call that returned wrote is passed on to
+        ``kwargs["writer"]``, what a failed or abandoned one wrote is discarded and counted."""
+        results = []
+        writer = kwargs.get("writer")
+        for impl in impls:
+            own = EventWriter()
+            ok, result = self.call(impl, hook_name, subject, {**kwargs, "writer": own} if writer is not None else kwargs)
+            if not ok:
+                self.discarded_events += own.discard()
+                continue
+            for event in own.pending:
+                writer.add_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
+            results.append((impl.plugin_name, result))
+        return results
+
+    def record_failure(self, hook_name: str, plugin_name: str, subject: str) -> None:
+        self.failures[hook_name] += 1
+        logger.exception("hook %s of plugin %r failed (%s); training continues", hook_name, plugin_name, subject)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Failure, timeout and skip counts since the last call (``training/n_hook_failures[/hook]``,
+        ``training/n_hook_timeouts[/hook]``, ``training/n_hook_skipped[/hook]``) and the number of
+        events discarded because the hook that queued them raised or overran."""
+        metrics: dict[str, float] = {DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_events)}
+        for name, counts in ((HOOK_FAILURES_METRIC, self.failures), (HOOK_TIMEOUTS_METRIC, self.timeouts), (HOOK_SKIPS_METRIC, self.skips)):
+            metrics[name] = float(sum(counts.values()))
+            for hook_name, count in counts.items():
+                metrics[f"{name}/{hook_name}"] = float(count)
+            counts.clear()
+        self.discarded_events = 0
+        return metrics
+
+
+def in_plugin_order(impls: Sequence[Any]) -> list[Any]:
+    """Registration order, ``tryfirst`` implementations first and ``trylast`` ones last.
+
+    pluggy keeps implementations with the last registered at the end and calls from the end; agl's
+    lifecycle hooks chain in discovery order instead (built-ins, then entry points, then hook files).
+    """
+    first = [i for i in impls if i.tryfirst]
+    last = [i for i in impls if i.trylast]
+    middle = [i for i in impls if not i.tryfirst and not i.trylast]
+    return first + middle + last
+
+
+def wrapper_impls(pm: pluggy.PluginManager, plugin: Any, skip: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
+    """``(hook name, "wrapper=True" | "hookwrapper=True")`` for each hook ``plugin`` implements as a
+    pluggy wrapper, except the hooks in ``skip``. Called one implementation at a time, a wrapper would
+    wrap nothing."""
+    for caller in pm.get_hookcallers(plugin) or ():
+        if caller.name in skip:
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper):
+                yield caller.name, "wrapper=True" if impl.wrapper else "hookwrapper=True"
