@@ -89,7 +89,7 @@ class GatewayConfig:
 class VllmConfig:
     """The real vLLM OpenAI server used when ``agentlightning.engine`` is ``vllm``."""
 
-    python: Optional[str] = None  # the vLLM venv's python; null: $AGL_VLLM_PYTHON or .venvs/vllm/bin/python
+    python: Optional[str] = None  # the vLLM venv's python; null: $AGL_VLLM_PYTHON (scripts/vllm_venv.sh builds one)
     url: Optional[str] = None  # attach to a running server (http://host:port) instead of starting one
     port: int = 0  # port for the started server; 0 picks a free one
     startup_timeout_seconds: float = 300.0  # longest wait for /health after starting
@@ -423,6 +423,9 @@ def _validate_engine_keys(cfg: DictConfig) -> None:
     port = cfg.agentlightning.vllm.port
     if not 0 <= port <= 65535:
         raise ConfigError("agentlightning.vllm.port", f"must be 0 (a free port) or a port number, got {port!r}")
+    python = cfg.agentlightning.vllm.python
+    if python is not None and not str(python).strip():
+        raise ConfigError("agentlightning.vllm.python", "must be the path of a python that has vLLM, or null")
     url = cfg.agentlightning.vllm.url
     if url is not None and not str(url).startswith(("http://", "https://")):
         raise ConfigError("agentlightning.vllm.url", f"must be an http(s) URL or null, got {url!r}")
