@@ -88,6 +88,12 @@ def agl_register_policy_losses(register: Register) -> None:
     floats. Values at padded positions must not reach the loss or its gradient.
     :func:`agl_core.stages.policy_loss.as_verl_policy_loss` turns such a function into one for verl's
     policy-loss registry. See :mod:`agl_core.stages.losses`.
+
+    A loss that needs something of the step pipeline declares it by registering a
+    :class:`~agl_core.stages.policy_loss.PolicyLossSpec` instead of the bare function:
+    ``register(name, PolicyLossSpec(loss_fn, scale_advantages_per_rollout=True))`` has its
+    advantages scaled per rollout before the update (``per_rollout_mean`` does). A bare function is
+    ``PolicyLossSpec(loss_fn)``: raw advantages.
     """
 
 
