@@ -27,6 +27,7 @@ from agl_core.stages.advantage import (
     rollout_level,
 )
 from agl_core.stages.aggregation import (
+    CALLS_LEFT_OUT_METRIC,
     MISMATCH_KINDS,
     Aggregation,
     AggregationCounts,
@@ -52,6 +53,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "CALLS_LEFT_OUT_METRIC",
     "MISMATCH_KINDS",
     "AdvantageError",
     "AdvantageSettings",

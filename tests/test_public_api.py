@@ -22,6 +22,7 @@ PUBLIC_NAMES = [
     "AggregationCounts",
     "AggregationSettings",
     "Align",
+    "CALLS_LEFT_OUT_METRIC",
     "CompletedRollout",
     "ConfigError",
     "DataValidationError",

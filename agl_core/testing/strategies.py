@@ -5,6 +5,9 @@ A trace is what an agent leaves behind: calls whose prompts usually extend the p
 retokenized, the chat template rewrote the previous turn, or the agent started over. Responses may
 be empty or long, log-probs may be missing, prompts may exceed the limits.
 
+Rollout and group ids are uuids, as the trainer makes them, in no particular order: a plugin that
+sorts its input, or relies on ids sorting like the input, meets that here.
+
 Retokenization needs a tokenizer in which one text has several tokenizations: :class:`ToyTokenizer`
 is a character tokenizer with a few two-character tokens. A model may emit any ids; the agent's
 re-rendered history is encoded canonically (greedy longest match), so the two disagree exactly
@@ -15,16 +18,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from agl_core.stages.aggregation import AggregationSettings
 from agl_core.data import CompletedRollout, Triplet
 
 __all__ = [
+    "CONTRACT_SETTINGS",
     "TOY_TOKENIZER",
     "ToyTokenizer",
     "aggregation_settings",
     "completed_rollouts",
+    "distinct_ids",
     "rollout_batches",
     "token_ids",
 ]
@@ -131,13 +137,19 @@ def completed_rollouts(
     )
 
 
+def distinct_ids(n: int) -> st.SearchStrategy[list[str]]:
+    """``n`` distinct uuid strings in random order (never sorted on purpose)."""
+    return st.lists(st.uuids().map(str), min_size=n, max_size=n, unique=True).flatmap(st.permutations)
+
+
 @st.composite
 def rollout_batches(draw: st.DrawFn, max_rollouts: int = 4, max_calls: int = 5) -> list[CompletedRollout]:
-    """A batch of rollouts with distinct ids, a few sharing a group."""
+    """A batch of rollouts with distinct uuid ids in random order, a few sharing one of two groups."""
     n = draw(st.integers(1, max_rollouts))
+    group_ids = draw(distinct_ids(2))
     return [
-        draw(completed_rollouts(f"rollout-{i}", f"group-{draw(st.integers(0, 1))}", max_calls=max_calls))
-        for i in range(n)
+        draw(completed_rollouts(rollout_id, draw(st.sampled_from(group_ids)), max_calls=max_calls))
+        for rollout_id in draw(distinct_ids(n))
     ]
 
 
@@ -151,3 +163,12 @@ def aggregation_settings(tokenizer: Any = TOY_TOKENIZER) -> st.SearchStrategy[Ag
         mismatch_sample_size=st.integers(0, 4),
         mismatch_max_length=st.integers(1, 40),
     )
+
+
+# The settings every contract property runs under: no deadline (the first call of a plugin may import
+# heavy modules), and none of the health checks a contract trips by design — one test method runs for
+# every subclass (every plugin), with generated inputs that can be large.
+CONTRACT_SETTINGS = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
+)
