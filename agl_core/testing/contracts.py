@@ -31,6 +31,10 @@ The invariants, for every rollout of a batch (:mod:`agl_core.testing.aggregator_
   (``training/n_skipped_empty_rows``) or, for an aggregator that sets ``leaves_calls_out = True``,
   counted in ``training/n_calls_left_out`` (:meth:`~agl_core.AggregationCounts.leave_out`);
 - the input is not mutated (nor reordered); the output is deterministic.
+
+The suites for advantage estimators (:class:`AdvantageEstimatorContract`, in
+:mod:`agl_core.testing.estimator_contract`) and policy losses (:class:`PolicyLossContract`, in
+:mod:`agl_core.testing.loss_contract`) are importable from here too.
 """
 
 from __future__ import annotations
@@ -50,12 +54,16 @@ from agl_core.testing.aggregator_checks import (
     check_metrics,
     check_tokens,
 )
+from agl_core.testing.estimator_contract import AdvantageEstimatorContract
 from agl_core.testing.lookup import registered
+from agl_core.testing.loss_contract import PolicyLossContract
 from agl_core.testing.snapshots import describe_change, snapshot
 from agl_core.testing.strategies import CONTRACT_SETTINGS, TOY_TOKENIZER, aggregation_settings, rollout_batches
 
 __all__ = [
+    "AdvantageEstimatorContract",
     "AggregatorContract",
+    "PolicyLossContract",
     "check_aggregation",
     "check_input_unchanged",
 ]
