@@ -16,6 +16,8 @@ Three kinds of hooks live here:
   but compose: every plugin implementing one is called, in plugin registration order (built-ins,
   entry points, hook files, plugins given in code). A hook that raises is logged with its plugin's
   name and counted (``training/n_hook_failures``); the other plugins still run and training goes on.
+  They run for every rollout, validation rollouts included: ``request.is_train`` /
+  ``rollout.is_train`` is false for those (their rewards feed ``val/*`` metrics, never training).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ ALLOWED = {
     "serving": {"base"},
     "backends": {"base", "plugins", "stages", "rollouts", "serving"},
     "backend:torch": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
-    "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch"},
+    "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "entry"},
     "entry": {"base", "plugins", "backends", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
     "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends"},

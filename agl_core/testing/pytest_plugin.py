@@ -9,6 +9,7 @@ import pytest
 from hypothesis import settings
 
 from agl_core.plugins import PluginManager
+from agl_core.testing.harness import agl_training  # noqa: F401  (the integration-harness fixture)
 
 # Select with ``--hypothesis-profile agl-thorough`` to run every contract property on 1,000 traces.
 settings.register_profile("agl-thorough", max_examples=1000, deadline=None)
