@@ -22,7 +22,7 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 API = "agl_core"
 BASE = {"agl_core.data", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
         "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
-ENTRY = {"agl_core.cli", "agl_core.train"}
+ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families; every other agl_core.rollouts module is shared by all sources.
 SOURCE_FAMILIES = {
     "gateway": ("agl_core.rollouts.gateway", "agl_core.rollouts.gateway_async", "agl_core.rollouts.gateway_client"),
