@@ -1,10 +1,11 @@
 """agl: Agent Lightning's trainer side as a plugin system.
 
-Everything a plugin author needs is importable from here: :data:`hookimpl`, the data model, the
-aggregation, advantage and loss toolkits with their settings and results, the plugin manager and
-the errors. Modules under ``agl_core`` are free to move; these names are the stable surface. The
-loss names (:class:`LossSettings`, :class:`PolicyLossSpec`...) need torch and are imported on first
-use, so ``import agl_core`` stays light. Test helpers live in :mod:`agl_core.testing`.
+Everything a plugin author needs is importable from here (``__all__``): :data:`hookimpl`, the data
+model, the aggregation, advantage and loss toolkits with their settings and results, the plugin
+manager and the errors. Modules under ``agl_core`` are free to move; these names are the stable
+surface. The loss names (:class:`~agl_core.stages.policy_loss.LossSettings`,
+:class:`~agl_core.stages.policy_loss.PolicyLossSpec`...) need torch and are imported on first use,
+so ``import agl_core`` stays light. Test helpers live in :mod:`agl_core.testing`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The aggregator contract's invariants, as functions of (input rollouts, result, settings).
 
 Each ``check_*`` raises ``AssertionError`` with a message that names the rollout and the row, and
-says what the row holds and what it should have held. :class:`~agl_core.testing.contracts.
-AggregatorContract` runs them on generated batches; call them directly in property tests of your own.
+says what the row holds and what it should have held.
+:class:`~agl_core.testing.contracts.AggregatorContract` runs them on generated batches; call them
+directly in property tests of your own.
 """
 
 from __future__ import annotations

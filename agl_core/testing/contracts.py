@@ -29,7 +29,7 @@ The invariants, for every rollout of a batch (:mod:`agl_core.testing.aggregator_
 - prompts over ``max_prompt_length`` mark the row dropped; other rows fit both limits;
 - the metrics count what the rows show; a call in no row is in a skipped row
   (``training/n_skipped_empty_rows``) or, for an aggregator that sets ``leaves_calls_out = True``,
-  counted in ``training/n_calls_left_out`` (:meth:`~agl_core.AggregationCounts.leave_out`);
+  counted in ``training/n_calls_left_out`` (:meth:`~agl_core.stages.aggregation.AggregationCounts.leave_out`);
 - the input is not mutated (nor reordered); the output is deterministic.
 
 The suites for advantage estimators (:class:`AdvantageEstimatorContract`, in

@@ -15,7 +15,7 @@ group (``reinforce``), ``min_group_size`` the fewest rollouts per group it accep
 
 The properties, on rows from :func:`~agl_core.testing.strategies.grouped_rows`:
 
-- the result is an :class:`~agl_core.Advantages` with one read-only, finite float32 array per row,
+- the result is an :class:`~agl_core.stages.advantage.Advantages` with one read-only, finite float32 array per row,
   as long as the row's response and zero wherever its ``response_mask`` is 0;
 - a rollout-level estimator puts one value on every trained token of every row of a rollout; a
   per-turn one, one value per call of a rollout;

@@ -9,7 +9,7 @@ Subclass :class:`PolicyLossContract` in a ``test_*.py`` file::
         loss_name = "my_loss"
         plugins = (my_package,)
 
-The loss is looked up by name and its :class:`~agl_core.PolicyLossSpec` read; set ``clips_ratio =
+The loss is looked up by name and its :class:`~agl_core.stages.policy_loss.PolicyLossSpec` read; set ``clips_ratio =
 False`` for a loss that is not PPO-clipped. The properties, on inputs from
 :func:`~agl_core.testing.strategies.loss_batches` (float64, NaN in some padded positions):
 

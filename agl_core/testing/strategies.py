@@ -78,6 +78,7 @@ class ToyTokenizer:
         return out
 
 
+#: The tokenizer of every generated trace (and of :func:`aggregation_settings`).
 TOY_TOKENIZER = ToyTokenizer()
 
 # How the next prompt relates to the previous call, and how often (by repetition).
