@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from agl_core.plugins import PluginManager
+from agl_core.scaffold import add_command as add_new_plugin_command
 
 DISTRIBUTION = "agl-backend-verl"
 
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run", help="run directory (trainer.default_local_dir) or metrics.jsonl file")
     plot.add_argument("-o", "--output", help="PNG path (default: metrics.png beside the metrics)")
     plot.set_defaults(func=_plot)
+    add_new_plugin_command(sub)
     return parser
 
 

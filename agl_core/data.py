@@ -56,7 +56,7 @@ class Triplet:
     """One successful model call: the prompt the model saw, what it generated, and how likely it was.
 
     ``response_log_probs`` is ``None`` when the server did not return log-probs (or returned the wrong
-    number of them: see :meth:`from_parts`). ``reward`` is a per-call reward when the agent reported one
+    number of them, which the events parser counts). ``reward`` is a per-call reward when the agent reported one
     for this call; the rollout's final reward lives on :class:`CompletedRollout`.
     """
 

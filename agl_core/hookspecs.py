@@ -22,6 +22,8 @@ Three kinds of hooks live here:
   ``training/n_hook_skipped``) until the abandoned call returns. The manager calls implementations one at a time, so
   pluggy hook wrappers (``wrapper=True``/``hookwrapper=True``) are refused, except on
   ``agl_load_hook_file``, which pluggy calls.
+  They run for every rollout, validation rollouts included: ``request.is_train`` /
+  ``rollout.is_train`` is false for those (their rewards feed ``val/*`` metrics, never training).
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ def agl_register_policy_losses(register: Register) -> None:
     floats. Values at padded positions must not reach the loss or its gradient.
     :func:`agl_core.stages.policy_loss.as_verl_policy_loss` turns such a function into one for verl's
     policy-loss registry. See :mod:`agl_core.stages.losses`.
+
+    A loss that needs something of the step pipeline declares it by registering a
+    :class:`~agl_core.stages.policy_loss.PolicyLossSpec` instead of the bare function:
+    ``register(name, PolicyLossSpec(loss_fn, scale_advantages_per_rollout=True))`` has its
+    advantages scaled per rollout before the update (``per_rollout_mean`` does). A bare function is
+    ``PolicyLossSpec(loss_fn)``: raw advantages.
     """
 
 

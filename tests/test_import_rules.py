@@ -17,9 +17,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 
 # Top-level agl_core modules everything may use: the data model, the config, the hookspecs, helpers.
-BASE = {"agl_core", "agl_core.data", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
+# The package root (the public API) is its own part; a name imported from it counts as an import of
+# the module that defines the name.
+API = "agl_core"
+BASE = {"agl_core.data", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
         "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
-ENTRY = {"agl_core.cli", "agl_core.train"}
+ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {
     "gateway": (
@@ -35,6 +38,7 @@ SHARED_ROLLOUT_MODULES = ("agl_core.rollouts", "agl_core.rollouts.source", "agl_
 
 # part -> the parts it may import (its own part always included)
 ALLOWED = {
+    "api": {"base", "plugins", "stages"},
     "base": {"base"},
     "plugins": {"base"},
     "stages": {"base", "plugins"},
@@ -42,7 +46,7 @@ ALLOWED = {
     "serving": {"base"},
     "backends": {"base", "plugins", "stages", "rollouts", "serving"},
     "backend:torch": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
-    "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch"},
+    "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "entry"},
     "entry": {"base", "plugins", "backends", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
     "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
@@ -55,6 +59,8 @@ def part_of(module: str) -> str:
         return "backend:verl"
     if module.startswith("agl_hooks"):
         return "agl_hooks"
+    if module == API:
+        return "api"
     if module in BASE or module.startswith("agl_core.config."):
         return "base"
     if module in ENTRY:
@@ -115,6 +121,18 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[int, str]]:
     return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
 
 
+def _public_names(root: Path) -> dict[str, str]:
+    """``agl_core.<name>`` -> the module defining it, for every name the public API imports (its
+    lazily imported names included: ``_LAZY`` maps them to their modules)."""
+    names = {}
+    for node in ast.walk(ast.parse((root / "agl_core" / "__init__.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(API):
+            names.update({f"{API}.{alias.asname or alias.name}": node.module for alias in node.names})
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets):
+            names.update({f"{API}.{name}": module for name, module in ast.literal_eval(node.value).items()})
+    return names
+
+
 def _known_modules(root: Path) -> set[str]:
     return {_module_name(root, p) for package in PACKAGES for p in (root / package).rglob("*.py")}
 
@@ -122,6 +140,7 @@ def _known_modules(root: Path) -> set[str]:
 def forbidden_imports(root: Path) -> list[str]:
     """Every import under ``root`` that breaks the package map's rules, as readable lines."""
     known = _known_modules(root)
+    public = _public_names(root)
     problems = []
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
@@ -129,6 +148,9 @@ def forbidden_imports(root: Path) -> list[str]:
             own_package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
             source = part_of(importer)
             for line, imported in _imports(ast.parse(path.read_text(), str(path)), own_package):
+                imported = public.get(imported, imported)
+                if imported == API:
+                    continue  # the names it imports from the API are counted as their modules
                 if imported not in known:
                     continue  # a name imported from a module, already counted as its module
                 target = part_of(imported)
@@ -160,6 +182,8 @@ def test_every_rollout_module_is_shared_or_in_one_source_family():
         ("agl_core/plugins/planted.py", "from agl_hooks import loader\n", "plugins may not import agl_hooks"),
         ("agl_core/rollouts/embedded.py", "from agl_core.rollouts.gateway_client import GatewayClient\n", "may not import the gateway source"),
         ("agl_core/serving/planted.py", "if True:\n    from agl_core.stages import tensorize\n", "serving may not import stages"),
+        ("agl_core/plugins/planted.py", "from agl_core import Aggregation\n", "plugins may not import stages"),
+        ("agl_core/serving/planted.py", "from agl_core import LossSettings\n", "serving may not import stages"),
     ],
 )
 def test_a_planted_forbidden_import_is_reported(tmp_path, module, planted, message):

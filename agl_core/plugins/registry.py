@@ -1,7 +1,9 @@
 """Name tables filled by the ``agl_register_*`` hooks.
 
-The host owns the table: a plugin only calls ``register(name, obj)``. A name registered twice is an
-error naming both plugins; looking up an unknown name is an error listing what is registered.
+The host owns the table: a plugin only calls ``register(name, obj)``. A name registered twice, or an
+entry that cannot be called, is an error naming the plugin; looking up an unknown name is an error
+listing what is registered. What an entry declares beside its function (a policy loss's
+:class:`~agl_core.stages.policy_loss.PolicyLossSpec`) travels in the entry object itself.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import attrs
 
 from agl_core.suggestions import closest
 
+__all__ = ["Registry", "RegistryEntry", "RegistryError"]
+
 
 class RegistryError(LookupError):
     """A registry name is unknown, or claimed by two plugins."""
@@ -20,6 +24,8 @@ class RegistryError(LookupError):
 
 @attrs.frozen
 class RegistryEntry:
+    """One registered name: the object and the plugin that registered it."""
+
     name: str
     obj: Any
     plugin_name: str
@@ -36,8 +42,8 @@ class Registry:
     def add(self, name: str, obj: Any, plugin_name: str) -> None:
         if not isinstance(name, str) or not name:
             raise RegistryError(f"plugin {plugin_name!r} registered a {self.kind} with an invalid name {name!r}")
-        if obj is None:
-            raise RegistryError(f"plugin {plugin_name!r} registered {self.kind} {name!r} as None")
+        if not callable(obj):
+            raise RegistryError(f"plugin {plugin_name!r} registered {self.kind} {name!r} as {obj!r}, which cannot be called")
         previous = self._entries.get(name)
         if previous is not None:
             raise RegistryError(

@@ -128,6 +128,8 @@ def group_rollouts(rows: Sequence[Any]) -> RolloutGroups:
 
 
 def require_group_size(indexed: RolloutGroups, estimator: str, minimum: int) -> None:
+    """Raise :class:`AdvantageError` naming the first group with fewer than ``minimum`` rollouts
+    (and its rollouts), so a run never trains on a baseline computed from too few samples."""
     for gid, rids in indexed.groups.items():
         if len(rids) < minimum:
             raise AdvantageError(
@@ -146,6 +148,10 @@ def broadcast(row: Any, value: float | np.ndarray) -> np.ndarray:
 def rollout_level(
     rows: Sequence[Any], estimator: str, minimum: int, group_advantages: Callable[[np.ndarray], np.ndarray]
 ) -> Advantages:
+    """A rollout-level estimator's result from ``group_advantages`` (a group's rewards, one per
+    rollout in first-seen order → one advantage per rollout), broadcast over every trained token of
+    every row of each rollout. ``estimator`` names the estimator in errors; groups need at least
+    ``minimum`` rollouts."""
     indexed = group_rollouts(rows)
     require_group_size(indexed, estimator, minimum)
     per_rollout: dict[str, float] = {}

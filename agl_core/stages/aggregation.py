@@ -8,7 +8,9 @@ of them and lives here, so a third-party aggregator keeps the same limits and co
 - a row whose prompt exceeds ``max_prompt_length`` is kept whole and marked ``dropped``
   (``training/n_sample_dropped/marked``); batch shaping removes it before training;
 - a response longer than ``max_response_length`` is cut, its mask, log-probs and turn indices with
-  it (``training/n_truncated_sample``); a row left with no trained token is skipped instead.
+  it (``training/n_truncated_sample``); a row left with no trained token is skipped instead;
+- calls an aggregator leaves out on purpose (it trains only some calls of a rollout, e.g. the last)
+  are counted, one per call, in ``training/n_calls_left_out`` (:meth:`AggregationCounts.leave_out`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
 
 __all__ = [
+    "CALLS_LEFT_OUT_METRIC",
     "MISMATCH_KINDS",
     "Aggregation",
     "AggregationCounts",
@@ -38,6 +41,7 @@ __all__ = [
 ]
 
 MISMATCH_KINDS = ("retokenization", "template", "other")
+CALLS_LEFT_OUT_METRIC = "training/n_calls_left_out"
 
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -188,6 +192,10 @@ class AggregationCounts:
             self.counts["training/n_rollouts_w_trace"] += 1
         self.counts["training/n_turns"] += len(rollout.triplets)
         self.response_lengths.extend(len(t.response_ids) for t in rollout.triplets)
+
+    def leave_out(self, n_calls: int) -> None:
+        """Count calls left out of every row on purpose (``training/n_calls_left_out``)."""
+        self.counts[CALLS_LEFT_OUT_METRIC] += n_calls
 
     def metrics(self, *, trajectory: bool) -> dict[str, float]:
         """The metrics; ``trajectory`` adds the merge counts (meaningless for one row per call)."""

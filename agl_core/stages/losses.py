@@ -2,6 +2,8 @@
 
 Both reduce the same per-token PPO term (:func:`agl_core.stages.policy_loss.ppo_token_losses`); see
 :mod:`agl_core.stages.policy_loss` for the formulas and the mapping onto verl's registry.
+``per_rollout_mean`` is registered with a :class:`~agl_core.stages.policy_loss.PolicyLossSpec`
+declaring that it needs its advantages scaled per rollout; ``token_mean`` as a plain function.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 import torch
 
 from agl_core.hookspecs import hookimpl
-from agl_core.stages.policy_loss import LossSettings, masked_sum, ppo_token_losses
+from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, masked_sum, ppo_token_losses
 
 __all__ = ["per_rollout_mean", "token_mean"]
 
@@ -50,5 +52,5 @@ def per_rollout_mean(
 
 @hookimpl
 def agl_register_policy_losses(register: Any) -> None:
-    register("per_rollout_mean", per_rollout_mean)
+    register("per_rollout_mean", PolicyLossSpec(per_rollout_mean, scale_advantages_per_rollout=True))
     register("token_mean", token_mean)

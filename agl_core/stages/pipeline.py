@@ -20,10 +20,10 @@ from agl_core.stages.advantage import Advantages, AdvantageSettings
 from agl_core.stages.aggregation import settings_from_config, write_mismatches_jsonl
 from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
 from agl_core.data import CompletedRollout, TrainingRow
+from agl_core.stages.policy_loss import policy_loss_spec
 from agl_core.stages.tensorize import pad_responses
 
-# Losses that expect their advantages scaled per rollout (agl_core.stages.normalization) before the update.
-PER_ROLLOUT_LOSSES = frozenset({"per_rollout_mean"})
+__all__ = ["PreparedBatch", "StepPipeline", "rollout_metrics", "staleness_metrics"]
 
 
 def rollout_metrics(rollouts: Sequence[CompletedRollout], prefix: str) -> dict[str, float]:
@@ -80,11 +80,23 @@ class PreparedBatch:
         return padded
 
 
+def _scales_per_rollout(config: Any, plugins: Any) -> bool:
+    """Whether the configured loss declares it needs advantages scaled per rollout (its
+    :class:`~agl_core.stages.policy_loss.PolicyLossSpec`). A name agl does not register is a
+    backend's own loss (verl's ``vanilla``...), which takes raw advantages."""
+    loss_mode = str(config.actor_rollout_ref.actor.policy_loss.loss_mode)
+    if loss_mode not in plugins.policy_losses:
+        return False
+    return policy_loss_spec(plugins.policy_losses.get(loss_mode)).scale_advantages_per_rollout
+
+
 class StepPipeline:
     """Aggregator → advantage estimator (on every collected row) → batch shaping → normalisation.
 
     ``estimate`` overrides how advantages are computed (the verl backend routes verl-native estimator
     names through verl); by default the estimator named by ``algorithm.adv_estimator`` is used.
+    Advantages are scaled per rollout when the loss named by
+    ``actor_rollout_ref.actor.policy_loss.loss_mode`` declares ``scale_advantages_per_rollout``.
     Trajectory breaks are appended to ``agentlightning.trace_aggregator.mismatch_log_path`` when set.
     """
 
@@ -108,8 +120,7 @@ class StepPipeline:
                 return estimator(rows, settings)
 
         self.estimate = estimate
-        loss_mode = str(config.actor_rollout_ref.actor.policy_loss.loss_mode)
-        self.normalization = str(config.agentlightning.loss_normalization) if loss_mode in PER_ROLLOUT_LOSSES else None
+        self.normalization = str(config.agentlightning.loss_normalization) if _scales_per_rollout(config, plugins) else None
 
     def prepare(self, rollouts: Sequence[CompletedRollout], step: int) -> PreparedBatch:
         metrics = rollout_metrics(rollouts, "training")

@@ -34,6 +34,13 @@ global_batch_size, loss_scale_factor}``), and expects ``(loss, metrics)`` with t
 :func:`as_verl_policy_loss` is the adapter: it builds :class:`LossSettings` from ``config`` with
 :meth:`LossSettings.from_actor_config` and drops ``loss_agg_mode`` (each of our losses fixes its own
 reduction), so ``register_policy_loss(name)(as_verl_policy_loss(loss_fn))`` is all a backend needs.
+
+What a loss needs from the step pipeline is declared when it is registered, with a
+:class:`PolicyLossSpec`: ``register("per_rollout_mean", PolicyLossSpec(per_rollout_mean,
+scale_advantages_per_rollout=True))``. ``register(name, fn)`` with a plain function is
+``PolicyLossSpec(fn)``: raw advantages, additive over micro-batches. Both backends read the
+declaration (:func:`policy_loss_spec`), never the loss's name, so a wrapper registered under a new
+name gets scaled advantages exactly when it declares so.
 """
 
 from __future__ import annotations
@@ -45,9 +52,48 @@ import attrs
 import torch
 
 
-__all__ = ["LossSettings", "PolicyLoss", "as_verl_policy_loss", "masked_sum", "ppo_token_losses"]
+__all__ = [
+    "LossSettings",
+    "PolicyLoss",
+    "PolicyLossSpec",
+    "as_verl_policy_loss",
+    "masked_sum",
+    "policy_loss_spec",
+    "ppo_token_losses",
+]
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+def _callable(_instance: Any, _attribute: Any, value: Any) -> None:
+    if not callable(value):
+        raise TypeError(f"PolicyLossSpec.fn must be a policy-loss function, got {value!r}")
+
+
+@attrs.frozen
+class PolicyLossSpec:
+    """A policy loss and what it needs from the step pipeline; calling it calls ``fn``.
+
+    ``scale_advantages_per_rollout``: the pipeline multiplies each row's advantages by its
+    per-rollout scale (``agentlightning.loss_normalization``, see
+    :mod:`agl_core.stages.normalization`) before the loss sees them, and the loss sums its per-token
+    terms; the entropy bonus is weighted the same way. ``additive_over_micro_batches``: given the
+    mini-batch's ``settings`` (``batch_num_tokens``), the losses of any split of a mini-batch into
+    micro-batches add up to the loss of the whole mini-batch, so gradient accumulation does not
+    depend on the micro-batch size; the loss contract checks it unless a loss declares ``False``.
+    """
+
+    fn: PolicyLoss = attrs.field(validator=_callable)
+    scale_advantages_per_rollout: bool = False
+    additive_over_micro_batches: bool = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.fn(*args, **kwargs)
+
+
+def policy_loss_spec(loss: PolicyLoss | PolicyLossSpec) -> PolicyLossSpec:
+    """The declaration of a registered loss: ``loss`` itself, or ``PolicyLossSpec(loss)`` for a plain function."""
+    return loss if isinstance(loss, PolicyLossSpec) else PolicyLossSpec(loss)
 
 
 def _config_get(config: Any, name: str, default: Any) -> Any:
@@ -138,8 +184,11 @@ def ppo_token_losses(
     return losses, metrics
 
 
-def as_verl_policy_loss(loss_fn: PolicyLoss) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """``loss_fn`` with verl's policy-loss signature, ready for ``register_policy_loss(name)``."""
+def as_verl_policy_loss(loss: PolicyLoss | PolicyLossSpec) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """``loss`` (a function or a :class:`PolicyLossSpec`) with verl's policy-loss signature, ready
+    for ``register_policy_loss(name)``."""
+    loss_fn = policy_loss_spec(loss).fn
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
 
     def verl_policy_loss(
         old_log_prob: torch.Tensor,
@@ -151,10 +200,10 @@ def as_verl_policy_loss(loss_fn: PolicyLoss) -> Callable[..., tuple[torch.Tensor
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if config is None:
-            raise ValueError(f"policy loss {loss_fn.__name__!r} needs the actor config")
+            raise ValueError(f"policy loss {name!r} needs the actor config")
         settings = LossSettings.from_actor_config(config)
         return loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
 
-    verl_policy_loss.__name__ = loss_fn.__name__
+    verl_policy_loss.__name__ = name
     verl_policy_loss.__doc__ = loss_fn.__doc__
     return verl_policy_loss

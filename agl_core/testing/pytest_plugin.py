@@ -1,7 +1,8 @@
 """pytest fixtures for agl plugin authors (loaded automatically through the ``pytest11`` entry point).
 
 pytest loads this module in every project of an environment where agl is installed, so it imports
-nothing beyond pytest at load time, and hypothesis only when it is installed.
+nothing beyond pytest at load time (each fixture imports what it needs when it is used), and
+hypothesis only when it is installed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import pytest
 from agl_core.testing import has_hypothesis
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from agl_core.plugins import PluginManager
+    from agl_core.testing.harness import TrainingRun
 
 if has_hypothesis():
     from hypothesis import settings
@@ -35,3 +39,13 @@ def agl_plugin_manager_factory() -> Callable[..., PluginManager]:
         return manager
 
     return make
+
+
+@pytest.fixture
+def agl_training(tmp_path: Path) -> Callable[..., TrainingRun]:
+    """Real training steps of the reference backend on a tiny built-in task, each run under
+    ``tmp_path``: ``agl_training(plugins=[...], overrides={...}, steps=2)`` returns a
+    :class:`~agl_core.testing.harness.TrainingRun` (see :func:`~agl_core.testing.harness.run_training`)."""
+    from agl_core.testing.harness import training_runner
+
+    return training_runner(tmp_path)

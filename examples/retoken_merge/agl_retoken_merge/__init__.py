@@ -13,26 +13,35 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from agl_core import hookimpl
-from agl_core.stages.aggregation import Aggregation, AggregationSettings
-from agl_core.stages.levels import aggregate_trajectories, exact_prefix
-from agl_core.data import CompletedRollout, Triplet
-from agl_core.stages.mismatch import common_prefix_length, decode
+from agl_core import (
+    Aggregation,
+    AggregationSettings,
+    CompletedRollout,
+    Triplet,
+    aggregate_trajectories,
+    common_prefix_length,
+    exact_prefix,
+    hookimpl,
+)
 
 __all__ = ["realigned_start", "retoken_merge"]
 
 REALIGNED_METRIC = "training/n_realigned_merges"
 
 
+def _decode(tokenizer, ids: np.ndarray) -> str:
+    return tokenizer.decode(ids.tolist())
+
+
 def realigned_start(context: np.ndarray, prompt_ids: np.ndarray, tokenizer) -> int | None:
     """The index in ``prompt_ids`` where the text of ``context`` ends, if a token boundary is there."""
     common = common_prefix_length(context, prompt_ids)
-    tail = decode(tokenizer, context[common:])
+    tail = _decode(tokenizer, context[common:])
     if not tail:
         return common
 
     def text_length(end: int) -> int:
-        return len(decode(tokenizer, prompt_ids[common:end]))
+        return len(_decode(tokenizer, prompt_ids[common:end]))
 
     # Decoded length grows with the number of tokens: find the first end long enough, then look at
     # the next few ends (a multi-byte character may need more than one token to complete).
@@ -46,7 +55,7 @@ def realigned_start(context: np.ndarray, prompt_ids: np.ndarray, tokenizer) -> i
         else:
             low = middle + 1
     for end in range(low, min(low + 4, len(prompt_ids)) + 1):
-        if decode(tokenizer, prompt_ids[common:end]) == tail:
+        if _decode(tokenizer, prompt_ids[common:end]) == tail:
             return end
     return None
 

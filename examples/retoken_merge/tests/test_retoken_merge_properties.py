@@ -7,11 +7,12 @@ import attrs
 import transformers
 from hypothesis import given, settings
 
-from agl_core.stages.aggregation import AggregationSettings
-from agl_core.stages.levels import trajectory
-from agl_core.data import CompletedRollout, Triplet
+from agl_core import AggregationSettings, CompletedRollout, PluginManager, Triplet
 from agl_core.testing.strategies import TOY_TOKENIZER, aggregation_settings, rollout_batches
 from agl_retoken_merge import REALIGNED_METRIC, retoken_merge
+
+# agl's built-in trajectory aggregation, looked up by name as a run would.
+trajectory = PluginManager(load_entrypoints=False).aggregators.get("trajectory")
 
 # The recorded gateway traces ship in agl's repository (tests/fixtures/gateway_traces/README.md).
 TRACES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "gateway_traces"

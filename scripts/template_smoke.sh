@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# `agl new-plugin` end to end: generate a plugin in a temporary folder, install it (pip install -e)
+# into the project venv, run its own tests, then uninstall it so it is not loaded by later runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-.venv/bin/python}
+work=$(mktemp -d)
+cleanup() {
+    "$python" -m pip uninstall -q -y agl-template-smoke >/dev/null 2>&1 || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+"$python" -m agl_core.cli new-plugin agl-template-smoke --dir "$work"
+"$python" -m pip install -q -e "$work/agl-template-smoke"
+"$python" -m agl_core.cli plugins | grep -q '^agl_template_smoke  \[entry point'
+(cd "$work/agl-template-smoke" && "$python" -m pytest -q)

@@ -1,0 +1,139 @@
+"""``agl_core`` is the one public API: its names stay, and the packaged example imports nothing else."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import agl_core
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Removing a name from this list is a breaking change for every plugin: it needs a major version.
+PUBLIC_NAMES = [
+    "AdvantageError",
+    "AdvantageSettings",
+    "Advantages",
+    "Aggregation",
+    "AggregationCounts",
+    "AggregationSettings",
+    "Align",
+    "CALLS_LEFT_OUT_METRIC",
+    "CompletedRollout",
+    "ConfigError",
+    "DataValidationError",
+    "EventWriter",
+    "FrozenDict",
+    "LossSettings",
+    "MISMATCH_KINDS",
+    "Mismatch",
+    "PluginError",
+    "PluginManager",
+    "PolicyLoss",
+    "PolicyLossSpec",
+    "RegistryError",
+    "RolloutGroups",
+    "RolloutRequest",
+    "Segment",
+    "TrainingRow",
+    "Triplet",
+    "__version__",
+    "aggregate_trajectories",
+    "broadcast",
+    "common_prefix_length",
+    "exact_prefix",
+    "group_rollouts",
+    "hookimpl",
+    "masked_sum",
+    "merged_row",
+    "policy_loss_spec",
+    "ppo_token_losses",
+    "require_group_size",
+    "rollout_level",
+    "rollout_reward",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC_NAMES)
+def test_a_public_name_is_exported_and_resolves(name):
+    assert name in agl_core.__all__, f"agl_core no longer exports {name!r}"
+    assert getattr(agl_core, name) is not None
+
+
+def test_every_exported_name_resolves_and_unknown_names_fail():
+    for name in agl_core.__all__:
+        getattr(agl_core, name)
+    assert set(PUBLIC_NAMES) <= set(dir(agl_core))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        agl_core.nope  # noqa: B018
+
+
+def test_import_agl_core_does_not_import_torch():
+    script = "import sys, agl_core; print('torch' in sys.modules); agl_core.LossSettings; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
+def private_imports(source: str) -> list[str]:
+    """Imports of agl modules other than ``agl_core`` and the public test helpers ``agl_core.testing[.x]``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] not in ("agl_core", "agl_hooks", "agl_backend_verl"):
+                continue
+            public = module == "agl_core" or (parts[:2] == ["agl_core", "testing"] and not any(p.startswith("_") for p in parts))
+            if not public:
+                found.append(module)
+    return found
+
+
+def test_the_import_check_finds_a_private_import():
+    assert private_imports("from agl_core.stages.levels import trajectory\nimport agl_core.data\n") == [
+        "agl_core.stages.levels",
+        "agl_core.data",
+    ]
+    assert private_imports("from agl_core import hookimpl\nfrom agl_core.testing.contracts import X\n") == []
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.relative_to(REPO).as_posix() for p in (REPO / "examples" / "retoken_merge").rglob("*.py")), ids=str
+)
+def test_the_example_plugin_imports_only_the_public_api(path):
+    assert private_imports((REPO / path).read_text()) == []
+
+
+def guide_code_blocks() -> list[str]:
+    text = (REPO / "docs" / "plugin-guide.md").read_text()
+    return [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+
+
+def test_every_python_example_of_the_guide_compiles_and_imports_only_the_public_api():
+    blocks = guide_code_blocks()
+    assert len(blocks) >= 10
+    for block in blocks:
+        compile(block, "docs/plugin-guide.md", "exec")
+        assert private_imports(block) == [], block
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom) and node.module == "agl_core":
+                assert {alias.name for alias in node.names} <= set(agl_core.__all__), block
+        if "my_judge" not in block:  # the others define plugins: they must at least load
+            exec(compile(block, "docs/plugin-guide.md", "exec"), {})
+
+
+def test_names_the_example_imports_from_agl_core_are_public():
+    for path in (REPO / "examples" / "retoken_merge").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "agl_core":
+                assert {alias.name for alias in node.names} <= set(agl_core.__all__), path
