@@ -238,7 +238,7 @@ def merged_row(
                 lps.append(seg.triplet.response_log_probs if mask else np.zeros(len(part), dtype=np.float32))
     response = np.concatenate(ids) if ids else _EMPTY_IDS
     mask = np.repeat(np.array(masks, dtype=np.int8), lengths)
-    response_turns = np.repeat(np.array(turns, dtype=np.int64), lengths)
+    response_turns = np.repeat(np.array(turns, dtype=np.int32), lengths)
     log_probs = (np.concatenate(lps) if lps else np.zeros(0, dtype=np.float32)) if have_log_probs else None
 
     if not mask.any():
@@ -256,7 +256,10 @@ def merged_row(
         counts.counts["training/n_truncated_sample"] += 1
         response, mask, response_turns = response[:cut], mask[:cut], response_turns[:cut]
         log_probs = None if log_probs is None else log_probs[:cut]
-    response.flags.writeable = False
+    # Read-only arrays of the row's own dtypes are taken over by TrainingRow without a copy.
+    for array in (response, mask, response_turns, log_probs):
+        if array is not None:
+            array.flags.writeable = False
     return TrainingRow(
         prompt_ids=prompt,
         response_ids=response,
