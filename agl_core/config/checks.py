@@ -7,7 +7,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from agl_core.config.errors import ConfigError
 from agl_core.config.schema import LOSS_NORMALIZATION_MODES
 
-__all__ = ["validate"]
+__all__ = ["row_length_keys", "validate"]
+
+# (switch, budget) key pairs of the token-budget micro-batches (agl_core.stages.micro_batches).
+MICRO_BATCH_KEYS = (
+    ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+    ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+)
 
 
 def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
@@ -48,6 +55,7 @@ def validate(cfg: DictConfig) -> None:
             f"must be a non-negative integer, got {sample_size!r}",
         )
     _validate_gateway_keys(cfg)
+    _validate_micro_batch_keys(cfg)
     _validate_engine_keys(cfg)
     _validate_torch_backend_keys(cfg)
     if agl.async_rollout.enabled:
@@ -67,6 +75,30 @@ def validate(cfg: DictConfig) -> None:
     clip_c = OmegaConf.select(cfg, "actor_rollout_ref.actor.clip_ratio_c")
     if clip_c is not None and clip_c <= 1.0:
         raise ConfigError("actor_rollout_ref.actor.clip_ratio_c", f"must be greater than 1.0, got {clip_c}")
+
+
+def row_length_keys(cfg: DictConfig) -> tuple[str, str]:
+    """The keys that bound a training row's prompt and response: verl's ``data.max_*_length`` for the
+    ``transition`` level, ``agentlightning.trace_aggregator.trajectory_max_*`` for every other level."""
+    if cfg.agentlightning.trace_aggregator.level == "transition":
+        return "data.max_prompt_length", "data.max_response_length"
+    prefix = "agentlightning.trace_aggregator.trajectory_max_"
+    return prefix + "prompt_length", prefix + "response_length"
+
+
+def _validate_micro_batch_keys(cfg: DictConfig) -> None:
+    """A budget in use must hold the longest row the limits let through (as verl asks of its
+    ``max_token_len``), so no row ever exceeds its micro-batch budget."""
+    prompt_key, response_key = row_length_keys(cfg)
+    longest = OmegaConf.select(cfg, prompt_key) + OmegaConf.select(cfg, response_key)
+    for switch, budget in MICRO_BATCH_KEYS:
+        _positive(cfg, budget)
+        if OmegaConf.select(cfg, switch) and OmegaConf.select(cfg, budget) < longest:
+            raise ConfigError(
+                budget,
+                f"is {OmegaConf.select(cfg, budget)}, less than the longest row ({prompt_key} + {response_key} = {longest}); "
+                f"raise it or turn {switch} off",
+            )
 
 
 def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:

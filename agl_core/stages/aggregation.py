@@ -21,7 +21,9 @@ from typing import Any
 
 import attrs
 import numpy as np
+from omegaconf import OmegaConf
 
+from agl_core.config import row_length_keys
 from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
 
 __all__ = [
@@ -79,13 +81,10 @@ def settings_from_config(cfg: Any, tokenizer: Any = None) -> AggregationSettings
     ``agentlightning.trace_aggregator.trajectory_max_*``, as Agent Lightning does.
     """
     agg = cfg.agentlightning.trace_aggregator
-    if agg.level == "transition":
-        prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
-    else:
-        prompt, response = agg.trajectory_max_prompt_length, agg.trajectory_max_response_length
+    prompt_key, response_key = row_length_keys(cfg)
     return AggregationSettings(
-        max_prompt_length=prompt,
-        max_response_length=response,
+        max_prompt_length=OmegaConf.select(cfg, prompt_key),
+        max_response_length=OmegaConf.select(cfg, response_key),
         tokenizer=tokenizer,
         mismatch_sample_size=agg.mismatch_sample_size,
         mismatch_max_length=agg.mismatch_max_length,

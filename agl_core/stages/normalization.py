@@ -75,14 +75,16 @@ def normalize_advantages(
     return advantages * torch.as_tensor(scales, dtype=advantages.dtype, device=advantages.device).unsqueeze(-1)
 
 
-def token_weights(response_mask: torch.Tensor, row_scales: torch.Tensor | None) -> torch.Tensor:
+def token_weights(response_mask: torch.Tensor, row_scales: torch.Tensor | None, n_tokens: int | None = None) -> torch.Tensor:
     """Each response token's weight in a mini-batch's loss, ``[rows, response_len]``, 0 where untrained.
 
     Under a per-rollout loss it is the row's ``scale_i`` (``row_scales``); otherwise (``token_mean``)
-    ``1 / n_tokens``. A per-token quantity summed with these weights, such as the entropy bonus, is
-    then reduced exactly as the policy loss is.
+    ``1 / n_tokens``, where ``n_tokens`` is the mini-batch's trained tokens (default: those of
+    ``response_mask``; pass it when the tensors are one micro-batch of the mini-batch). A per-token
+    quantity summed with these weights, such as the entropy bonus, is then reduced exactly as the
+    policy loss is.
     """
     mask = response_mask.bool()
     if row_scales is None:
-        return mask / mask.sum().clamp(min=1)
+        return mask / (mask.sum().clamp(min=1) if n_tokens is None else max(n_tokens, 1))
     return torch.where(mask, row_scales.to(torch.float32)[:, None], 0.0)

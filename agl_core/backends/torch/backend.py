@@ -40,18 +40,20 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.config import ConfigError
-from agl_core.data import CompletedRollout
+from agl_core.data import CompletedRollout, TrainingRow
 from agl_core.hookspecs import hookimpl
 from agl_core.datasets import load_dataset
 from agl_core.stages.policy_loss import LossSettings
 from agl_core.stages.normalization import token_weights
 from agl_core.stages.pipeline import PreparedBatch, StepPipeline, rollout_metrics
-from agl_core.stages.tensorize import tensorize
+from agl_core.stages.micro_batches import MicroBatch, micro_batches
+from agl_core.stages.tensorize import pad_responses, tensorize
 from agl_core.serving.vllm_engine import VllmEngineError
 
 logger = logging.getLogger(__name__)
@@ -358,57 +360,119 @@ class TorchBackend:
         return {"training/engine/n_restarts": float(restarts)}
 
     def update(self, prepared: PreparedBatch) -> dict[str, float]:
-        """PPO epochs over the prepared batch's mini-batches; returns the actor metrics."""
+        """PPO epochs over the prepared batch's mini-batches, one optimizer step each; returns the actor metrics.
+
+        With ``actor.use_dynamic_bsz`` a mini-batch's gradients are accumulated over token-budget
+        micro-batches (:mod:`agl_core.stages.micro_batches`, at most ``ppo_max_token_len_per_gpu``
+        padded tokens each, padded only to their own longest row); the old and reference log-probs
+        likewise under ``rollout.log_prob_*`` / ``ref.log_prob_*``. Each micro-batch's loss is its
+        share of the mini-batch's loss, so the step equals a single pass's up to float rounding.
+        """
         shaped = prepared.shaped
-        padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
-        tensors = {k: v.to(self.device) for k, v in padded.tensors.items()}
-        mask = tensors["response_mask"]
-        advantages = prepared.advantages(mask.shape[1]).to(self.device)
+        rows = shaped.rows
+        cfg = self.config.actor_rollout_ref
+        started = time.perf_counter()
         with torch.no_grad():
             self.model.eval()
-            old_log_prob = response_log_probs(self.model, tensors)
-            ref_log_prob = response_log_probs(self.ref_model, tensors) if self.ref_model is not None else None
+            old = self.row_log_probs(self.model, rows, cfg.rollout.log_prob_use_dynamic_bsz, cfg.rollout.log_prob_max_token_len_per_gpu)
+            ref = None
+            if self.ref_model is not None:
+                ref = self.row_log_probs(self.ref_model, rows, cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu)
+        metrics = {"timing/log_prob_s": time.perf_counter() - started}
+        started = time.perf_counter()
         self.model.train()
-        actor = self.config.actor_rollout_ref.actor
-        entropy_coeff = float(actor.entropy_coeff)
-        scales = None if prepared.row_scales is None else torch.as_tensor(prepared.row_scales, device=self.device)
-        n_rows = len(shaped.rows)
-        per_mini = n_rows // shaped.n_mini_batches
+        scales = prepared.row_scales
+        advantages = [a if scales is None else a * scales[i] for i, a in enumerate(shaped.advantages)]
+        per_mini = len(rows) // shaped.n_mini_batches
         sums: dict[str, float] = {}
         n_updates = 0
-        for _ in range(int(actor.ppo_epochs)):
-            for start in range(0, n_rows, per_mini):
-                part = slice(start, start + per_mini)
-                mini = {k: v[part] for k, v in tensors.items()}
-                distributions = response_distributions(self.model, mini)
-                log_prob = chosen_log_probs(distributions, mini["responses"])
-                loss, loss_metrics = self.loss_fn(old_log_prob[part], log_prob, advantages[part], mask[part], self.loss_settings)
-                with torch.set_grad_enabled(entropy_coeff > 0):
-                    entropy = (token_weights(mask[part], None if scales is None else scales[part]) * token_entropy(distributions)).sum()
-                if entropy_coeff > 0:
-                    loss = loss - entropy_coeff * entropy
-                loss_metrics = {**loss_metrics, "actor/entropy": entropy.item()}
-                if ref_log_prob is not None:
-                    trained = mask[part].bool()
-                    kl = torch.where(trained, low_var_kl(log_prob, ref_log_prob[part]), 0.0).sum() / trained.sum().clamp(min=1)
-                    loss = loss + float(actor.kl_loss_coef) * kl
-                    loss_metrics = {**loss_metrics, "actor/kl_loss": kl.item()}
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(actor.grad_clip))
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    sums["actor/n_skipped_nonfinite_grad"] = sums.get("actor/n_skipped_nonfinite_grad", 0.0) + 1.0
-                for name, value in {**loss_metrics, "actor/pg_loss": loss.item(), "actor/grad_norm": float(grad_norm)}.items():
-                    sums[name] = sums.get(name, 0.0) + float(value)
+        for _ in range(int(cfg.actor.ppo_epochs)):
+            for start in range(0, len(rows), per_mini):
+                step = self.update_mini_batch(rows, range(start, start + per_mini), old, ref, advantages, scales)
+                for name, value in step.items():
+                    sums[name] = sums.get(name, 0.0) + value
                 n_updates += 1
-        metrics = {k: v if k.startswith("actor/n_") else v / n_updates for k, v in sums.items()}
+        padded, real = sums.pop("perf/padded_tokens"), sums.pop("perf/real_tokens")
+        metrics.update({k: v if k.startswith("actor/n_") and k != "actor/n_micro_batches" else v / n_updates for k, v in sums.items()})
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["actor/n_updates"] = float(n_updates)
-        n_tokens = int(tensors["attention_mask"].sum())
-        metrics["perf/total_num_tokens"] = float(n_tokens)
+        metrics["perf/total_num_tokens"] = float(sum(len(row.prompt_ids) + len(row.response_ids) for row in rows))
+        metrics["perf/padded_per_real_tokens"] = padded / real
+        metrics["timing/actor_update_s"] = time.perf_counter() - started
         return metrics
+
+    def row_log_probs(self, model: torch.nn.Module, rows: Sequence[TrainingRow], use_budget: bool, budget: int) -> list[torch.Tensor]:
+        """Each row's response log-probs under ``model`` (1-D, unpadded), in token-budget micro-batches
+        when ``use_budget``, else in one pass."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for group in micro_batches(*_lengths(rows), budget if use_budget else None):
+            log_probs = response_log_probs(model, self._tensors([rows[i] for i in group.rows], group)).cpu()
+            for j, i in enumerate(group.rows):
+                out[i] = log_probs[j, : len(rows[i].response_ids)]
+        return out
+
+    def _tensors(self, rows: Sequence[TrainingRow], group: MicroBatch) -> dict[str, torch.Tensor]:
+        """``rows`` (a micro-batch's) padded to the group's own longest prompt and response, on the device."""
+        padded = tensorize(rows, pad_token_id=self.pad_token_id, prompt_length=group.prompt_length, response_length=group.response_length)
+        return {k: v.to(self.device) for k, v in padded.tensors.items()}
+
+    def update_mini_batch(self, rows, part, old, ref, advantages, scales) -> dict[str, float]:
+        """One optimizer step on rows ``part``, gradients accumulated over its micro-batches."""
+        actor = self.config.actor_rollout_ref.actor
+        mini = [rows[i] for i in part]
+        n_tokens = sum(row.n_trained_tokens for row in mini)
+        groups = micro_batches(*_lengths(mini), actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None)
+        self.optimizer.zero_grad(set_to_none=True)
+        step = {"perf/padded_tokens": 0.0, "perf/real_tokens": float(sum(len(r.prompt_ids) + len(r.response_ids) for r in mini))}
+        for group in groups:
+            picked = [part[j] for j in group.rows]
+            loss, loss_metrics = self.micro_batch_loss(rows, picked, group, n_tokens, old, ref, advantages, scales)
+            loss.backward()
+            for name, value in loss_metrics.items():
+                step[name] = step.get(name, 0.0) + value
+            step["perf/padded_tokens"] += group.padded_elements
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(actor.grad_clip))
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            step["actor/n_skipped_nonfinite_grad"] = 1.0
+        step["actor/grad_norm"] = float(grad_norm)
+        step["actor/n_micro_batches"] = float(len(groups))
+        return step
+
+    def micro_batch_loss(self, rows, picked, group, n_tokens, old, ref, advantages, scales) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rows ``picked`` (one micro-batch of a mini-batch with ``n_tokens`` trained tokens): their
+        share of the mini-batch's loss, and their metrics weighted so that micro-batches add up."""
+        actor = self.config.actor_rollout_ref.actor
+        tensors = self._tensors([rows[i] for i in picked], group)
+        mask = tensors["response_mask"]
+        width = group.response_length
+        old_log_prob = pad_responses([old[i] for i in picked], width, torch.float32).to(self.device)
+        adv = pad_responses([advantages[i] for i in picked], width, torch.float32).to(self.device)
+        row_scales = None if scales is None else torch.as_tensor(scales[picked], device=self.device)
+        distributions = response_distributions(self.model, tensors)
+        log_prob = chosen_log_probs(distributions, tensors["responses"])
+        settings = attrs.evolve(self.loss_settings, batch_num_tokens=n_tokens)
+        loss, loss_metrics = self.loss_fn(old_log_prob, log_prob, adv, mask, settings)
+        share = float(mask.sum()) / max(n_tokens, 1)
+        out = {name: float(value) * share for name, value in loss_metrics.items()}
+        entropy_coeff = float(actor.entropy_coeff)
+        with torch.set_grad_enabled(entropy_coeff > 0):
+            entropy = (token_weights(mask, row_scales, n_tokens) * token_entropy(distributions)).sum()
+        if entropy_coeff > 0:
+            loss = loss - entropy_coeff * entropy
+        out["actor/entropy"] = entropy.item()
+        if ref is not None:
+            ref_log_prob = pad_responses([ref[i] for i in picked], width, torch.float32).to(self.device)
+            kl = torch.where(mask.bool(), low_var_kl(log_prob, ref_log_prob), 0.0).sum() / max(n_tokens, 1)
+            loss = loss + float(actor.kl_loss_coef) * kl
+            out["actor/kl_loss"] = kl.item()
+        out["actor/pg_loss"] = loss.item()
+        return loss, out
+
+
+def _lengths(rows: Sequence[TrainingRow]) -> tuple[list[int], list[int]]:
+    return [len(row.prompt_ids) for row in rows], [len(row.response_ids) for row in rows]
 
 
 @hookimpl
