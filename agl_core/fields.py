@@ -72,7 +72,12 @@ class FrozenDict(dict):
         return (FrozenDict, (dict(self),))
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def freeze(value: Any) -> Any:
+    if type(value) in _SCALARS:  # the common case, without the ABC checks below
+        return value
     if isinstance(value, Mapping):
         return FrozenDict({k: freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
@@ -187,9 +192,9 @@ def log_probs(field: str, value: Any, length: int) -> np.ndarray:
     if array.size and not (math.isfinite(array.min()) and array.max() <= 0):
         i = int(np.argmax(~np.isfinite(array) | (array > 0)))
         raise DataValidationError(f"{field}[{i}]", f"log-prob must be finite and <= 0, got {float(array[i])}")
-    if array is value and value.flags.writeable:
-        array = array.copy()
-    return readonly(array)
+    if not array.flags.writeable:
+        return array
+    return readonly(array.copy() if array is value else array)
 
 
 def reward_value(field: str, value: Any) -> float:
