@@ -19,7 +19,8 @@ rewrite, which breaks the trajectory merge). The limits are the smallest powers 
 longest prompt and response, so no row is dropped and v1.0's fixed padding is as small as it can be.
 
 For each workload and level it prints both times (best of ``--repeat``), the ratio, triplets/s, the
-padded/real ratio of each batch (tensor elements per real token) and checks that both batches train
+padded/real ratio of each batch (tensor elements per real token; for agl also of the same rows in
+token-budget micro-batches, as the reference backend pads them) and checks that both batches train
 the same tokens (equal response ids under the response mask, row by row) and the same log-probs.
 The ``×2`` / ``×4`` rows scale the rollouts; v1.0 is skipped (and said so) where its padded batch
 would not fit in ``--v1-max-gib``.
@@ -51,6 +52,7 @@ from agl_core.data import RolloutRequest, TrainingRow  # noqa: E402
 from agl_core.rollouts.events import completed_rollout_from_record  # noqa: E402
 from agl_core.stages.aggregation import AggregationSettings  # noqa: E402
 from agl_core.stages.levels import trajectory, transition  # noqa: E402
+from agl_core.stages.micro_batches import micro_batches, padded_elements  # noqa: E402
 from agl_core.stages.tensorize import tensorize  # noqa: E402
 
 WORKLOADS = {"256x8": (256, 8), "1024x16": (1024, 16)}
@@ -59,6 +61,7 @@ VOCAB = 32_000
 FIRST_PROMPT, OBSERVATION, RESPONSE = (64, 192), (20, 80), (180, 320)
 BREAK_RATE = 0.05
 MODEL = "policy"
+MICRO_BATCH_TOKENS = 16384  # verl's default ppo_max_token_len_per_gpu
 V1_BYTES_PER_ELEMENT = 80  # v1.0's peak memory per padded element: int lists + ~6 int64 tensors
 _NO_TOP: list[Any] = []
 
@@ -287,6 +290,14 @@ def padded_per_real(tensors: dict[str, torch.Tensor]) -> float:
     return tensors["input_ids"].numel() / int(tensors["attention_mask"].sum())
 
 
+def micro_batched_per_real(tensors: dict[str, torch.Tensor]) -> float:
+    """Padded/real of the same rows in token-budget micro-batches (what the reference backend pads)."""
+    width = tensors["prompts"].shape[1]
+    prompts = tensors["attention_mask"][:, :width].sum(1).tolist()
+    responses = tensors["attention_mask"][:, width:].sum(1).tolist()
+    return padded_elements(micro_batches(prompts, responses, MICRO_BATCH_TOKENS)) / (sum(prompts) + sum(responses))
+
+
 def measure(v1: V1, name: str, inputs, repeat: int, v1_max_gib: float) -> None:
     n_calls = sum(len(events) - 1 for _, events in inputs)
     print(f"\n== {name}: {len(inputs)} rollouts, {n_calls} triplets")
@@ -296,7 +307,10 @@ def measure(v1: V1, name: str, inputs, repeat: int, v1_max_gib: float) -> None:
         agl_s, ours = best_of(lambda: agl_path(requests, inputs, level, max_lengths), repeat)
         v1_gib = len(ours["input_ids"]) * sum(max_lengths) * V1_BYTES_PER_ELEMENT / 2**30
         head = f"{level:>10} (limits {max_lengths[0]}/{max_lengths[1]}, {len(ours['input_ids'])} rows)"
-        agl_line = f"agl  {agl_s:8.3f} s  {n_calls / agl_s:9.0f} triplets/s  padded/real {padded_per_real(ours):5.2f}"
+        agl_line = (
+            f"agl  {agl_s:8.3f} s  {n_calls / agl_s:9.0f} triplets/s  padded/real {padded_per_real(ours):5.2f} "
+            f"(in micro-batches of {MICRO_BATCH_TOKENS} tokens: {micro_batched_per_real(ours):4.2f})"
+        )
         if v1_gib > v1_max_gib:
             print(f"{head}\n    {agl_line}\n    v1.0 skipped: its padded batch needs ~{v1_gib:.0f} GiB (> --v1-max-gib {v1_max_gib:g})")
             continue
