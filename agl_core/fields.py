@@ -162,12 +162,14 @@ def json_token_ids(field: str, value: Any) -> np.ndarray:
     if type(value) is not list or not value:
         return token_ids(field, value)
     try:
-        ids = np.frombuffer(array_module.array("q", value), dtype=np.int64)
+        ids = readonly(np.frombuffer(array_module.array("q", value), dtype=np.int64))
     except (TypeError, OverflowError):
         return token_ids(field, value)
+    if ids.min() > 1:  # no 0 or 1 a bool could hide behind, and nothing negative
+        return ids
     if any(value[i] is True or value[i] is False for i in np.flatnonzero(ids <= 1).tolist()):
         return token_ids(field, value)
-    return token_ids(field, readonly(ids))
+    return token_ids(field, ids)
 
 
 def log_probs(field: str, value: Any, length: int) -> np.ndarray:
