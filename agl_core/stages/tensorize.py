@@ -44,10 +44,15 @@ def padded_width(longest: int, multiple: int = PAD_MULTIPLE) -> int:
     return max(multiple, -(-longest // multiple) * multiple)
 
 
+def _blank(shape: tuple[int, int], dtype: Any, fill: Any) -> np.ndarray:
+    """``fill`` everywhere; zeros come from fresh zero pages, so padding that is never written costs nothing."""
+    return np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
+
+
 def _pack(arrays: Sequence[np.ndarray], width: int, dtype: Any, fill: Any, *, left: bool = False) -> np.ndarray:
     """``[len(arrays), width]``: each 1-D array in its row, right-aligned when ``left`` (left padding),
     the rest ``fill``. One slice copy per row: cheaper than scattering through a boolean mask."""
-    out = np.zeros((len(arrays), width), dtype) if fill == 0 else np.full((len(arrays), width), fill, dtype)
+    out = _blank((len(arrays), width), dtype, fill)
     for i, a in enumerate(arrays):
         if left:
             out[i, width - len(a) :] = a
@@ -117,6 +122,10 @@ def tensorize(
     response_lengths = np.fromiter((len(r) for r in responses), np.int64, len(responses))
     prompt_ids = torch.from_numpy(_pack(prompts, prompt_length, np.int64, pad_token_id, left=True))
     response_ids = torch.from_numpy(_pack(responses, response_length, np.int64, pad_token_id))
+    input_ids = _blank((len(rows), prompt_length + response_length), np.int64, pad_token_id)
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        input_ids[i, prompt_length - len(prompt) : prompt_length] = prompt
+        input_ids[i, prompt_length : prompt_length + len(response)] = response
     attention_mask, position_ids = _sequences(prompt_lengths, response_lengths, prompt_length, prompt_length + response_length)
     response_mask = _pack([row.response_mask for row in rows], response_length, np.int64, 0)
     log_probs = [row.log_probs for row in rows]
@@ -130,7 +139,7 @@ def tensorize(
     tensors = {
         "prompts": prompt_ids,
         "responses": response_ids,
-        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
+        "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention_mask),
         "position_ids": torch.from_numpy(position_ids),
         "response_mask": torch.from_numpy(response_mask),
