@@ -197,15 +197,23 @@ class CompletedRollout:
 
 
 def _mask(value: Any) -> np.ndarray:
+    """A read-only int8 array of 0 and 1 (a read-only int8 array is checked and kept as it is)."""
     array = np.asarray(value)
     if array.ndim != 1:
         raise DataValidationError("response_mask", f"expected a 1-D sequence, got shape {array.shape}")
-    if array.size and not np.isin(array, (0, 1)).all():
+    if array.size and not ((array == 0) | (array == 1)).all():
         raise DataValidationError("response_mask", "must hold only 0 and 1")
+    if array is value and array.dtype == np.int8 and not array.flags.writeable:
+        return array
     return readonly(array.astype(np.int8, copy=True))
 
 
 def _turns(value: Any) -> np.ndarray:
+    """A read-only int32 array of call indices (a read-only int32 array is checked and kept as it is)."""
+    if isinstance(value, np.ndarray) and value.dtype == np.int32 and value.ndim == 1 and not value.flags.writeable:
+        if value.size and value.min() < 0:
+            token_ids("response_turns", value)  # names the first negative entry
+        return value
     array = token_ids("response_turns", value)
     return readonly(array.astype(np.int32))
 

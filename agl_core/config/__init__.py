@@ -12,6 +12,7 @@ error is a :class:`ConfigError` that names the key path. :func:`redacted` / :fun
 gateway key in every dump.
 """
 
+from agl_core.config.checks import row_length_keys
 from agl_core.config.errors import ConfigError
 from agl_core.config.loading import REDACTED, load_config, merge_config, redacted, to_yaml, with_backend_hint
 from agl_core.config.schema import LOSS_NORMALIZATION_MODES, SECRET_KEYS, AgentLightningConfig, CoreConfig, default_config
@@ -27,6 +28,7 @@ __all__ = [
     "load_config",
     "merge_config",
     "redacted",
+    "row_length_keys",
     "to_yaml",
     "with_backend_hint",
 ]

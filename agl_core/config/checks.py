@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from agl_core.config.errors import ConfigError
 from agl_core.config.schema import LOSS_NORMALIZATION_MODES
 
-__all__ = ["validate"]
+__all__ = ["row_length_keys", "validate"]
 
 # key -> (rule the value must satisfy, what the error says it must be). NaN never satisfies a rule.
 RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -151,6 +151,15 @@ def _validate_betas(cfg: DictConfig) -> None:
     betas = OmegaConf.select(cfg, key)
     if not isinstance(betas, ListConfig) or len(betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in betas):
         raise ConfigError(key, f"must be two numbers in [0, 1) (Adam's beta1, beta2), got {betas!r}")
+
+
+def row_length_keys(cfg: DictConfig) -> tuple[str, str]:
+    """The keys that bound a training row's prompt and response: verl's ``data.max_*_length`` for the
+    ``transition`` level, ``agentlightning.trace_aggregator.trajectory_max_*`` for every other level."""
+    if cfg.agentlightning.trace_aggregator.level == "transition":
+        return "data.max_prompt_length", "data.max_response_length"
+    prefix = "agentlightning.trace_aggregator.trajectory_max_"
+    return prefix + "prompt_length", prefix + "response_length"
 
 
 def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:

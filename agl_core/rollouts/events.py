@@ -33,6 +33,7 @@ counters of a batch and report them.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -41,7 +42,7 @@ import attrs
 import numpy as np
 
 from agl_core.data import CompletedRollout, DataValidationError, RolloutRequest, Triplet
-from agl_core.fields import log_probs, reward_value, token_ids
+from agl_core.fields import json_token_ids, log_probs, reward_value
 
 __all__ = [
     "METRICS",
@@ -97,6 +98,9 @@ def _call_failed(data: Mapping[str, Any]) -> bool:
     return data.get("status") == "error" or (isinstance(response, Mapping) and "error" in response)
 
 
+_LOGPROB = operator.itemgetter("logprob")
+
+
 def _raw_log_probs(choice: Mapping[str, Any]) -> Any:
     """The per-token log-prob list in either OpenAI schema; ``None`` when the response has none."""
     logprobs = choice.get("logprobs")
@@ -106,7 +110,10 @@ def _raw_log_probs(choice: Mapping[str, Any]) -> Any:
         return logprobs  # present but unusable: let validation refuse it
     content = logprobs.get("content")
     if isinstance(content, list):
-        return [item.get("logprob") if isinstance(item, Mapping) else item for item in content]
+        try:
+            return list(map(_LOGPROB, content))  # every item a dict with a logprob: no per-item Python call
+        except (KeyError, TypeError, IndexError):
+            return [item.get("logprob") if isinstance(item, Mapping) else item for item in content]
     return logprobs.get("token_logprobs", logprobs)
 
 
@@ -130,8 +137,8 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Trip
         _count(counts, "training/events/n_calls_missing_token_ids")
         return None
     try:
-        prompt_ids = token_ids("prompt_ids", prompt)
-        response_ids = token_ids("response_ids", generated)
+        prompt_ids = json_token_ids("prompt_ids", prompt)
+        response_ids = json_token_ids("response_ids", generated)
     except DataValidationError:
         _count(counts, "training/events/n_calls_garbled_token_ids")
         return None

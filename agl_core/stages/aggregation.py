@@ -23,7 +23,9 @@ from typing import Any
 
 import attrs
 import numpy as np
+from omegaconf import OmegaConf
 
+from agl_core.config import row_length_keys
 from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
 
 __all__ = [
@@ -83,13 +85,10 @@ def settings_from_config(cfg: Any, tokenizer: Any = None) -> AggregationSettings
     ``agentlightning.trace_aggregator.trajectory_max_*``, as Agent Lightning does.
     """
     agg = cfg.agentlightning.trace_aggregator
-    if agg.level == "transition":
-        prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
-    else:
-        prompt, response = agg.trajectory_max_prompt_length, agg.trajectory_max_response_length
+    prompt_key, response_key = row_length_keys(cfg)
     return AggregationSettings(
-        max_prompt_length=prompt,
-        max_response_length=response,
+        max_prompt_length=OmegaConf.select(cfg, prompt_key),
+        max_response_length=OmegaConf.select(cfg, response_key),
         tokenizer=tokenizer,
         mismatch_sample_size=agg.mismatch_sample_size,
         mismatch_max_length=agg.mismatch_max_length,
@@ -246,7 +245,7 @@ def merged_row(
                 lps.append(seg.triplet.response_log_probs if mask else np.zeros(len(part), dtype=np.float32))
     response = np.concatenate(ids) if ids else _EMPTY_IDS
     mask = np.repeat(np.array(masks, dtype=np.int8), lengths)
-    response_turns = np.repeat(np.array(turns, dtype=np.int64), lengths)
+    response_turns = np.repeat(np.array(turns, dtype=np.int32), lengths)
     log_probs = (np.concatenate(lps) if lps else np.zeros(0, dtype=np.float32)) if have_log_probs else None
 
     if not mask.any():
@@ -264,7 +263,10 @@ def merged_row(
         counts.counts["training/n_truncated_sample"] += 1
         response, mask, response_turns = response[:cut], mask[:cut], response_turns[:cut]
         log_probs = None if log_probs is None else log_probs[:cut]
-    response.flags.writeable = False
+    # Read-only arrays of the row's own dtypes are taken over by TrainingRow without a copy.
+    for array in (response, mask, response_turns, log_probs):
+        if array is not None:
+            array.flags.writeable = False
     return TrainingRow(
         prompt_ids=prompt,
         response_ids=response,

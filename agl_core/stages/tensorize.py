@@ -44,18 +44,20 @@ def padded_width(longest: int, multiple: int = PAD_MULTIPLE) -> int:
     return max(multiple, -(-longest // multiple) * multiple)
 
 
-def _filled(arrays: Sequence[np.ndarray], width: int, left: bool) -> np.ndarray:
-    """``[len(arrays), width]`` booleans: where each row's values go once padded."""
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    columns = np.arange(width)
-    return columns >= (width - lengths)[:, None] if left else columns < lengths[:, None]
+def _blank(shape: tuple[int, int], dtype: Any, fill: Any) -> np.ndarray:
+    """``fill`` everywhere; zeros come from fresh zero pages, so padding that is never written costs nothing."""
+    return np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
 
 
-def _pack(arrays: Sequence[np.ndarray], filled: np.ndarray, dtype: Any, fill: Any) -> np.ndarray:
-    """Place each 1-D array in its row of ``filled``'s shape, padded with ``fill``."""
-    out = np.full(filled.shape, fill, dtype=dtype)
-    if any(len(a) for a in arrays):
-        out[filled] = np.concatenate(arrays)
+def _pack(arrays: Sequence[np.ndarray], width: int, dtype: Any, fill: Any, *, left: bool = False) -> np.ndarray:
+    """``[len(arrays), width]``: each 1-D array in its row, right-aligned when ``left`` (left padding),
+    the rest ``fill``. One slice copy per row: cheaper than scattering through a boolean mask."""
+    out = _blank((len(arrays), width), dtype, fill)
+    for i, a in enumerate(arrays):
+        if left:
+            out[i, width - len(a) :] = a
+        else:
+            out[i, : len(a)] = a
     return out
 
 
@@ -70,7 +72,21 @@ def pad_responses(per_row_arrays: Sequence[Any], width: int, dtype: torch.dtype)
     arrays = [np.asarray(a) for a in per_row_arrays]
     _check_width("pad_responses", arrays, width)
     numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-    return torch.from_numpy(_pack(arrays, _filled(arrays, width, left=False), numpy_dtype, 0))
+    return torch.from_numpy(_pack(arrays, width, numpy_dtype, 0))
+
+
+def _sequences(prompt_lengths: np.ndarray, response_lengths: np.ndarray, prompt_width: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """``attention_mask`` and ``position_ids`` of rows whose prompt ends at ``prompt_width`` and whose
+    response follows it: 1 / 0, 1, 2... on the row's tokens; 0 / 0 before them, 0 / the last position after."""
+    attention = np.zeros((len(prompt_lengths), width), np.int64)
+    positions = np.zeros((len(prompt_lengths), width), np.int64)
+    steps = np.arange(width, dtype=np.int64)
+    for i, (p, r) in enumerate(zip(prompt_lengths.tolist(), response_lengths.tolist())):
+        start, end = prompt_width - p, prompt_width + r
+        attention[i, start:end] = 1
+        positions[i, start:end] = steps[: p + r]
+        positions[i, end:] = p + r - 1
+    return attention, positions
 
 
 def tensorize(
@@ -102,32 +118,35 @@ def tensorize(
     _check_width("prompt_length", prompts, prompt_length)
     _check_width("response_length", responses, response_length)
 
-    prompt_filled = _filled(prompts, prompt_length, left=True)
-    response_filled = _filled(responses, response_length, left=False)
-    prompt_ids = torch.from_numpy(_pack(prompts, prompt_filled, np.int64, pad_token_id))
-    response_ids = torch.from_numpy(_pack(responses, response_filled, np.int64, pad_token_id))
-    attention_mask = torch.from_numpy(np.concatenate([prompt_filled, response_filled], axis=1).astype(np.int64))
-    response_mask = torch.from_numpy(_pack([row.response_mask for row in rows], response_filled, np.int64, 0))
+    prompt_lengths = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))
+    response_lengths = np.fromiter((len(r) for r in responses), np.int64, len(responses))
+    prompt_ids = torch.from_numpy(_pack(prompts, prompt_length, np.int64, pad_token_id, left=True))
+    response_ids = torch.from_numpy(_pack(responses, response_length, np.int64, pad_token_id))
+    input_ids = _blank((len(rows), prompt_length + response_length), np.int64, pad_token_id)
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        input_ids[i, prompt_length - len(prompt) : prompt_length] = prompt
+        input_ids[i, prompt_length : prompt_length + len(response)] = response
+    attention_mask, position_ids = _sequences(prompt_lengths, response_lengths, prompt_length, prompt_length + response_length)
+    response_mask = _pack([row.response_mask for row in rows], response_length, np.int64, 0)
     log_probs = [row.log_probs for row in rows]
 
     # The reward goes on each row's last trained token: after truncation a row may end on
     # observation tokens, which are never trained.
-    last_trained = response_length - 1 - torch.argmax(torch.flip(response_mask, dims=[1]), dim=1)
-    scores = torch.zeros((len(rows), response_length), dtype=torch.float32)
-    rewards = torch.tensor([row.reward for row in rows], dtype=torch.float32)
-    scores[torch.arange(len(rows)), last_trained] = rewards
+    last_trained = response_length - 1 - np.argmax(response_mask[:, ::-1], axis=1)
+    scores = np.zeros((len(rows), response_length), np.float32)
+    scores[np.arange(len(rows)), last_trained] = [row.reward for row in rows]
 
     tensors = {
         "prompts": prompt_ids,
         "responses": response_ids,
-        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0),
-        "response_mask": response_mask,
-        "token_level_scores": scores,
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention_mask),
+        "position_ids": torch.from_numpy(position_ids),
+        "response_mask": torch.from_numpy(response_mask),
+        "token_level_scores": torch.from_numpy(scores),
     }
     if all(lp is not None for lp in log_probs):
-        tensors["rollout_log_probs"] = torch.from_numpy(_pack(log_probs, response_filled, np.float32, 0.0))
+        tensors["rollout_log_probs"] = torch.from_numpy(_pack(log_probs, response_length, np.float32, 0.0))
     non_tensors = {
         "rollout_ids": np.array([row.rollout_id for row in rows], dtype=object),
         "group_ids": np.array([row.group_id for row in rows], dtype=object),
