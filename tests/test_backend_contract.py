@@ -9,6 +9,7 @@ import pytest
 from agl_core import hookimpl
 from agl_core.backends.contract import BackendSpec
 from agl_core.config import load_config
+from agl_core.plugins import RegistryError
 from agl_core.train import resolve_config, run
 
 
@@ -32,6 +33,11 @@ class Backends:
     def agl_register_backends(self, register):
         register("bare", OneStep)
         register("own", BackendSpec(OneStep, load_config=own_loader))
+
+
+class Broken:
+    @hookimpl
+    def agl_register_backends(self, register):
         register("broken", 42)
 
 
@@ -50,5 +56,5 @@ def test_a_spec_validates_its_runs_with_its_own_loader_and_builds_with_its_facto
 
 
 def test_a_registration_that_is_neither_names_the_backend():
-    with pytest.raises(TypeError, match=r"registered backend 'broken' as a int"):
-        resolve_config(None, ["agentlightning.backend=broken"], [Backends()])
+    with pytest.raises(RegistryError, match=r"registered backend 'broken' as 42, which cannot be called"):
+        resolve_config(None, ["agentlightning.backend=broken"], [Broken()])

@@ -55,14 +55,11 @@ class BackendSpec:
     load_config: ConfigLoader = load_config
     check_config: ConfigCheck | None = None
 
+    def __call__(self, config: DictConfig, plugins: PluginManager) -> Backend:
+        """Build the backend (a spec is called like the factory it holds)."""
+        return self.factory(config, plugins)
+
 
 def backend_spec(entry: RegistryEntry) -> BackendSpec:
-    """The :class:`BackendSpec` of a backends registry entry."""
-    if isinstance(entry.obj, BackendSpec):
-        return entry.obj
-    if callable(entry.obj):
-        return BackendSpec(entry.obj)
-    raise TypeError(
-        f"plugin {entry.plugin_name!r} registered backend {entry.name!r} as a {type(entry.obj).__name__}; "
-        "register a BackendSpec or a factory(config, plugins)"
-    )
+    """The :class:`BackendSpec` of a backends registry entry (a bare factory stands for ``BackendSpec(factory)``)."""
+    return entry.obj if isinstance(entry.obj, BackendSpec) else BackendSpec(entry.obj)
