@@ -64,6 +64,9 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    # Only the ``-p`` plugin: where the venv can see agl's installed metadata, its pytest11 entry
+    # point would load the same module a second time.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 

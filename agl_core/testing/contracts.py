@@ -39,17 +39,17 @@ The suites for advantage estimators (:class:`AdvantageEstimatorContract`, in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, ClassVar
-
-import pytest
-
 from agl_core.testing import hypothesis_missing
 
 try:
     from hypothesis import given
 except ModuleNotFoundError as exc:
     raise hypothesis_missing(__name__) from exc
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import pytest
 
 from agl_core.data import CompletedRollout, DataValidationError, Triplet
 from agl_core.stages.aggregation import Aggregation, AggregationSettings

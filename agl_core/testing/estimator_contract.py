@@ -32,14 +32,6 @@ property tests of your own.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
-
-import attrs
-import numpy as np
-import pytest
-
 from agl_core.testing import hypothesis_missing
 
 try:
@@ -47,6 +39,14 @@ try:
     from hypothesis import strategies as st
 except ModuleNotFoundError as exc:
     raise hypothesis_missing(__name__) from exc
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import pytest
 
 from agl_core.data import TrainingRow
 from agl_core.stages.advantage import Advantages, AdvantageSettings

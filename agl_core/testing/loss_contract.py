@@ -29,14 +29,6 @@ False`` for a loss that is not PPO-clipped. The properties, on inputs from
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
-
-import attrs
-import numpy as np
-import pytest
-import torch
-
 from agl_core.testing import hypothesis_missing
 
 try:
@@ -44,6 +36,14 @@ try:
     from hypothesis import strategies as st
 except ModuleNotFoundError as exc:
     raise hypothesis_missing(__name__) from exc
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import pytest
+import torch
 
 from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, policy_loss_spec
 from agl_core.testing.lookup import registered

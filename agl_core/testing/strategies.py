@@ -21,11 +21,6 @@ draws one policy-loss call's inputs (:class:`LossBatch`), with NaN in some padde
 
 from __future__ import annotations
 
-from typing import Any
-
-import attrs
-import numpy as np
-
 from agl_core.testing import hypothesis_missing
 
 try:
@@ -33,6 +28,11 @@ try:
     from hypothesis import strategies as st
 except ModuleNotFoundError as exc:
     raise hypothesis_missing(__name__) from exc
+
+from typing import Any
+
+import attrs
+import numpy as np
 
 from agl_core.data import CompletedRollout, TrainingRow, Triplet
 from agl_core.stages.advantage import AdvantageSettings
