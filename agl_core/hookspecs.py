@@ -128,10 +128,12 @@ def agl_load_hook_file(path: Path) -> object | None:
 
 @hookspec
 def agl_on_startup(config: Any) -> None:
-    """Initialise plugin state once, before the first rollout is enqueued.
+    """Initialise plugin state once per run, before the first rollout is enqueued.
 
-    ``config`` is the validated run config (an omegaconf ``DictConfig``; the gateway key redacted).
-    Return value is ignored.
+    The backend calls it exactly once, in the process where the rollout hooks run (the verl backend:
+    its Ray actor, not the ``agl train`` process). ``config`` is a copy of the validated run config
+    (an omegaconf ``DictConfig``) with the gateway key replaced by ``***``: the plugin manager
+    redacts it, whoever calls. Return value is ignored.
     """
 
 

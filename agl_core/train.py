@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from agl_core.backends.contract import BackendSpec, backend_spec
-from agl_core.config import redacted
 from agl_core.jsonl import read_json_objects
 from agl_core.plot import plot_metrics
 from agl_core.plugins import PluginManager
@@ -91,7 +90,6 @@ def run(
     """Train as the config says; return the run directory (metrics, plot, checkpoints)."""
     config, manager = resolve_config(config_path, overrides, plugins)
     backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
-    manager.on_startup(redacted(config))
     log = MetricsLog(Path(config.trainer.default_local_dir), show_progress)
     try:
         backend.fit(log)

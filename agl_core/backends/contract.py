@@ -30,7 +30,8 @@ OnStep = Callable[[int, int, Mapping[str, float]], None]
 class Backend(Protocol):
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train until the configured number of steps (continuing from a checkpoint where the
-        config says so), calling ``on_step`` after every step."""
+        config says so), calling ``on_step`` after every step. Before its first rollout it calls
+        ``plugins.on_startup(config)`` once, in the process where the rollout hooks run."""
 
 
 BackendFactory = Callable[["DictConfig", "PluginManager"], Backend]

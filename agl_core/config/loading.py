@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -72,9 +73,10 @@ def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
     return merged
 
 
-def redacted(cfg: DictConfig) -> DictConfig:
-    """A copy of ``cfg`` with every secret replaced by ``***`` (empty secrets stay empty)."""
-    copy = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+def redacted(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
+    """A copy of ``cfg`` (a config or a plain mapping) with every secret replaced by ``***`` (empty
+    secrets stay empty)."""
+    copy = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else dict(cfg))
     for key in SECRET_KEYS:
         if OmegaConf.select(copy, key):
             OmegaConf.update(copy, key, REDACTED)

@@ -30,6 +30,7 @@ import attrs
 import pluggy
 
 from agl_core import hookspecs
+from agl_core.config import redacted
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
@@ -196,6 +197,11 @@ class PluginManager:
     def is_registered(self, name: str) -> bool:
         return self._pm.get_plugin(name) is not None
 
+    def given_in_code(self) -> list[Any]:
+        """The plugin objects passed in code (not built-ins, entry points or hook files), in
+        registration order: what a backend that runs the hooks in another process must ship there."""
+        return [self._pm.get_plugin(name) for name, source in self._sources.items() if source == "code"]
+
     # -- registries ---------------------------------------------------------------------------
 
     def _registry(self, prop: str) -> Registry:
@@ -246,7 +252,9 @@ class PluginManager:
         logger.exception("hook %s of plugin %r failed (%s); training continues", hook_name, plugin_name, subject)
 
     def on_startup(self, config: Any) -> None:
-        self._call_each("agl_on_startup", "startup", config=config)
+        """Call every ``agl_on_startup`` with a copy of ``config`` whose secrets are redacted: no
+        plugin ever sees the gateway key, whoever calls this."""
+        self._call_each("agl_on_startup", "startup", config=redacted(config))
 
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
         """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result."""

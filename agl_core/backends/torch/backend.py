@@ -197,6 +197,7 @@ class TorchBackend:
             self.engine.push_weights(self.model, self.step)
             if self._sampler_state is not None:
                 self.engine.restore_sampler_state(self._sampler_state)
+            self.plugins.on_startup(self.config)
             self.source = self.make_source()
             try:
                 self.source.after_weight_update([self.engine.base_url], self.step)
