@@ -4,8 +4,8 @@ Both start Ray when nobody has (verl's PPO runtime env + ``ray_kwargs.ray_init``
 ``VERL_USE_EXTERNAL_MODULES``), then run :class:`TaskRunner` as a Ray actor: it builds verl's
 workers exactly as verl's own task runner does, validates the config with verl's
 ``validate_config``, and trains with :class:`~agl_backend_verl.trainer.AglRayPPOTrainer`. The actor
-streams each step's ``(step, total_steps, metrics)`` back to the driver as it finishes (a Ray
-streaming generator), where ``on_step`` sees them, as ``agl train``'s ``metrics.jsonl`` needs.
+streams each step's ``(step, total_steps, metrics, samples)`` back to the driver as it finishes (a
+Ray streaming generator), where ``on_step`` sees them: ``agl train``'s metric sinks run there.
 
 The rollout hooks run in the actor, so that is where the run's plugins live: hook files and entry
 points are loaded again there from the config, and plugins given in code are pickled and sent with
@@ -22,10 +22,9 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from agl_core.backends.contract import OnStep
-from agl_core.backends.loop import Step
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginError, PluginManager
-from agl_backend_verl.trainer import SampleDataset
+from agl_backend_verl.trainer import SampleDataset, StepReport
 from agl_backend_verl.verl_plugins import ray_runtime_env
 
 
@@ -85,7 +84,8 @@ def run_ppo(
     """Train with verl on in-memory datasets: non-empty lists of JSON-like dicts, each a rollout ``input``.
 
     ``config`` comes from :func:`~agl_backend_verl.config.load_verl_config`; ``on_step(step,
-    total_steps, metrics)`` runs in this process after every step (step 0: validation before training).
+    total_steps, metrics, samples)`` runs in this process after every step (step 0: validation
+    before training).
     ``plugins`` run in the Ray actor, as copies: they must pickle (:func:`shippable`).
     """
     plugins = shippable(plugins)
@@ -97,12 +97,12 @@ def run_ppo(
         raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
     init_ray(config)
     check_gpus(config)
-    for step, total, metrics in actor_steps(RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins):
+    for step, total, metrics, samples in actor_steps(RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins):
         if on_step is not None:
-            on_step(step, total, metrics)
+            on_step(step, total, metrics, samples)
 
 
-def actor_steps(runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[Step]:
+def actor_steps(runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[StepReport]:
     """Run ``runner.run`` (a :class:`TaskRunner` actor) and yield each step it streams as soon as it
     arrives; an error in the actor is raised here."""
     for ref in runner.run.options(num_returns="streaming").remote(config, train_samples, val_samples, plugins):
@@ -112,8 +112,8 @@ def actor_steps(runner: Any, config: DictConfig, train_samples: list, val_sample
 class TaskRunner:
     """Builds verl's workers and runs the trainer, inside the Ray cluster (as verl's task runner)."""
 
-    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[tuple[int, int, dict[str, float]]]:
-        """Train, yielding ``(step, total_steps, metrics)`` after each step."""
+    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[StepReport]:
+        """Train, yielding ``(step, total_steps, metrics, samples)`` after each step."""
         from verl.trainer.main_ppo_v0 import BaseTaskRunner
         from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
         from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -175,6 +175,6 @@ class VerlBackend:
         self.val = load_dataset(config.data.val_files, "data.val_files")
 
     def fit(self, on_step: OnStep | None = None) -> None:
-        """Train; each step's metrics come back from the Ray actor to ``on_step``. Hook files and
+        """Train; each step's metrics and samples come back from the Ray actor to ``on_step``. Hook files and
         entry points are loaded again there from the config; the plugins given in code are sent."""
         run_ppo(self.config, self.train, self.val, plugins=self.plugins.given_in_code(), on_step=on_step)

@@ -7,12 +7,18 @@ import pytest
 
 from agl_core import hookimpl
 from agl_core.config import REDACTED
-from agl_core.plugins import PluginManager
+from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginManager
 from agl_core.train import run
 from tests.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"
 KEY = "sk-agl-startup-secret"
+
+
+@pytest.fixture(autouse=True)
+def own_plugins_only(monkeypatch):
+    """Built-ins and agl's own entry points, whatever else the environment has installed."""
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
 
 
 class Startup:

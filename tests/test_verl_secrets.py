@@ -1,5 +1,5 @@
 """``agl train … backend=verl`` end to end on CPU, against the real gateway: only Ray and the GPU-only
-worker calls are faked (the task runner's body runs in this process, on a pickled copy of what Ray
+worker calls are faked, and W&B runs offline (the task runner's body runs in this process, on a pickled copy of what Ray
 would send it). ``agl_on_startup`` runs once, in the task runner, with the key redacted; plugins
 given in code reach the task runner; and the gateway key shows up in no output of the run."""
 
@@ -50,7 +50,7 @@ actor_rollout_ref:
     n: 2
     log_prob_micro_batch_size_per_gpu: 1
 trainer:
-  logger: [console]
+  logger: [console, tensorboard, wandb]
   n_gpus_per_node: 1
   device: cpu
   total_training_steps: 2
@@ -101,6 +101,7 @@ def in_process_ray(monkeypatch):
     )
     monkeypatch.setattr(AglRayPPOTrainer, "init_workers", lambda self: setattr(self, "calls", FakeWorkers(self.config)))
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
     return started
 
 
@@ -130,6 +131,11 @@ def test_a_verl_run_starts_plugins_once_in_the_task_runner_and_never_shows_the_k
     assert plugin.calls == 0, "the hooks ran on the task runner's copy"
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
+    # the driver's sinks logged what the task runner streamed: metrics and the rollouts' sample
+    trajectories = [json.loads(line) for line in (run_dir / "samples" / "trajectories.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trajectories] == [1] * 4 + [2] * 4
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
     out, err = capfd.readouterr()
     outputs = {"captured logs": caplog.text, "stdout": out, "stderr": err, "ray.init arguments": json.dumps(in_process_ray)}

@@ -49,6 +49,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "estimators": "agl_core.stages.estimators",
     "losses": "agl_core.stages.losses",
     "torch": "agl_core.backends.torch",
+    "sinks": "agl_core.tracking.builtins",
 }
 
 # registry property -> (hook name, kind, config key selecting an entry)
@@ -57,6 +58,7 @@ REGISTRIES = {
     "advantage_estimators": ("agl_register_advantage_estimators", "advantage estimator", "algorithm.adv_estimator"),
     "policy_losses": ("agl_register_policy_losses", "policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode"),
     "backends": ("agl_register_backends", "backend", "agentlightning.backend"),
+    "metric_sinks": ("agl_register_metric_sinks", "metric sink", "trainer.logger"),
 }
 
 HOOK_FAILURES_METRIC = "training/n_hook_failures"
@@ -228,6 +230,10 @@ class PluginManager:
     @property
     def backends(self) -> Registry:
         return self._registry("backends")
+
+    @property
+    def metric_sinks(self) -> Registry:
+        return self._registry("metric_sinks")
 
     # -- lifecycle hooks ----------------------------------------------------------------------
 

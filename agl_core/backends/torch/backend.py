@@ -203,7 +203,7 @@ class TorchBackend:
                 self.source.after_weight_update([self.engine.base_url], self.step)
                 for step, total, metrics in run_steps(self, self.loop):
                     if on_step is not None:
-                        on_step(step, total, metrics)
+                        on_step(step, total, metrics, self.pipeline.take_samples())
             finally:
                 self.source.close()
         finally:
