@@ -85,8 +85,7 @@ def run_ppo(
 
     ``config`` comes from :func:`~agl_backend_verl.config.load_verl_config`; ``on_step(step,
     total_steps, metrics, samples)`` runs in this process after every step (step 0: validation
-    before training).
-    ``plugins`` run in the Ray actor, as copies: they must pickle (:func:`shippable`).
+    before training). ``plugins`` run in the Ray actor, as copies: they must pickle (:func:`shippable`).
     """
     plugins = shippable(plugins)
     train = SampleDataset(train_dataset, "train_dataset")
@@ -175,6 +174,6 @@ class VerlBackend:
         self.val = load_dataset(config.data.val_files, "data.val_files")
 
     def fit(self, on_step: OnStep | None = None) -> None:
-        """Train; each step's metrics and samples come back from the Ray actor to ``on_step``. Hook files and
-        entry points are loaded again there from the config; the plugins given in code are sent."""
+        """Train; each step's metrics and samples come back from the Ray actor to ``on_step``. Hook
+        files and entry points are loaded again there from the config; plugins given in code are sent."""
         run_ppo(self.config, self.train, self.val, plugins=self.plugins.given_in_code(), on_step=on_step)

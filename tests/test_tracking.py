@@ -25,8 +25,12 @@ def own_plugins_only(monkeypatch):
     """Built-ins and agl's own entry points, whatever else the environment has installed."""
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
 
-TRAJECTORY = {"step": 1, "rollout_id": "r0", "group_id": "g0", "reward": 1.0, "n_calls": 2, "prompt": "go | left", "response": "left\nnow"}
-MISMATCH = {"step": 1, "rollout_id": "r0", "group_id": "g0", "turn_index": 1, "kind": "template", "context_ids": [1, 2], "prompt_ids": [1, 3]}
+TRAJECTORY = {
+    "step": 1, "rollout_id": "r0", "group_id": "g0", "reward": 1.0, "n_calls": 2, "prompt": "go | left", "response": "left\nnow"
+}
+MISMATCH = {
+    "step": 1, "rollout_id": "r0", "group_id": "g0", "turn_index": 1, "kind": "template", "context_ids": [1, 2], "prompt_ids": [1, 3]
+}
 
 # step -> (metrics, samples) a scripted backend reports
 SCRIPT = {
@@ -199,26 +203,36 @@ def test_the_torch_backend_logs_its_steps_and_samples_through_the_sinks(tmp_path
 def test_the_pipeline_keeps_the_step_samples_until_the_backend_takes_them():
     def rollout(rid, index, calls):
         triplets = [Triplet(prompt_ids=p, response_ids=r, response_log_probs=[-0.5] * len(r)) for p, r in calls]
-        return CompletedRollout(rollout_id=rid, group_id="g", state="succeeded", triplets=triplets, final_reward=1.0, sample_index=index)
+        return CompletedRollout(
+            rollout_id=rid, group_id="g", state="succeeded", triplets=triplets, final_reward=1.0, sample_index=index
+        )
 
-    config = load_config(overrides=["data.train_batch_size=1", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1"])
+    config = load_config(
+        overrides=["data.train_batch_size=1", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
+    )
     pipeline = StepPipeline(config, PluginManager(load_entrypoints=False))
     broken = rollout("broken", 0, [([1, 2], [3, 4]), ([9, 9], [5])])  # the second prompt does not extend the first call
     pipeline.prepare([rollout("merged", 0, [([1, 2], [3]), ([1, 2, 3, 7], [6])]), broken], step=3)
     samples = pipeline.take_samples()
     assert [(m["step"], m["rollout_id"], m["turn_index"]) for m in samples["mismatches"]] == [(3, "broken", 1)]
-    assert [(t["rollout_id"], t["prompt"], t["response"]) for t in samples["trajectories"]] == [("merged", "1 2 3 7", "6"), ("broken", "9 9", "5")]
+    trajectories = [(t["rollout_id"], t["prompt"], t["response"]) for t in samples["trajectories"]]
+    assert trajectories == [("merged", "1 2 3 7", "6"), ("broken", "9 9", "5")]
     assert pipeline.take_samples() == {}
 
 
 def test_the_trajectory_sample_is_the_first_24_rollouts_in_dataset_order():
+    call = Triplet(prompt_ids=[1], response_ids=[2])
     rollouts = [
-        CompletedRollout(rollout_id=f"r{i}", group_id="g", state="succeeded", step=i % 2, sample_index=29 - i, final_reward=0.0, triplets=[Triplet(prompt_ids=[1], response_ids=[2])])
+        CompletedRollout(
+            rollout_id=f"r{i}", group_id="g", state="succeeded", step=i % 2, sample_index=29 - i, final_reward=0.0, triplets=[call]
+        )
         for i in range(30)
     ]
-    rollouts.append(CompletedRollout(rollout_id="no-calls", group_id="g", state="failed", step=0, sample_index=0, final_reward=0.0))
+    rollouts.append(CompletedRollout(rollout_id="no-calls", group_id="g", state="failed", final_reward=0.0))
     rows = trajectory_sample(rollouts, step=5)
     assert len(rows) == TRAJECTORY_SAMPLE_SIZE == 24
     expected = sorted((r for r in rollouts if r.triplets), key=lambda r: (r.step, r.sample_index))[:24]
     assert [row["rollout_id"] for row in rows] == [r.rollout_id for r in expected]
-    assert rows[0] == {"step": 5, "rollout_id": "r28", "group_id": "g", "reward": 0.0, "n_calls": 1, "prompt": "1", "response": "2"}
+    assert rows[0] == {
+        "step": 5, "rollout_id": "r28", "group_id": "g", "reward": 0.0, "n_calls": 1, "prompt": "1", "response": "2"
+    }
