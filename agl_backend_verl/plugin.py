@@ -1,10 +1,12 @@
-"""The ``agl`` entry point of this distribution: registers backend ``verl``."""
+"""The ``agl`` entry point of this distribution: registers backend ``verl``, and verl's trackers as
+metric sinks (:mod:`agl_backend_verl.verl_trackers`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from agl_backend_verl.config import check_verl_requirements, load_verl_config
+from agl_backend_verl.verl_trackers import register_verl_trackers
 from agl_core import hookimpl
 from agl_core.backends.contract import Backend, BackendSpec
 from agl_core.hookspecs import Register
@@ -26,3 +28,8 @@ def verl_backend(config: DictConfig, plugins: PluginManager) -> Backend:
 def agl_register_backends(register: Register) -> None:
     # ``agl train`` validates a verl run against verl's full config, not the core schema.
     register("verl", BackendSpec(verl_backend, load_config=load_verl_config, check_config=check_verl_requirements))
+
+
+@hookimpl
+def agl_register_metric_sinks(register: Register) -> None:
+    register_verl_trackers(register)

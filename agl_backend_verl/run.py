@@ -4,8 +4,13 @@ Both start Ray when nobody has (verl's PPO runtime env + ``ray_kwargs.ray_init``
 ``VERL_USE_EXTERNAL_MODULES``), then run :class:`TaskRunner` as a Ray actor: it builds verl's
 workers exactly as verl's own task runner does, validates the config with verl's
 ``validate_config``, and trains with :class:`~agl_backend_verl.trainer.AglRayPPOTrainer`. The actor
-streams each step's ``(step, total_steps, metrics)`` back to the driver as it finishes (a Ray
-streaming generator), where ``on_step`` sees them, as ``agl train``'s ``metrics.jsonl`` needs.
+streams each step's ``(step, total_steps, metrics, samples)`` back to the driver as it finishes (a
+Ray streaming generator), where ``on_step`` sees them: ``agl train``'s metric sinks run there.
+
+The rollout hooks run in the actor, so that is where the run's plugins live: hook files and entry
+points are loaded again there from the config, and plugins given in code are pickled and sent with
+the call (one that cannot be pickled is refused before Ray starts). ``agl_on_startup`` runs once,
+in the actor, with the config's secrets redacted.
 """
 
 from __future__ import annotations
@@ -18,22 +23,43 @@ from omegaconf import DictConfig, OmegaConf
 
 from agl_core.backends.contract import OnStep
 from agl_core.config import ConfigError
-from agl_core.plugins import PluginManager
+from agl_core.plugins import PluginError, PluginManager
 from agl_backend_verl.config import check_verl_requirements
-from agl_backend_verl.trainer import SampleDataset
+from agl_backend_verl.trainer import SampleDataset, StepReport
 from agl_backend_verl.verl_plugins import ray_runtime_env
 
 
-def init_ray(config: DictConfig) -> None:
-    """Start Ray as verl's ``run_ppo`` does, with agl's module added to the workers' verl imports."""
-    if ray.is_initialized():
-        return  # the verl.plugins entry point registers agl's plugins in workers of any Ray session
+def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
+    """The arguments :func:`init_ray` gives ``ray.init``: ``ray_kwargs.ray_init`` with verl's PPO
+    runtime env under the user's, and agl's module added to the workers' verl imports."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     ray_init = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {}
     assert isinstance(ray_init, dict)
     runtime_env = {**get_ppo_ray_runtime_env(config), **(ray_init.pop("runtime_env", None) or {})}
-    ray.init(runtime_env=ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None})
+    return {"runtime_env": ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None}}
+
+
+def init_ray(config: DictConfig) -> None:
+    """Start Ray as verl's ``run_ppo`` does (:func:`ray_init_kwargs`), unless it is running."""
+    if ray.is_initialized():
+        return  # the verl.plugins entry point registers agl's plugins in workers of any Ray session
+    ray.init(**ray_init_kwargs(config))
+
+
+def shippable(plugins: Sequence[Any]) -> list[Any]:
+    """``plugins`` (given in code), checked to survive the trip to the Ray actor: each must pickle
+    (Ray pickles with cloudpickle). One that does not is refused, saying how else to ship it."""
+    for plugin in plugins:
+        try:
+            ray.cloudpickle.dumps(plugin)
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {plugin!r} was given in code, but backend 'verl' runs the hooks in a Ray actor and this "
+                f"plugin cannot be pickled to get there ({type(exc).__name__}: {exc}); ship it as an entry point in "
+                "group 'agl' or as a hook file named in agentlightning.hooks, or keep only picklable state in it"
+            ) from exc
+    return list(plugins)
 
 
 def check_gpus(config: DictConfig) -> None:
@@ -59,31 +85,32 @@ def run_ppo(
     """Train with verl on in-memory datasets: non-empty lists of JSON-like dicts, each a rollout ``input``.
 
     ``config`` comes from :func:`~agl_backend_verl.config.load_verl_config`; ``on_step(step,
-    total_steps, metrics)`` runs in this process after every step (step 0: validation before training).
+    total_steps, metrics, samples)`` runs in this process after every step (step 0: validation
+    before training). ``plugins`` run in the Ray actor, as copies: they must pickle (:func:`shippable`).
     """
+    plugins = shippable(plugins)
     train = SampleDataset(train_dataset, "train_dataset")
     val = SampleDataset(val_dataset, "val_dataset")
     check_verl_requirements(config)
     init_ray(config)
     check_gpus(config)
-    relay_steps(TaskRunner.remote(), config, train.samples, val.samples, list(plugins), on_step)
-
-
-def relay_steps(runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list, on_step: OnStep | None) -> None:
-    """Run ``runner.run`` (a :class:`TaskRunner` actor) and hand each step it streams to ``on_step``
-    as soon as it arrives; an error in the actor is raised here."""
-    for ref in runner.run.options(num_returns="streaming").remote(config, train_samples, val_samples, plugins):
-        step, total, metrics = ray.get(ref)
+    for step, total, metrics, samples in actor_steps(RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins):
         if on_step is not None:
-            on_step(step, total, metrics)
+            on_step(step, total, metrics, samples)
 
 
-@ray.remote(num_cpus=1)
+def actor_steps(runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[StepReport]:
+    """Run ``runner.run`` (a :class:`TaskRunner` actor) and yield each step it streams as soon as it
+    arrives; an error in the actor is raised here."""
+    for ref in runner.run.options(num_returns="streaming").remote(config, train_samples, val_samples, plugins):
+        yield ray.get(ref)
+
+
 class TaskRunner:
     """Builds verl's workers and runs the trainer, inside the Ray cluster (as verl's task runner)."""
 
-    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[tuple[int, int, dict[str, float]]]:
-        """Train, yielding ``(step, total_steps, metrics)`` after each step."""
+    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[StepReport]:
+        """Train, yielding ``(step, total_steps, metrics, samples)`` after each step."""
         from verl.trainer.main_ppo_v0 import BaseTaskRunner
         from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
         from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -119,10 +146,13 @@ class TaskRunner:
                 rollout_source=source,
             )
             trainer.init_workers()
-            manager.on_startup(config)
+            manager.on_startup(config)  # redacted by the manager
             yield from trainer.steps()
         finally:
             source.close()
+
+
+RemoteTaskRunner = ray.remote(num_cpus=1)(TaskRunner)
 
 
 class VerlBackend:
@@ -142,6 +172,6 @@ class VerlBackend:
         self.val = load_dataset(config.data.val_files, "data.val_files")
 
     def fit(self, on_step: OnStep | None = None) -> None:
-        """Train; each step's metrics come back from the Ray actor to ``on_step``. Hook files and
-        entry points are loaded again there from the config."""
-        run_ppo(self.config, self.train, self.val, on_step=on_step)
+        """Train; each step's metrics and samples come back from the Ray actor to ``on_step``. Hook
+        files and entry points are loaded again there from the config; plugins given in code are sent."""
+        run_ppo(self.config, self.train, self.val, plugins=self.plugins.given_in_code(), on_step=on_step)

@@ -28,7 +28,7 @@ from verl.utils.metric import reduce_metrics
 
 from agl_core.backends.contract import OnStep
 from agl_core.backends.loop import LoopSettings, Step, run_steps
-from agl_core.data import CompletedRollout
+from agl_core.data import CompletedRollout, StepSamples
 from agl_core.plugins import PluginManager
 from agl_core.rollouts.source import RolloutSource
 from agl_core.stages.pipeline import StepPipeline, rollout_metrics
@@ -40,6 +40,9 @@ from agl_backend_verl.verl_plugins import ensure_registered
 from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 
 logger = logging.getLogger(__name__)
+
+StepReport = tuple[int, int, dict[str, float], StepSamples]
+"""``(step, total_steps, metrics, samples)``: what the trainer yields, and its Ray actor streams."""
 
 class SampleDataset(Dataset):
     """In-memory dataset rows (JSON-like dicts); each becomes one rollout group's ``input``."""
@@ -116,33 +119,27 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.source.after_weight_update(self.calls.rollout_endpoints(), version)
 
     def fit(self, on_step: OnStep | None = None) -> None:  # type: ignore[override]
-        """Train until ``total_training_steps``; ``on_step(step, total, metrics)`` sees every step
-        (and a validation before the first step, as step 0)."""
-        for step, total, metrics in self.steps():
+        """Train until ``total_training_steps``; ``on_step(step, total, metrics, samples)`` sees every
+        step (and a validation before the first step, as step 0)."""
+        for step, total, metrics, samples in self.steps():
             if on_step is not None:
-                on_step(step, total, metrics)
+                on_step(step, total, metrics, samples)
 
-    def steps(self) -> Iterator[Step]:
-        """Train (:func:`~agl_core.backends.loop.run_steps`), yielding ``(step, total_steps, metrics)``
-        after each step (step 0: the validation before training); every step is also logged to
-        verl's ``trainer.logger`` backends."""
-        from omegaconf import OmegaConf
-        from verl.utils.tracking import Tracking
-
-        tracker = Tracking(
-            project_name=self.config.trainer.project_name,
-            experiment_name=self.config.trainer.experiment_name,
-            default_backend=self.config.trainer.logger,
-            config=OmegaConf.to_container(self.config, resolve=True),
-        )
+    def steps(self) -> Iterator[StepReport]:
+        """Train (:func:`~agl_core.backends.loop.run_steps`), yielding each step's report after it
+        (step 0: the validation before training)."""
         self.global_steps = 0
         self.calls.load_checkpoint()
         self.calls.push_weights(self.global_steps)
         self._register_replicas(self.global_steps)
         settings = LoopSettings.from_config(self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only))
-        for step, total, metrics in run_steps(self, settings):
-            tracker.log(data=metrics, step=step)
-            yield step, total, metrics
+        for step in run_steps(self, settings):
+            yield self._report(step)
+
+    def _report(self, step: Step) -> StepReport:
+        """A step with its sample tables, for the driver: ``agl train``'s metric sinks (``trainer.logger``)
+        log both there, as for every backend."""
+        return (*step, self.pipeline.take_samples())
 
     def save(self) -> None:
         self.calls.save_checkpoint()

@@ -12,7 +12,7 @@ known, the rollout.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -43,11 +43,16 @@ __all__ = [
     "CompletedRollout",
     "TrainingRow",
     "ROLLOUT_STATES",
+    "StepSamples",
     "TERMINAL_STATES",
 ]
 
 ROLLOUT_STATES = ("queuing", "running", "succeeded", "failed")
 TERMINAL_STATES = frozenset({"succeeded", "failed"})
+
+StepSamples = Mapping[str, Sequence[Mapping[str, Any]]]
+"""The sample tables a training step reports besides its metrics: table name (``trajectories``,
+``mismatches``) → rows, each a JSON-like dict. Metric sinks write them as files or tables."""
 
 
 @hardened

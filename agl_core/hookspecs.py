@@ -121,11 +121,30 @@ def agl_register_backends(register: Register) -> None:
     ``load_config``, then builds the backend with its factory.
 
     The backend's ``fit(on_step)`` trains until the configured number of steps and calls
-    ``on_step(step, total_steps, metrics)`` after every training step (``metrics``: metric name →
-    float; a validation before the first step is reported as step 0); ``agl train`` writes them to
-    ``metrics.jsonl`` and the progress bar. A spec's optional ``check_config(config)`` checks what
-    the backend needs before it trains (files, devices, services) without loading a model, raising
-    ``ConfigError``; ``agl check`` calls it. :mod:`agl_core.backends.contract` holds these types.
+    ``on_step(step, total_steps, metrics, samples)`` after every training step (``metrics``: metric
+    name → float; ``samples``: the step's sample tables; a validation before the first step is
+    reported as step 0); ``agl train`` hands them to the metric sinks (``agl_register_metric_sinks``)
+    and the progress bar. A spec's optional ``check_config(config)`` checks what the backend needs
+    before it trains (files, devices, services) without loading a model, raising ``ConfigError``;
+    ``agl check`` calls it. :mod:`agl_core.backends.contract` holds these types.
+    """
+
+
+@hookspec
+def agl_register_metric_sinks(register: Register) -> None:
+    """Register metric sinks: where ``agl train`` sends every step's metrics and sample tables.
+
+    Called once per plugin manager. Call ``register(name, factory)``; ``name`` is what
+    ``trainer.logger`` lists (built-ins: ``jsonl``, the run log, always on; ``console``;
+    ``tensorboard``; ``wandb``). ``factory(context)`` receives a
+    :class:`~agl_core.tracking.SinkContext` (the run directory, ``trainer.project_name``,
+    ``trainer.experiment_name``, the run config as plain data with the gateway key redacted) and
+    returns a :class:`~agl_core.tracking.MetricSink`: ``log_samples(step, samples)`` (table name →
+    rows of JSON-like dicts: ``trajectories``, ``mismatches``), then ``log_metrics(step, metrics)``
+    for every step, and ``close()`` once at the end. Sinks run in the ``agl train`` process on
+    every backend. The first step a sink is given is where the run starts (a resumed run redoes
+    the steps after its checkpoint). A factory that cannot open its sink raises an error naming
+    ``trainer.logger``.
     """
 
 
@@ -144,10 +163,12 @@ def agl_load_hook_file(path: Path) -> object | None:
 
 @hookspec
 def agl_on_startup(config: Any) -> None:
-    """Initialise plugin state once, before the first rollout is enqueued.
+    """Initialise plugin state once per run, before the first rollout is enqueued.
 
-    ``config`` is the validated run config (an omegaconf ``DictConfig``; the gateway key redacted).
-    Return value is ignored.
+    The backend calls it exactly once, in the process where the rollout hooks run (the verl backend:
+    its Ray actor, not the ``agl train`` process). ``config`` is a copy of the validated run config
+    (an omegaconf ``DictConfig``) with the gateway key replaced by ``***``: the plugin manager
+    redacts it, whoever calls. Return value is ignored.
     """
 
 

@@ -1,54 +1,51 @@
 """The run driver behind ``agl train``: config → plugin manager → the configured backend's ``fit``.
 
-While the backend trains, each step's metrics are appended to ``metrics.jsonl`` in the run directory
-(``trainer.default_local_dir``) with the step number and the wall time since the run started (a
-validation before the first step is logged as step 0), a progress bar shows step, reward,
-validation reward and throughput, and ``metrics.png`` is drawn at the end (also after
-an error, for the steps done) and every ``PLOT_EVERY`` steps.
+While the backend trains, each step's metrics and sample tables go to the run's metric sinks
+(:mod:`agl_core.tracking`): the run log in the run directory (``trainer.default_local_dir``:
+``metrics.jsonl`` with the step number and the wall time since the run started, ``samples/*.jsonl``,
+``metrics.png``), then those ``trainer.logger`` names (``console``, ``tensorboard``, ``wandb``, a
+plugin's). A validation before the first step is logged as step 0. A progress bar shows step,
+reward, validation reward and throughput.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from agl_core.backends.contract import BackendSpec, backend_spec
-from agl_core.config import redacted
+from agl_core.data import StepSamples
 from agl_core.datasets import check_datasets
-from agl_core.jsonl import read_json_objects
-from agl_core.plot import plot_metrics
 from agl_core.plugins import PluginManager
+from agl_core.tracking import MetricSink, SinkContext, open_sinks, sink_names
+from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE, RunLog
 
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "metrics.png"
-PLOT_EVERY = 25
+__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "resolve_config", "run"]
 
 
 class MetricsLog:
-    """Appends one JSON line per step and keeps the progress bar up to date."""
+    """``agl train``'s ``on_step``: hands every step to the sinks (by default only the run log of
+    ``run_dir``) and keeps the progress bar up to date."""
 
-    def __init__(self, run_dir: Path, show_progress: bool = True):
+    def __init__(self, run_dir: Path, show_progress: bool = True, sinks: Sequence[MetricSink] | None = None):
         from tqdm import tqdm
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / METRICS_FILE
-        self.plot_path = run_dir / PLOT_FILE
+        self.sinks = list(sinks) if sinks is not None else [RunLog(SinkContext(run_dir))]
         self.started = time.monotonic()
-        self._logged = False
         self.bar = tqdm(desc="agl train", unit="step", disable=not show_progress, dynamic_ncols=True)
 
-    def __call__(self, step: int, total_steps: int, metrics: Mapping[str, float]) -> None:
-        if not self._logged:
-            self._forget_from(step)
-            self._logged = True
-        record = {"step": step, "wall_s": round(time.monotonic() - self.started, 3)}
-        record.update({k: _json_number(v) for k, v in metrics.items()})
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+    def __call__(self, step: int, total_steps: int, metrics: Mapping[str, float], samples: StepSamples | None = None) -> None:
+        logged = {"wall_s": round(time.monotonic() - self.started, 3), **metrics}
+        tables = {name: rows for name, rows in (samples or {}).items() if rows}
+        for sink in self.sinks:
+            if tables:
+                sink.log_samples(step, tables)
+            sink.log_metrics(step, logged)
+        self._progress(step, total_steps, metrics)
+
+    def _progress(self, step: int, total_steps: int, metrics: Mapping[str, float]) -> None:
         if self.bar.total != total_steps:
             self.bar.total = total_steps
         if self.bar.n == 0 and step > 1:
@@ -62,41 +59,34 @@ class MetricsLog:
         if step_s:
             postfix["rollouts/s"] = f"{metrics.get('training/n_rollouts', 0.0) / step_s:.1f}"
         self.bar.set_postfix(postfix)
-        if step % PLOT_EVERY == 0:
-            plot_metrics(self.path, self.plot_path)
-
-    def _forget_from(self, step: int) -> None:
-        """Drop lines of steps >= ``step`` left by an earlier run of this directory that was killed
-        after logging them but before checkpointing them: this run redoes those steps."""
-        if not self.path.is_file():
-            return
-        records = [record for _, record in read_json_objects(self.path)]
-        kept = [record for record in records if record["step"] < step]
-        if len(kept) != len(records):
-            self.path.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
 
     def close(self) -> None:
+        """Close the bar and every sink (all of them, even when one fails; the first error is raised)."""
         self.bar.close()
-        if self.path.is_file() and self.path.stat().st_size:
-            plot_metrics(self.path, self.plot_path)
-
-
-def _json_number(value: Any) -> Any:
-    value = float(value)
-    return value if math.isfinite(value) else None
+        errors = []
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def run(
     config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = (), show_progress: bool = True
 ) -> Path:
-    """Train as the config says; return the run directory (metrics, plot, checkpoints)."""
+    """Train as the config says; return the run directory (metrics, samples, plot, checkpoints).
+
+    The sinks are looked up before the backend is built (an unknown name in ``trainer.logger`` is an
+    error naming the key and the registered sinks) and opened once it is."""
     config, manager = resolve_config(config_path, overrides, plugins)
     if config.data.train_files:  # a backend that reads no dataset files has none to check
         # Every row must hold the env_map fields, unless a plugin may add them when it rewrites a request.
         check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
+    factories = [(name, manager.metric_sinks.get(name)) for name in sink_names(config)]
     backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
-    manager.on_startup(redacted(config))
-    log = MetricsLog(Path(config.trainer.default_local_dir), show_progress)
+    log = MetricsLog(Path(config.trainer.default_local_dir), show_progress, open_sinks(factories, config))
     try:
         backend.fit(log)
     finally:

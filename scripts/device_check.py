@@ -180,7 +180,7 @@ def train(config_path: Path | None, overrides: list[str], out: Path) -> list[dic
     out.mkdir(parents=True, exist_ok=True)
     steps: list[dict[str, Any]] = []
 
-    def on_step(step: int, total: int, metrics: Mapping[str, float]) -> None:
+    def on_step(step: int, total: int, metrics: Mapping[str, float], samples: Any = None) -> None:
         record = json_ready({"step": step, **{k: float(v) for k, v in metrics.items()}})
         steps.append(record)
         with (out / "metrics.jsonl").open("a") as f:

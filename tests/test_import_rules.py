@@ -46,8 +46,9 @@ ALLOWED = {
     "serving": {"base"},
     "backends": {"base", "plugins", "stages", "rollouts", "serving"},
     "backend:torch": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
-    "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "entry"},
-    "entry": {"base", "plugins", "backends", "entry"},
+    "tracking": {"base"},
+    "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "tracking", "entry"},
+    "entry": {"base", "plugins", "backends", "tracking", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
     "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
 }
@@ -68,7 +69,7 @@ def part_of(module: str) -> str:
     parts = module.split(".")
     if parts[1] == "backends" and len(parts) > 2 and parts[2] in {"torch"}:
         return "backend:torch"
-    if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "testing"}:
+    if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "tracking", "testing"}:
         return parts[1]
     raise AssertionError(f"{module} is in no part of the package map: add it to tests/test_import_rules.py and docs/architecture.md")
 
@@ -184,6 +185,7 @@ def test_every_rollout_module_is_shared_or_in_one_source_family():
         ("agl_core/serving/planted.py", "if True:\n    from agl_core.stages import tensorize\n", "serving may not import stages"),
         ("agl_core/plugins/planted.py", "from agl_core import Aggregation\n", "plugins may not import stages"),
         ("agl_core/serving/planted.py", "from agl_core import LossSettings\n", "serving may not import stages"),
+        ("agl_core/tracking/planted.py", "from agl_core.plugins import PluginManager\n", "tracking may not import plugins"),
     ],
 )
 def test_a_planted_forbidden_import_is_reported(tmp_path, module, planted, message):

@@ -154,9 +154,9 @@ def test_cli_backend_verl_on_cpu_says_it_needs_gpus(ray_session, tmp_path, capsy
 @pytest.mark.ray
 @pytest.mark.slow
 def test_steps_stream_from_the_ray_actor_to_on_step_as_they_finish(ray_session):
-    """:func:`relay_steps` over a real Ray actor that yields as the task runner does; each step
+    """:func:`actor_steps` over a real Ray actor that yields as the task runner does; each step
     reaches ``on_step`` in the driver before the actor has produced the next one."""
-    from agl_backend_verl.run import relay_steps
+    from agl_backend_verl.run import actor_steps
 
     @ray_session.remote
     class Gate:
@@ -191,6 +191,7 @@ def test_steps_stream_from_the_ray_actor_to_on_step_as_they_finish(ray_session):
         ray_session.get(gate.saw.remote(step))
 
     with pytest.raises(Exception, match="worker lost after step 2"):
-        relay_steps(Runner.remote(), {"any": "config"}, [{"a": 1}, {"a": 2}], [], ["p"], on_step)
+        for step, total, metrics in actor_steps(Runner.remote(), {"any": "config"}, [{"a": 1}, {"a": 2}], [], ["p"]):
+            on_step(step, total, metrics)
     assert [s for s, _, _ in seen] == [0, 1, 2]
     assert seen[2] == (2, 2, {"training/reward": 1.0, "n_train": 2.0, "n_plugins": 1.0})

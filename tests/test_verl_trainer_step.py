@@ -185,7 +185,7 @@ def make_trainer(tokenizer, *overrides, estimator=None):
 def test_fit_runs_every_stage_in_order(tokenizer):
     trainer, workers, source = make_trainer(tokenizer)
     seen = []
-    trainer.fit(on_step=lambda step, total, metrics: seen.append((step, total, dict(metrics))))
+    trainer.fit(on_step=lambda step, total, metrics, samples: seen.append((step, total, dict(metrics), samples)))
 
     # weights pushed and replicas registered with version = step, first for step 0
     assert [v for _, v in source.registered] == [0, 1, 2]
@@ -202,7 +202,7 @@ def test_fit_runs_every_stage_in_order(tokenizer):
     step2 = seen[-1][2]
     assert step2["val/n_rollouts"] == 5
     assert step2["val/reward"] == pytest.approx(30.0)
-    assert [s for s, _, _ in seen] == [0, 1, 2]  # step 0: the validation before training
+    assert [s for s, *_ in seen] == [0, 1, 2]  # step 0: the validation before training
     assert seen[0][2]["val/n_rollouts"] == 5
 
     # the trained batch: whole rollouts, a whole number of mini-batches, float32 scores
@@ -214,6 +214,13 @@ def test_fit_runs_every_stage_in_order(tokenizer):
     assert set(batch.non_tensor_batch["rollout_ids"]) and len(batch) == metrics["training/n_sample_trained"]
     assert "actor/pg_clipfrac" in metrics and "actor/ppo_kl" in metrics
     assert (metrics["training/global_step"], metrics["training/epoch"]) == (1.0, 0.0)
+
+    # each training step's sample tables stream with it: the step's decoded rollouts, in dataset order
+    assert seen[0][3] == {}  # validation only
+    trajectories = seen[1][3]["trajectories"]
+    assert len(trajectories) == 2 * N and {row["step"] for row in trajectories} == {1}
+    assert [row["reward"] for row in trajectories[:N]] == [1.0, 0.0, -1.0, -2.0]  # sample 0: target 1 minus k
+    assert all(row["n_calls"] == 2 and row["prompt"] and row["response"] for row in trajectories)
 
 
 def test_advantages_are_normalised_per_rollout_before_the_update(tokenizer):

@@ -17,20 +17,26 @@ from agl_core.config import load_config
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from agl_core.data import StepSamples
+
     from agl_core.plugins import PluginManager
     from agl_core.plugins.registry import RegistryEntry
 
 __all__ = ["Backend", "BackendFactory", "BackendSpec", "ConfigCheck", "ConfigLoader", "OnStep", "backend_spec"]
 
-OnStep = Callable[[int, int, Mapping[str, float]], None]
-"""``on_step(step, total_steps, metrics)``: called after every training step with the step's metrics
-(name → float); a validation before the first step is reported as step 0."""
+OnStep = Callable[[int, int, Mapping[str, float], "StepSamples"], None]
+"""``on_step(step, total_steps, metrics, samples)``: called after every training step with the step's
+metrics (name → float) and sample tables (:data:`~agl_core.data.StepSamples`: the pipeline's
+``trajectories`` and ``mismatches``, ``{}`` when there are none); a validation before the first step
+is reported as step 0. ``agl train``'s ``on_step`` also takes the call without ``samples``, from a
+backend that has none."""
 
 
 class Backend(Protocol):
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train until the configured number of steps (continuing from a checkpoint where the
-        config says so), calling ``on_step`` after every step."""
+        config says so), calling ``on_step`` after every step. Before its first rollout it calls
+        ``plugins.on_startup(config)`` once, in the process where the rollout hooks run."""
 
 
 BackendFactory = Callable[["DictConfig", "PluginManager"], Backend]

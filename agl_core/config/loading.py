@@ -193,9 +193,10 @@ def with_backend_hint(
     return error
 
 
-def redacted(cfg: DictConfig) -> DictConfig:
-    """A copy of ``cfg`` with every secret replaced by ``***`` (empty secrets stay empty)."""
-    copy = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+def redacted(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
+    """A copy of ``cfg`` (a config or a plain mapping) with every secret replaced by ``***`` (empty
+    secrets stay empty)."""
+    copy = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else dict(cfg))
     for key in SECRET_KEYS:
         if OmegaConf.select(copy, key):
             OmegaConf.update(copy, key, REDACTED)

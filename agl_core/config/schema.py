@@ -215,6 +215,9 @@ class TrainerConfig:
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"  # auto: continue from the newest checkpoint in default_local_dir | disable
     seed: int = 0
+    # Metric sinks besides the run log (metrics.jsonl, always written), by registry name: console |
+    # tensorboard | wandb | a plugin's. verl's key; its default is [console, wandb], agl's stays offline.
+    logger: list[str] = field(default_factory=lambda: ["console"])
 
 
 @dataclass

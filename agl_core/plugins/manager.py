@@ -34,7 +34,7 @@ import attrs
 import pluggy
 
 from agl_core import hookspecs
-from agl_core.config import AgentLightningConfig
+from agl_core.config import AgentLightningConfig, redacted
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins.calls import HookCalls, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
@@ -52,6 +52,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "estimators": "agl_core.stages.estimators",
     "losses": "agl_core.stages.losses",
     "torch": "agl_core.backends.torch",
+    "sinks": "agl_core.tracking.builtins",
 }
 
 # registry property -> (hook name, kind, config key selecting an entry)
@@ -60,6 +61,7 @@ REGISTRIES = {
     "advantage_estimators": ("agl_register_advantage_estimators", "advantage estimator", "algorithm.adv_estimator"),
     "policy_losses": ("agl_register_policy_losses", "policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode"),
     "backends": ("agl_register_backends", "backend", "agentlightning.backend"),
+    "metric_sinks": ("agl_register_metric_sinks", "metric sink", "trainer.logger"),
 }
 
 DEFAULT_HOOK_TIMEOUT_SECONDS = AgentLightningConfig.hook_timeout_seconds
@@ -233,6 +235,10 @@ class PluginManager:
     def implementations(self, hook_name: str) -> list[str]:
         """The plugins implementing ``hook_name``, in the order they are called."""
         return [impl.plugin_name for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())]
+    def given_in_code(self) -> list[Any]:
+        """The plugin objects passed in code (not built-ins, entry points or hook files), in
+        registration order: what a backend that runs the hooks in another process must ship there."""
+        return [self._pm.get_plugin(name) for name, source in self._sources.items() if source == "code"]
 
     # -- registries ---------------------------------------------------------------------------
 
@@ -261,10 +267,16 @@ class PluginManager:
     def backends(self) -> Registry:
         return self._registry("backends")
 
+    @property
+    def metric_sinks(self) -> Registry:
+        return self._registry("metric_sinks")
+
     # -- lifecycle hooks ----------------------------------------------------------------------
 
     def on_startup(self, config: Any) -> None:
-        self._call_each("agl_on_startup", "startup", config=config)
+        """Call every ``agl_on_startup`` with a copy of ``config`` whose secrets are redacted: no
+        plugin ever sees the gateway key, whoever calls this."""
+        self._call_each("agl_on_startup", "startup", config=redacted(config))
 
     def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
         impls = in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())

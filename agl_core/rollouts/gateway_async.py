@@ -2,6 +2,15 @@
 
 It is the synchronous source of :mod:`agl_core.rollouts.gateway_sync` with groups kept in flight
 across steps, and the gateway's proxy paused and drained around each weight update.
+
+What it carries across steps survives a checkpoint (:meth:`AsyncGatewayRolloutSource.state`): the
+groups in flight (their rollouts already finished and read, and the requests of those still
+pending) and the samples waiting in the backlog. A resumed run restores them before its first step:
+pending rollouts the gateway still holds are polled again under their ids (those that finished
+while no trainer ran are read then); those it no longer holds (a gateway restart, or a run killed
+after the checkpoint that had read and deleted them) are re-created with the same request under a
+fresh id, as after a gateway restart. Nothing carried is dropped or trained twice, and the restore is
+counted (``training/async/n_resumed_*``, ``training/rollouts/n_lost``, ``n_reenqueued``).
 """
 
 from __future__ import annotations
@@ -13,9 +22,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins import PluginManager
 from agl_core.rollouts.gateway_client import GatewayClient
-from agl_core.rollouts.gateway_sync import Group, GatewayRolloutSource
+from agl_core.rollouts.gateway_sync import Group, GatewayRolloutSource, _Pending
 from agl_core.rollouts.source import RolloutBatch
 
 __all__ = ["AsyncGatewayRolloutSource"]
@@ -92,4 +102,51 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
         if self.paused:
             self.client.resume()
             self.paused = False
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any] | None:
+        """The training groups in flight (complete ones first, in the order they completed), the
+        requests of their pending rollouts and the backlog, as plain data."""
+        groups = sorted(self._train_groups(), key=lambda g: (g.completed_at is None, g.completed_at or 0.0))
+        in_flight = {g.group_id for g in groups}
+        return {
+            "groups": [
+                {
+                    "group_id": g.group_id,
+                    "step": g.step,
+                    "size": g.size,
+                    "done": [[rid, None if r is None else r.to_dict()] for rid, r in g.done.items()],
+                }
+                for g in groups
+            ],
+            "pending": [
+                {"request": p.request.to_dict(), "queued_at": p.queued_at, "reenqueues": p.reenqueues}
+                for p in self.pending.values()
+                if p.request.group_id in in_flight
+            ],
+            "backlog": [dict(sample) for sample in self.backlog],
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Take over the groups, pending rollouts and backlog of ``state`` (see the module's
+        docstring); return how many samples they are (groups in flight + backlog)."""
+        now = time.monotonic()
+        for saved in state["groups"]:
+            done = {rid: None if r is None else CompletedRollout.from_dict(r) for rid, r in saved["done"]}
+            group = Group(saved["group_id"], int(saved["step"]), True, int(saved["size"]), done)
+            group.completed_at = now if group.complete else None  # saved in completion order
+            self.groups[group.group_id] = group
+        for saved in state["pending"]:
+            request = RolloutRequest.from_dict(saved["request"])
+            self.pending[request.rollout_id] = _Pending(request, saved["queued_at"], now + self.deadline_seconds, saved["reenqueues"])
+        self.backlog = list(state["backlog"]) + self.backlog
+        self.cursor = 0  # what finished while no trainer ran is in the terminal log from its start
+        kept = len(self.pending)
+        self._handle_lost(self._unknown_to_gateway(list(self.pending)))
+        self.counts["training/async/n_resumed_groups"] += len(state["groups"])
+        self.counts["training/async/n_resumed_pending_rollouts"] += kept
+        self.counts["training/async/n_resumed_finished_rollouts"] += sum(len(g["done"]) for g in state["groups"])
+        self.counts["training/async/n_resumed_backlog_samples"] += len(state["backlog"])
+        return len(state["groups"]) + len(state["backlog"])
 

@@ -191,15 +191,19 @@ class GatewayRolloutSource(RolloutSource):
         self.last_progress = time.monotonic()
         if self.registered is not None:
             self._register(*self.registered)
+        self._handle_lost(self._unknown_to_gateway(list(self.pending)))
+
+    def _unknown_to_gateway(self, rollout_ids: list[str]) -> list[str]:
+        """Which of ``rollout_ids`` the gateway no longer holds (one read each)."""
         lost = []
-        for rid in list(self.pending):
+        for rid in rollout_ids:
             try:
                 self.client.get_rollout(rid)
             except GatewayError as exc:
                 if not exc.not_found:
                     raise
                 lost.append(rid)
-        self._handle_lost(lost)
+        return lost
 
     def _handle_lost(self, lost: list[str]) -> None:
         """Re-create each lost rollout under a fresh id (so a stale agent of the old one cannot write

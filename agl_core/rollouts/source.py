@@ -48,6 +48,22 @@ class RolloutSource(Protocol):
     def close(self) -> None:
         """Stop whatever the source started."""
 
+    def state(self) -> dict[str, Any] | None:
+        """What a checkpoint taken between steps must keep for a resumed run to continue the rollouts
+        this source carries into the next step (async: its groups in flight and waiting samples), as
+        plain data; ``None`` when it carries none (a sync source finishes its groups within a step)."""
+        return None
+
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Carry on from ``state`` (what :meth:`state` returned in the run being resumed), before the
+        first step; return how many samples that carries into the next step. Only a source that
+        carries rollouts across steps can."""
+        raise ConfigError(
+            "agentlightning.async_rollout.enabled",
+            "the checkpoint holds rollouts in flight between steps, which only the async gateway source continues: "
+            "resume with async rollout enabled (or start the run over with trainer.resume_mode=disable)",
+        )
+
 
 def new_id() -> str:
     return uuid.uuid4().hex

@@ -18,6 +18,7 @@ import torch
 
 from agl_core.stages.advantage import Advantages, AdvantageSettings
 from agl_core.stages.aggregation import settings_from_config, write_mismatches_jsonl
+from agl_core.stages.samples import step_samples
 from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
 from agl_core.data import CompletedRollout, TrainingRow
 from agl_core.stages.policy_loss import policy_loss_spec
@@ -98,6 +99,8 @@ class StepPipeline:
     Advantages are scaled per rollout when the loss named by
     ``actor_rollout_ref.actor.policy_loss.loss_mode`` declares ``scale_advantages_per_rollout``.
     Trajectory breaks are appended to ``agentlightning.trace_aggregator.mismatch_log_path`` when set.
+    Each :meth:`prepare` keeps the step's sample tables (:mod:`agl_core.stages.samples`) until the
+    backend hands them on with :meth:`take_samples`.
     """
 
     def __init__(
@@ -121,6 +124,13 @@ class StepPipeline:
 
         self.estimate = estimate
         self.normalization = str(config.agentlightning.loss_normalization) if _scales_per_rollout(config, plugins) else None
+        self._samples: dict[str, list[dict[str, Any]]] = {}
+
+    def take_samples(self) -> dict[str, list[dict[str, Any]]]:
+        """The sample tables of the last :meth:`prepare` (``trajectories``, ``mismatches``), once:
+        a second call, or one after a step without rollouts, returns ``{}``."""
+        samples, self._samples = self._samples, {}
+        return samples
 
     def prepare(self, rollouts: Sequence[CompletedRollout], step: int) -> PreparedBatch:
         metrics = rollout_metrics(rollouts, "training")
@@ -129,6 +139,7 @@ class StepPipeline:
         metrics.update(aggregation.metrics)
         if self.mismatch_log_path and aggregation.mismatches:
             write_mismatches_jsonl(os.path.expanduser(self.mismatch_log_path), aggregation.mismatches)
+        self._samples = step_samples(rollouts, aggregation.mismatches, step, self.aggregation_settings.tokenizer)
         rows = aggregation.rows
         metrics["training/n_sample"] = float(len(rows))
         shaped = None

@@ -21,13 +21,16 @@ Async rollout (``agentlightning.async_rollout.enabled``; gateway only): a run's 
 source enough batches to keep ``async_train_batch_size`` groups in flight, later steps one batch (the
 source tops up and carries unfinished groups over); the gateway is paused and drained between the
 rollouts and the update, and resumed once the new weights are registered. Every step reports the
-staleness of the calls it trains (``training/async/staleness_*``, from the shared pipeline).
+staleness of the calls it trains (``training/async/staleness_*``, from the shared pipeline). A
+checkpoint keeps what the source carries over (its groups in flight and waiting samples); a resumed
+run restores it and hands its first step only what tops that up to ``async_train_batch_size``.
 
 The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.serving.policy_server.PolicyServer`,
 in-process) or ``vllm`` (:class:`~agl_core.serving.vllm_engine.VllmEngine`). A vLLM server that dies
 mid-step fails that step's rollouts (counted) and is restarted at the weight push
 (``training/engine/n_restarts``). Checkpoints
-(:mod:`agl_core.backends.torch.checkpoint`) hold model, optimizer, scheduler, step, data position and RNG states;
+(:mod:`agl_core.backends.torch.checkpoint`) hold model, optimizer, scheduler, step, data position, RNG states
+and (async) the rollout source's groups in flight;
 with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trainer.default_local_dir``.
 """
 
@@ -39,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from agl_core.backends.contract import BackendSpec, OnStep
@@ -135,6 +139,7 @@ class TorchBackend:
         self.run_dir = Path(config.trainer.default_local_dir)
         self.step = 0
         self._sampler_state: object | None = None
+        self._source_state: Mapping[str, Any] | None = None
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -169,6 +174,9 @@ class TorchBackend:
         sampler = self.engine.sampler_state()
         if sampler is not None:
             state["sampler_rng"] = sampler
+        in_flight = self.source.state()
+        if in_flight is not None:
+            state["rollout_source"] = in_flight
         save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
 
     def resume(self) -> bool:
@@ -185,6 +193,7 @@ class TorchBackend:
         restore_rng_states(state["rng"])
         self.step = int(state["step"])
         self._sampler_state = state.get("sampler_rng")
+        self._source_state = state.get("rollout_source")
         logger.info("resumed from %s (step %d)", path, self.step)
         return True
 
@@ -198,12 +207,17 @@ class TorchBackend:
             self.engine.push_weights(self.model, self.step)
             if self._sampler_state is not None:
                 self.engine.restore_sampler_state(self._sampler_state)
+            self.plugins.on_startup(self.config)
             self.source = self.make_source()
             try:
                 self.source.after_weight_update([self.engine.base_url], self.step)
-                for step, total, metrics in run_steps(self, self.loop):
+                loop = self.loop
+                if self._source_state is not None:
+                    carried = self.source.restore(self._source_state)
+                    loop = attrs.evolve(loop, fill=max(0, loop.fill - carried))  # the fill counts what is carried
+                for step, total, metrics in run_steps(self, loop):
                     if on_step is not None:
-                        on_step(step, total, metrics)
+                        on_step(step, total, metrics, self.pipeline.take_samples())
             finally:
                 self.source.close()
         finally:

@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``global_step_{N}`` under the run directory (``trainer.default_local_dir``)
 holding ``model/`` (the policy and tokenizer, loadable by any Hugging Face tool or inference server)
-and ``trainer_state.pt`` (optimizer, lr scheduler, step, data position and every RNG state).
+and ``trainer_state.pt`` (optimizer, lr scheduler, step, data position, every RNG state and, in
+async mode, the rollout source's groups in flight and waiting samples, as plain data).
 ``latest_checkpointed_iteration.txt`` names the newest step, as verl's does. A checkpoint is written
 to a temporary folder and renamed into place, so a run killed while saving leaves the previous one
 intact.

@@ -1,0 +1,99 @@
+"""What a metric sink is, and how a run's sinks are chosen (``trainer.logger``) and opened."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from agl_core.config import ConfigError, redacted
+from agl_core.data import StepSamples
+
+__all__ = ["ALWAYS_ON", "MetricSink", "SinkContext", "SinkFactory", "open_sinks", "sink_names", "table_columns"]
+
+ALWAYS_ON = "jsonl"
+"""The run log (``metrics.jsonl``, ``samples/*.jsonl``, ``metrics.png``): resuming a run and ``agl
+plot`` read it, so every run writes it, whatever ``trainer.logger`` lists."""
+
+
+@attrs.frozen
+class SinkContext:
+    """What a sink factory is given: the run directory (``trainer.default_local_dir``), verl's
+    ``trainer.project_name`` / ``trainer.experiment_name``, and the run config as plain data with
+    the gateway key redacted (for trackers that record it)."""
+
+    run_dir: Path
+    project_name: str = "agl"
+    experiment_name: str = "run"
+    config: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+class MetricSink(Protocol):
+    """One destination of a run's metrics. The first step a sink is given is where this run starts:
+    a resumed run redoes the steps after its checkpoint, so a sink that keeps a log in the run
+    directory drops what an earlier run logged from that step on."""
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record a step's metrics (name → float; may be NaN)."""
+
+    def log_samples(self, step: int, samples: StepSamples) -> None:
+        """Record a step's sample tables (name → rows of JSON-like dicts); called before
+        :meth:`log_metrics` of the same step, and only with non-empty tables."""
+
+    def close(self) -> None:
+        """Flush and release; called once when the run ends, also after an error."""
+
+
+SinkFactory = Callable[[SinkContext], MetricSink]
+"""``factory(context)``: what ``agl_register_metric_sinks`` registers."""
+
+
+def sink_names(config: Any) -> list[str]:
+    """:data:`ALWAYS_ON`, then ``trainer.logger`` in order (a name, or a list of names, as verl takes
+    it), each once."""
+    logger = config.trainer.logger
+    listed = [logger] if isinstance(logger, str) else list(logger or [])
+    for name in listed:
+        if not isinstance(name, str) or not name:
+            raise ConfigError("trainer.logger", f"must list metric sink names, got {name!r}")
+    return list(dict.fromkeys([ALWAYS_ON, *listed]))
+
+
+def open_sinks(factories: Sequence[tuple[str, SinkFactory]], config: Any) -> list[MetricSink]:
+    """Build the sinks of ``factories`` (``(name, factory)``, as looked up by :func:`sink_names`)
+    for the run ``config``; the ones already open are closed when one fails."""
+    from omegaconf import OmegaConf
+
+    trainer = config.trainer
+    context = SinkContext(
+        run_dir=Path(trainer.default_local_dir),
+        project_name=str(trainer.project_name),
+        experiment_name=str(trainer.experiment_name),
+        config=OmegaConf.to_container(redacted(config), resolve=True),
+    )
+    context.run_dir.mkdir(parents=True, exist_ok=True)
+    sinks: list[MetricSink] = []
+    try:
+        for _, factory in factories:
+            sinks.append(factory(context))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks
+
+
+def table_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """A table's columns (in first-seen order) and its rows as lists, for trackers with tables:
+    numbers, strings, booleans and ``None`` stay as they are, anything else becomes JSON text."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+
+    def cell(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return json.dumps(value, ensure_ascii=False)
+
+    return columns, [[cell(row.get(column)) for column in columns] for row in rows]
