@@ -106,17 +106,23 @@ class HookCalls:
     def call_each(self, impls: Sequence[Any], hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
         """Call every implementation in order; return ``(plugin, result)`` of those that returned.
 
-        Each call gets a writer of its own; what a call that returned wrote is passed on to
-        ``kwargs["writer"]``, what a failed or abandoned one wrote is discarded and counted."""
+        Each call gets a writer of its own that starts with what the calls before it wrote (a later
+        hook sees earlier hooks' events); what a call that returned added is passed on to
+        ``kwargs["writer"]``, what a failed or abandoned one added is discarded and counted."""
         results = []
         writer = kwargs.get("writer")
         for impl in impls:
             own = EventWriter()
+            mark = 0
+            if writer is not None:
+                for event in writer.pending:
+                    own.add_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
+                mark = len(writer.pending)
             ok, result = self.call(impl, hook_name, subject, {**kwargs, "writer": own} if writer is not None else kwargs)
             if not ok:
-                self.discarded_events += own.discard()
+                self.discarded_events += own.discard(keep=mark)
                 continue
-            for event in own.pending:
+            for event in own.pending[mark:]:
                 writer.add_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
             results.append((impl.plugin_name, result))
         return results
