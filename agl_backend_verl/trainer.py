@@ -31,7 +31,7 @@ from agl_core.backends.loop import LoopSettings, Step, run_steps
 from agl_core.data import CompletedRollout
 from agl_core.plugins import PluginManager
 from agl_core.rollouts.source import RolloutSource
-from agl_core.stages.pipeline import StepPipeline, rollout_metrics
+from agl_core.stages.pipeline import StepPipeline, validation_metrics
 from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.advantages import compute_advantages
 from agl_backend_verl.config import validate_verl
@@ -205,11 +205,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """One validation pass over every validation batch; metrics over all of them."""
+        """One validation pass over every validation batch; ``val/*`` metrics over all of them
+        (:func:`~agl_core.stages.pipeline.validation_metrics`)."""
         rollouts: list[CompletedRollout] = []
+        source_metrics: list[dict[str, float]] = []
         self.calls.resume_replicas()
         for samples in self.val_dataloader:
-            rollouts.extend(self.source.collect(samples, step=self.global_steps, is_train=False).rollouts)
+            batch = self.source.collect(samples, step=self.global_steps, is_train=False)
+            rollouts.extend(batch.rollouts)
+            source_metrics.append(batch.metrics)
         if not self.is_async:
             self.calls.abort_replicas()
-        return rollout_metrics(rollouts, "val")
+        return validation_metrics(rollouts, source_metrics)
