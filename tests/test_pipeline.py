@@ -52,7 +52,7 @@ def test_rollouts_to_a_normalised_batch(plugins):
     expected = rollout_scales(ids, [row.n_trained_tokens for row in shaped.rows], mode="rollouts", n_mini_batches=shaped.n_mini_batches)
     np.testing.assert_allclose(prepared.row_scales, expected)
     width = max(len(row.response_ids) for row in shaped.rows)
-    raw = prepared.advantages(width, normalized=False)
+    raw = prepared.returns(width)  # grpo's returns are its advantages, never scaled
     scaled = prepared.advantages(width)
     torch.testing.assert_close(scaled, raw * torch.as_tensor(expected, dtype=torch.float32)[:, None])
     assert raw.abs().sum() > 0, "grpo gives non-zero advantages to groups with different rewards"
@@ -62,7 +62,7 @@ def test_token_mean_is_not_normalised_per_rollout(plugins):
     prepared = StepPipeline(config("actor_rollout_ref.actor.policy_loss.loss_mode=token_mean"), plugins).prepare(batch(), step=1)
     assert prepared.row_scales is None
     width = max(len(row.response_ids) for row in prepared.shaped.rows)
-    torch.testing.assert_close(prepared.advantages(width), prepared.advantages(width, normalized=False))
+    torch.testing.assert_close(prepared.advantages(width), prepared.returns(width))
 
 
 def test_nothing_trainable_skips_the_update(plugins):

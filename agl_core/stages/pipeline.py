@@ -103,15 +103,22 @@ class PreparedBatch:
     row_scales: np.ndarray | None
     metrics: dict[str, float]
 
-    def advantages(self, width: int, *, normalized: bool = True) -> torch.Tensor:
+    def advantages(self, width: int) -> torch.Tensor:
         """The kept rows' advantages as a ``[rows, width]`` float32 tensor, right-padded like the
-        responses, scaled per rollout unless ``normalized`` is false (e.g. critic returns)."""
-        if self.shaped is None:
-            raise ValueError("no trainable rows in this step: check PreparedBatch.shaped before asking for advantages")
-        padded = pad_responses(self.shaped.advantages, width, torch.float32)
-        if normalized and self.row_scales is not None:
+        responses and scaled per rollout when the loss uses it."""
+        padded = pad_responses(self._shaped().advantages, width, torch.float32)
+        if self.row_scales is not None:
             padded = padded * torch.as_tensor(self.row_scales, dtype=torch.float32)[:, None]
         return padded
+
+    def returns(self, width: int) -> torch.Tensor:
+        """The kept rows' returns (what a critic fits; never scaled), padded like :meth:`advantages`."""
+        return pad_responses(self._shaped().returns, width, torch.float32)
+
+    def _shaped(self) -> ShapedBatch:
+        if self.shaped is None:
+            raise ValueError("no trainable rows in this step: check PreparedBatch.shaped before asking for advantages")
+        return self.shaped
 
 
 class StepPipeline:
