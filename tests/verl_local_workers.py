@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
+from verl import DataProto
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
 
 from agl_core.backends.torch.model_ops import chosen_log_probs, response_distributions, token_entropy
 
@@ -66,6 +68,27 @@ def model_output(model: torch.nn.Module, data: TensorDict, *, entropy: bool = Tr
     if entropy:
         output["entropy"] = engine_layout(token_entropy(distributions), data)
     return output
+
+
+def engine_settings(data: TensorDict, config: Any) -> TensorDict:
+    """``data`` with the micro-batch settings verl's ``TrainingWorker.train_batch`` adds from the
+    actor's engine config (verl's ``ActorConfig`` ``config``)."""
+    tu.assign_non_tensor(
+        data,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len_per_gpu=config.ppo_max_token_len_per_gpu,
+        micro_batch_size_per_gpu=config.ppo_micro_batch_size_per_gpu,
+    )
+    return data
+
+
+def engine_mini_batch(batch: DataProto, config: Any) -> TensorDict:
+    """A padded ``batch`` as one mini-batch reaches verl's engine: converted as the trainer's
+    ``_update_actor`` converts it (``left_right_2_no_padding``, ``calculate_entropy``,
+    ``global_batch_size``), with :func:`engine_settings`."""
+    data = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(data, calculate_entropy=config.calculate_entropy or config.entropy_coeff != 0, global_batch_size=len(batch))
+    return engine_settings(data, config)
 
 
 def ppo_mini_batch(
@@ -120,13 +143,7 @@ class LocalActorGroup:
             seed=tu.get(data, "seed"),
             dataloader_kwargs=tu.get(data, "dataloader_kwargs"),
         ):
-            tu.assign_non_tensor(
-                mini,
-                use_dynamic_bsz=self.config.use_dynamic_bsz,
-                max_token_len_per_gpu=self.config.ppo_max_token_len_per_gpu,
-                micro_batch_size_per_gpu=self.config.ppo_micro_batch_size_per_gpu,
-            )
-            yield mini
+            yield engine_settings(mini, self.config)
 
     def update_actor(self, data: TensorDict) -> TensorDict:
         """One optimizer step per mini-batch; the metrics of every mini-batch, as verl's worker
