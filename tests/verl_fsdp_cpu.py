@@ -155,6 +155,7 @@ def _train(rank: int, world_size: int, case: dict, out_dir: Path) -> None:
     from verl.workers.utils.losses import ppo_loss
 
     from tests import test_verl_ppo_loss as t
+    from tests.step_comparison import compare_steps
     from tests.verl_local_workers import engine_mini_batch
 
     config = t.verl_config(case["model_dir"], case["loss"], case["normalization"], case["entropy"], case["kl"], *ENGINE_OVERRIDES, *case["overrides"])
@@ -188,23 +189,6 @@ def _train(rank: int, world_size: int, case: dict, out_dir: Path) -> None:
             for name, value in before.items():
                 params[name].copy_(value)
         result["torch"] = update.mini_batch_step(mini)
-        result.update(compare(before, after, grads, params))
+        result.update(compare_steps(before, after, grads, params))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
-
-def compare(before: dict, after: dict, grads: dict, params: dict) -> dict[str, float]:
-    """The engine's clipped gradients and stepped weights against the torch backend's ``params``
-    (stepped, their ``.grad`` clipped). Adam's first step moves a weight by about ``lr`` whatever its
-    gradient, dividing by ``|g| + 1e-8``, so where ``|g|`` is near that ``eps`` rounding differences
-    of the gradient become differences of the step: weights are compared where ``|g| > 1e-6``."""
-    with torch.no_grad():
-        grad = torch.cat([params[k].grad.flatten() for k in after])
-        step_diff = torch.cat([(after[k] - params[k]).flatten() for k in after]).abs()
-        return {
-            "max_grad": float(grad.abs().max()),
-            "max_grad_diff": max(float((grads[k] - params[k].grad).abs().max()) for k in after),
-            "max_param_change": max(float((after[k] - before[k]).abs().max()) for k in after),
-            "max_param_diff": float(step_diff[grad.abs() > 1e-6].max()),
-            "n_params": int(grad.numel()),
-            "n_params_above_1e-6_apart": int((step_diff > 1e-6).sum()),
-        }
