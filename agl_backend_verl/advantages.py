@@ -3,8 +3,8 @@
 ``algorithm.adv_estimator`` naming an estimator verl defines (``grpo``, ``rloo``,
 ``reinforce_plus_plus``...) runs verl's ``compute_advantage`` — the same code and numbers as verl's
 own trainer — on **one representative row per rollout** (groups = the rollouts' group ids), and the
-rollout's scalar is broadcast over every trained token of every row of that rollout, as Agent
-Lightning v1.0 does. Any other name is looked up in agl's advantage-estimator registry.
+rollout's advantage and return are broadcast over every trained token of every row of that rollout,
+as Agent Lightning v1.0 does. Any other name is looked up in agl's advantage-estimator registry.
 
 With ``algorithm.enable_rollout_level_advantage: false`` every row is its own sample instead (as in
 verl's own trainer). Either way advantages are computed on every collected row, before batch
@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-import numpy as np
 import torch
 
-from agl_core.stages.advantage import Advantages, AdvantageSettings, group_rollouts
+from agl_core.stages.advantage import Advantages, AdvantageSettings, RolloutAdvantageError, broadcast, group_rollouts
 from agl_core.data import TrainingRow
 from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.config import ROLLOUT_LEVEL_KEY, verl_algorithm_config
@@ -28,6 +27,7 @@ from agl_backend_verl.dataproto import to_dataproto
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+    from verl import DataProto
 
     from agl_core.plugins import PluginManager
 
@@ -48,11 +48,12 @@ def as_samples(rows: Sequence[TrainingRow]) -> list[TrainingRow]:
 
 
 def verl_rollout_advantages(rows: Sequence[TrainingRow], config: DictConfig, pad_token_id: int = 0) -> Advantages:
-    """verl's estimator ``algorithm.adv_estimator`` on one representative row per rollout, broadcast.
+    """verl's estimator ``algorithm.adv_estimator`` on one representative row per rollout, broadcast:
+    its advantages and its returns, as Agent Lightning v1.0 does.
 
     The representative is the rollout's first row with a trained token; rows of a rollout must share
     group and reward (checked). The estimator must give one value over the representative's trained
-    tokens (an outcome estimator); anything else is an error naming the rollout.
+    tokens (an outcome estimator); anything else is a :class:`RolloutAdvantageError` naming the rollout.
     """
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
@@ -61,7 +62,7 @@ def verl_rollout_advantages(rows: Sequence[TrainingRow], config: DictConfig, pad
     for rid, indices in indexed.rollouts.items():
         trained = [i for i in indices if rows[i].response_mask.any()]
         if not trained:
-            raise ValueError(f"rollout {rid!r} has no trained token; it cannot be given an advantage")
+            raise RolloutAdvantageError("response_mask", "the rollout has no trained token; it cannot be given an advantage", rid)
         representatives.append(attrs.evolve(rows[trained[0]], dropped=False))
     data = to_dataproto(tensorize(representatives, pad_token_id=pad_token_id))
     data.batch["token_level_rewards"] = data.batch["token_level_scores"]
@@ -75,22 +76,30 @@ def verl_rollout_advantages(rows: Sequence[TrainingRow], config: DictConfig, pad
         norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
         config=verl_algorithm_config(config),
     )
-    per_rollout: dict[str, float] = {}
+    advantages = _per_rollout(data, "advantages", representatives, algorithm.adv_estimator)
+    returns = _per_rollout(data, "returns", representatives, algorithm.adv_estimator)
+    return Advantages(
+        per_row=tuple(broadcast(row, advantages[row.rollout_id]) for row in rows),
+        metrics=indexed.metrics(),
+        returns=tuple(broadcast(row, returns[row.rollout_id]) for row in rows),
+    )
+
+
+def _per_rollout(data: DataProto, key: str, representatives: Sequence[TrainingRow], estimator: str) -> dict[str, float]:
+    """The one value ``data.batch[key]`` holds over each representative's trained tokens."""
     mask = data.batch["response_mask"].bool()
+    per_rollout = {}
     for k, rep in enumerate(representatives):
-        values = data.batch["advantages"][k][mask[k]]
+        values = data.batch[key][k][mask[k]]
         if not torch.allclose(values, values[0].expand_as(values)):
-            raise ValueError(
-                f"estimator {algorithm.adv_estimator!r} gave rollout {rep.rollout_id!r} different advantages on "
-                "different tokens; only outcome estimators can be computed once per rollout"
+            raise RolloutAdvantageError(
+                key,
+                f"estimator {estimator!r} gave different {key} on different tokens; only outcome estimators can "
+                "be computed once per rollout",
+                rep.rollout_id,
             )
         per_rollout[rep.rollout_id] = float(values[0])
-    per_row = []
-    for row in rows:
-        array = (row.response_mask.astype(np.float32) * np.float32(per_rollout[row.rollout_id])).astype(np.float32)
-        array.flags.writeable = False
-        per_row.append(array)
-    return Advantages(per_row=tuple(per_row), metrics=indexed.metrics())
+    return per_rollout
 
 
 def compute_advantages(rows: Sequence[TrainingRow], config: DictConfig, plugins: PluginManager, pad_token_id: int = 0) -> Advantages:

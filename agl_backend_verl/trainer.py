@@ -5,8 +5,9 @@ top the rollout source's in-flight groups up), in order: replicas resumed → ro
 rollout source → (async: the gateway paused and drained; sync: leftover replica requests aborted) →
 :meth:`learn`: the configured aggregator → advantages on every collected row
 (:mod:`agl_backend_verl.advantages`) → batch shaping (whole rollouts dropped, marked ones first) →
-tensorise → ``DataProto`` → replicas slept → old log-probs / reference / values through verl's
-workers → per-rollout normalisation (``per_rollout_mean``) → critic / actor update → weights pushed
+tensorise → ``DataProto`` with the advantages (scaled per rollout under ``per_rollout_mean``) and
+the unscaled ``returns``, both one value per rollout → replicas slept → old log-probs / reference /
+values through verl's workers → critic / actor update → weights pushed
 → the replicas' addresses registered with the gateway with ``version`` = step (stale ones deleted
 first; async: the gateway resumed). The loop around the step (validation over all validation
 batches, reporting, checkpoints) is the one every backend runs, :func:`agl_core.backends.loop.run_steps`.
@@ -31,7 +32,7 @@ from agl_core.backends.loop import LoopSettings, Step, run_steps
 from agl_core.data import CompletedRollout, StepSamples
 from agl_core.plugins import PluginManager
 from agl_core.rollouts.source import RolloutSource
-from agl_core.stages.pipeline import StepPipeline, rollout_metrics
+from agl_core.stages.pipeline import StepPipeline, validation_metrics
 from agl_core.stages.tensorize import tensorize
 from agl_backend_verl.advantages import compute_advantages
 from agl_backend_verl.config import validate_verl
@@ -179,7 +180,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
         padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
         batch = to_dataproto(padded, meta_info={"temperature": self.config.actor_rollout_ref.rollout.temperature})
         width = padded.tensors["responses"].shape[1]
-        batch.batch["advantages"] = prepared.advantages(width, normalized=False)
+        batch.batch["advantages"] = prepared.advantages(width)  # scaled per rollout for per-rollout losses
+        batch.batch["returns"] = prepared.returns(width)  # per rollout, as Agent Lightning v1.0 puts them
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
         batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
         if self.config.trainer.balance_batch:
@@ -190,11 +192,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
         if self.use_reference_policy:
             batch = batch.union(self.calls.ref_log_probs(batch))
         if self.use_critic:
-            values = self.calls.values(batch)
-            batch = batch.union(values)
-            batch.batch["returns"] = batch.batch["advantages"].clone()
-        batch.batch["advantages"] = prepared.advantages(width)  # scaled per rollout for per-rollout losses
-        if self.use_critic:
+            batch = batch.union(self.calls.values(batch))
             metrics.update(reduce_metrics(self.calls.update_critic(batch)))
         if self.config.trainer.critic_warmup <= self.global_steps:
             metrics.update(reduce_metrics(self.calls.update_actor(batch)))
@@ -202,11 +200,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """One validation pass over every validation batch; metrics over all of them."""
+        """One validation pass over every validation batch; ``val/*`` metrics over all of them
+        (:func:`~agl_core.stages.pipeline.validation_metrics`)."""
         rollouts: list[CompletedRollout] = []
+        source_metrics: list[dict[str, float]] = []
         self.calls.resume_replicas()
         for samples in self.val_dataloader:
-            rollouts.extend(self.source.collect(samples, step=self.global_steps, is_train=False).rollouts)
+            batch = self.source.collect(samples, step=self.global_steps, is_train=False)
+            rollouts.extend(batch.rollouts)
+            source_metrics.append(batch.metrics)
         if not self.is_async:
             self.calls.abort_replicas()
-        return rollout_metrics(rollouts, "val")
+        return validation_metrics(rollouts, source_metrics)

@@ -53,7 +53,7 @@ class DataValidationError(ValueError):
     def within(self, prefix: str | None = None, rollout_id: str | None = None) -> DataValidationError:
         """The same error seen from an enclosing object (a longer field path, a known rollout)."""
         field = f"{prefix}.{self.field}" if prefix else self.field
-        return DataValidationError(field, self.message, rollout_id if rollout_id is not None else self.rollout_id)
+        return type(self)(field, self.message, rollout_id if rollout_id is not None else self.rollout_id)
 
 
 class FrozenDict(dict):

@@ -15,7 +15,9 @@ from agl_core.jsonl import read_json_objects
 PANELS = (
     ("training/reward", "reward"),
     ("val/reward", "validation reward"),
-    ("actor/pg_loss", "policy loss"),
+    ("actor/pg_loss", "policy-gradient loss"),
+    ("actor/loss", "actor loss (total)"),
+    ("actor/entropy_loss", "entropy"),
     ("actor/grad_norm", "grad norm"),
     ("actor/ppo_kl", "PPO KL"),
     ("training/n_sample", "training rows"),

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from agl_core.stages.advantage import AdvantageError, AdvantageSettings
+from agl_core.stages.advantage import AdvantageError, AdvantageSettings, RolloutAdvantageError
 from agl_core.stages.estimators import grpo, reinforce, reinforce_baseline, rloo, turn_grpo
 from agl_core.config import ConfigError, default_config
 from agl_core.data import DataValidationError, TrainingRow
@@ -131,6 +131,17 @@ def test_rows_of_one_rollout_must_agree_on_group_and_reward():
     with pytest.raises(DataValidationError) as err:
         rloo([make_row("a", "g", 1.0, [1]), make_row("b", "g", 0.0, [1]), make_row("a", "g", 0.5, [1])], s)
     assert err.value.rollout_id == "a" and err.value.field == "rows[2].reward"
+
+
+def test_rollout_level_input_errors_stay_catchable_as_runtime_errors():
+    """Agent Lightning v1.0 raised RuntimeError for rows of one rollout that disagree; so does agl,
+    with its precise message, also when the error is seen from an enclosing object."""
+    rows = [make_row("a", "g", 1.0, [1]), make_row("b", "g", 0.0, [1]), make_row("a", "g", 0.5, [1])]
+    with pytest.raises(RuntimeError, match=r"rollout 'a': rows\[2\]\.reward: rows of one rollout disagree on reward") as err:
+        grpo(rows, AdvantageSettings())
+    assert isinstance(err.value, RolloutAdvantageError)
+    wrapped = err.value.within("batch")
+    assert isinstance(wrapped, RuntimeError) and wrapped.field == "batch.rows[2].reward" and wrapped.rollout_id == "a"
 
 
 def test_a_non_finite_reward_is_refused_naming_the_rollout():

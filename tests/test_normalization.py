@@ -128,17 +128,3 @@ def test_config_key_defaults_to_rollouts_and_is_validated():
     with pytest.raises(ConfigError, match="agentlightning.loss_normalization"):
         load_config(overrides=["agentlightning.loss_normalization=tokens"])
 
-
-def test_token_weights_reduce_as_the_loss_does():
-    """Under a per-rollout loss a mini-batch's weights sum to 1 and each rollout gets M/R; otherwise 1/n_tokens."""
-    from agl_core.stages.normalization import token_weights
-
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]])
-    rollout_ids = ["a", "a", "b"]
-    scales = rollout_scales(rollout_ids, mask.sum(1).numpy(), mode="rollouts", n_mini_batches=1)
-    weights = token_weights(mask, torch.as_tensor(scales))
-    assert float(weights.sum()) == pytest.approx(1.0)
-    assert float(weights[:2].sum()) == pytest.approx(0.5) and float(weights[2].sum()) == pytest.approx(0.5)
-    assert (weights[mask == 0] == 0).all()
-    plain = token_weights(mask, None)
-    assert plain[mask == 1].tolist() == pytest.approx([1 / 6] * 6) and (plain[mask == 0] == 0).all()

@@ -11,7 +11,7 @@ import torch
 from agl_core.config import load_config
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.stages.normalization import rollout_scales
-from agl_core.stages.pipeline import StepPipeline, rollout_metrics
+from agl_core.stages.pipeline import StepPipeline, rollout_metrics, validation_metrics
 from agl_core.plugins import PluginManager
 
 
@@ -52,7 +52,7 @@ def test_rollouts_to_a_normalised_batch(plugins):
     expected = rollout_scales(ids, [row.n_trained_tokens for row in shaped.rows], mode="rollouts", n_mini_batches=shaped.n_mini_batches)
     np.testing.assert_allclose(prepared.row_scales, expected)
     width = max(len(row.response_ids) for row in shaped.rows)
-    raw = prepared.advantages(width, normalized=False)
+    raw = prepared.returns(width)  # grpo's returns are its advantages, never scaled
     scaled = prepared.advantages(width)
     torch.testing.assert_close(scaled, raw * torch.as_tensor(expected, dtype=torch.float32)[:, None])
     assert raw.abs().sum() > 0, "grpo gives non-zero advantages to groups with different rewards"
@@ -62,7 +62,7 @@ def test_token_mean_is_not_normalised_per_rollout(plugins):
     prepared = StepPipeline(config("actor_rollout_ref.actor.policy_loss.loss_mode=token_mean"), plugins).prepare(batch(), step=1)
     assert prepared.row_scales is None
     width = max(len(row.response_ids) for row in prepared.shaped.rows)
-    torch.testing.assert_close(prepared.advantages(width), prepared.advantages(width, normalized=False))
+    torch.testing.assert_close(prepared.advantages(width), prepared.returns(width))
 
 
 def test_nothing_trainable_skips_the_update(plugins):
@@ -84,3 +84,30 @@ def test_trajectory_breaks_are_logged_as_json_lines(plugins, tmp_path):
 def test_rollout_metrics_ignore_missing_rewards():
     rollouts = [rollout("a", "g", 1.0, []), CompletedRollout(rollout_id="b", group_id="g", state="failed")]
     assert rollout_metrics(rollouts, "val") == {"val/n_rollouts": 2.0, "val/reward": 1.0}
+
+
+def test_validation_metrics_are_agent_lightning_v1s_over_every_batch():
+    rollouts = [*batch(), CompletedRollout(rollout_id="r4", group_id="g2", state="failed", final_reward=0.0)]
+    sources = [
+        {"training/n_rollouts_w_reward": 2.0, "training/rollouts/n_failed": 1.0, "training/gateway/poll_interval_s": 0.5},
+        {"training/n_rollouts_w_reward": 1.0, "timing/rollout_total_s/max": 3.0},
+    ]
+    metrics = validation_metrics(rollouts, sources)
+    # per traced rollout: calls (2, 2, 1, 1), response tokens per call ((2, 1), (1, 2), (3,), (1,))
+    assert metrics == {
+        "val/n_rollouts": 5.0,
+        "val/reward": pytest.approx((1.0 + 0.0 + 1.0 + 0.5 + 0.0) / 5),
+        "val/n_rollouts_w_trace": 4.0,
+        "val/n_rollouts_w_reward": 3.0,
+        "val/turn_count": 1.5,
+        "val/mean_response_length_per_turn": pytest.approx((1.5 + 1.5 + 3 + 1) / 4),
+        "val/mean_total_response_length_per_rollout": 2.5,
+        "val/rollouts/n_failed": 1.0,
+        "val/n_batches": 2.0,
+    }
+
+
+def test_validation_metrics_without_any_trace_or_reward():
+    metrics = validation_metrics([CompletedRollout(rollout_id="a", group_id="g", state="failed")], [{}])
+    assert metrics["val/n_rollouts_w_trace"] == 0.0 and metrics["val/n_rollouts_w_reward"] == 0.0
+    assert np.isnan(metrics["val/turn_count"]) and np.isnan(metrics["val/mean_response_length_per_turn"])

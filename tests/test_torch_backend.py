@@ -307,7 +307,9 @@ def test_the_entropy_bonus_raises_the_entropy_and_nothing_moves_without_it(polic
         finally:
             r.close()
         assert metrics["actor/n_updates"] == 1.0
-        assert 0.0 < metrics["actor/entropy"] <= float(torch.log(torch.tensor(float(len(backend.tokenizer))))) + 1e-4
+        assert 0.0 < metrics["actor/entropy_loss"] <= float(torch.log(torch.tensor(float(len(backend.tokenizer))))) + 1e-4
+        # actor/pg_loss is the policy-loss term alone; actor/loss the total the optimizer minimised
+        assert metrics["actor/pg_loss"] == 0.0 and metrics["actor/loss"] == pytest.approx(-coeff * metrics["actor/entropy_loss"])
     assert entropies[0.0][2] is False  # a zero loss and no bonus: AdamW leaves every weight as it was
     before, after, moved = entropies[1.0]
     assert moved and after > before + 1e-4, (before, after)

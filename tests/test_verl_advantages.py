@@ -142,3 +142,40 @@ def test_a_rollout_whose_rows_disagree_on_reward_is_refused():
     rows[1] = attrs.evolve(rows[1], reward=rows[0].reward + 1)
     with pytest.raises(DataValidationError, match="disagree on reward"):
         compute_advantages(rows, cfg, PluginManager(load_entrypoints=False))
+    with pytest.raises(RuntimeError, match="disagree on reward"):  # as Agent Lightning v1.0 raised it
+        compute_advantages(rows, cfg, PluginManager(load_entrypoints=False))
+
+
+def test_returns_are_broadcast_per_rollout_like_advantages():
+    """reinforce_plus_plus (gamma 1) returns each token's reward-to-go, the rollout's reward, and
+    whitens them into advantages: both are one value per rollout on every row's trained tokens."""
+    cfg = config("reinforce_plus_plus")
+    rows = rows_of([1, 3, 2, 1, 2, 1, 1, 3], 5)
+    ours = compute_advantages(rows, cfg, PluginManager(load_entrypoints=False))
+    for row, returns, advantages in zip(rows, ours.returns, ours.per_row):
+        trained = row.response_mask == 1
+        np.testing.assert_allclose(returns[trained], row.reward, rtol=1e-6)
+        assert not returns[~trained].any() and np.unique(advantages[trained]).size == 1
+    assert not all(np.allclose(r, a) for r, a in zip(ours.returns, ours.per_row))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "message"),
+    [
+        (["algorithm.gamma=0.5"], "advantages", "different advantages on different tokens"),
+        ([], "response_mask", "no trained token"),
+    ],
+)
+def test_rollouts_that_cannot_get_one_value_are_refused_by_name(overrides, field, message):
+    import attrs
+
+    from agl_core.data import DataValidationError
+
+    cfg = config("reinforce_plus_plus", *overrides)
+    rows = [attrs.evolve(row, response_ids=[7, 8, 9], response_mask=[1, 1, 1]) for row in rows_of([1] * 4, 2)]
+    if not overrides:
+        rows[2] = attrs.evolve(rows[2], response_mask=[0, 0, 0])
+    with pytest.raises(RuntimeError, match=message) as err:
+        compute_advantages(rows, cfg, PluginManager(load_entrypoints=False))
+    assert isinstance(err.value, DataValidationError) and err.value.field == field
+    assert err.value.rollout_id == ("r0" if overrides else "r2")

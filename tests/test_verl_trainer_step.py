@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytestmark = pytest.mark.verl
 
@@ -232,14 +233,16 @@ def test_advantages_are_normalised_per_rollout_before_the_update(tokenizer):
     rollout_ids = list(batch.non_tensor_batch["rollout_ids"])
     n_rollouts = len(set(rollout_ids))
     n_mini = len(batch) // N
-    raw = batch.batch["returns"] if "returns" in batch.batch else None
-    assert raw is None  # no critic: returns are not needed
-    # per_rollout_mean with 'rollouts' normalisation: each rollout's scale sums to M / R over its tokens
+    returns = batch.batch["returns"]  # in the batch as Agent Lightning v1.0 puts them, critic or not
+    # per_rollout_mean with 'rollouts' normalisation: each rollout's scale sums to M / R over its tokens;
+    # the returns are one unscaled value per rollout
     for rid in set(rollout_ids):
         rows = [i for i, r in enumerate(rollout_ids) if r == rid]
         tokens = int(mask[rows].sum())
         values = advantages[rows][mask[rows]]
         assert values.abs().sum() == pytest.approx(abs(float(values[0])) * tokens, rel=1e-5)
+        assert returns[rows][mask[rows]].unique().numel() == 1 and not returns[rows][~mask[rows]].any()
+        torch.testing.assert_close(advantages[rows], returns[rows] * n_mini / (tokens * n_rollouts))
     grpo_like = [float(advantages[i][mask[i]][0]) * int(mask[[j for j, r in enumerate(rollout_ids) if r == rollout_ids[i]]].sum()) * n_rollouts / n_mini for i in range(len(batch))]
     # undoing the scale gives verl's grpo on rewards target - k (k = 0..3): (1.5 - k) / std([0, 1, 2, 3])
     expected = {round((1.5 - k) / (np.std([0, 1, 2, 3], ddof=1) + 1e-6), 3) for k in range(N)}

@@ -9,7 +9,7 @@ built-ins live in :mod:`agl_core.stages.estimators`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import attrs
 import numpy as np
@@ -22,6 +22,7 @@ __all__ = [
     "AdvantageError",
     "AdvantageSettings",
     "Advantages",
+    "RolloutAdvantageError",
     "RolloutGroups",
     "broadcast",
     "group_rollouts",
@@ -34,6 +35,12 @@ METRIC_PREFIX = "training/rollout_level_advantage/"
 
 class AdvantageError(ValueError):
     """The rows cannot be given advantages by this estimator (e.g. a group is too small)."""
+
+
+class RolloutAdvantageError(DataValidationError, RuntimeError):
+    """A rollout cannot be given one advantage: its rows disagree on group or reward, or it has no
+    trained token, or an estimator gave its tokens different values. Names the rollout and the
+    field; also a ``RuntimeError``, which Agent Lightning v1.0 raised for the same rollout-level input."""
 
 
 @attrs.frozen
@@ -60,10 +67,20 @@ class AdvantageSettings:
 @attrs.frozen
 class Advantages:
     """An estimator's result: ``per_row[i]`` is a read-only float32 array aligned with row ``i``'s
-    response (zero wherever its ``response_mask`` is 0); ``metrics`` are for the step's log."""
+    response (zero wherever its ``response_mask`` is 0); ``metrics`` are for the step's log.
+
+    ``returns`` are the value targets a critic would fit, aligned the same way; ``None`` when they are
+    the advantages themselves, as for every outcome estimator (verl's ``grpo``, ``rloo``... return the
+    same tensor twice).
+    """
 
     per_row: tuple[np.ndarray, ...]
     metrics: Mapping[str, float] = attrs.field(factory=dict)
+    returns: Optional[tuple[np.ndarray, ...]] = None
+
+    @property
+    def returns_per_row(self) -> tuple[np.ndarray, ...]:
+        return self.per_row if self.returns is None else self.returns
 
 
 @attrs.frozen
@@ -91,8 +108,8 @@ class RolloutGroups:
 def group_rollouts(rows: Sequence[Any]) -> RolloutGroups:
     """Index ``rows`` by rollout and group; every row of a rollout must share its group and reward.
 
-    Raises :class:`~agl_core.data.DataValidationError` naming the rollout and the field when rows of
-    one rollout disagree, or when a reward is not a finite number.
+    Raises :class:`RolloutAdvantageError` naming the rollout and the field when rows of one rollout
+    disagree, and :class:`~agl_core.data.DataValidationError` when a reward is not a finite number.
     """
     rollouts: dict[str, list[int]] = {}
     groups: dict[str, list[str]] = {}
@@ -112,13 +129,13 @@ def group_rollouts(rows: Sequence[Any]) -> RolloutGroups:
             continue
         first = rollouts[rid][0]
         if row.group_id != group_of[rid]:
-            raise DataValidationError(
+            raise RolloutAdvantageError(
                 f"rows[{i}].group_id",
                 f"rows of one rollout disagree on group: {group_of[rid]!r} (rows[{first}]) vs {row.group_id!r}",
                 rid,
             )
         if value != reward[rid]:
-            raise DataValidationError(
+            raise RolloutAdvantageError(
                 f"rows[{i}].reward",
                 f"rows of one rollout disagree on reward: {reward[rid]} (rows[{first}]) vs {value}",
                 rid,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from agl_core.hookspecs import hookimpl
-from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, masked_sum, ppo_token_losses
+from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, batch_token_mean, masked_sum, ppo_token_losses
 
 __all__ = ["per_rollout_mean", "token_mean"]
 
@@ -28,13 +28,7 @@ def token_mean(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``sum_T l / n_tokens * dp_size``: the plain PPO loss averaged over trained tokens."""
     losses, metrics = ppo_token_losses(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
-    mask = response_mask.bool()
-    n_tokens = settings.batch_num_tokens
-    if n_tokens is None:
-        if settings.dp_size > 1:
-            raise ValueError("token_mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
-        n_tokens = mask.sum()
-    return masked_sum(losses, mask) / n_tokens * settings.dp_size, metrics
+    return batch_token_mean(losses, response_mask, settings), metrics
 
 
 def per_rollout_mean(

@@ -26,7 +26,7 @@ import torch
 
 from agl_core.config import LOSS_NORMALIZATION_MODES
 
-__all__ = ["LOSS_NORMALIZATION_MODES", "rollout_scales", "normalize_advantages", "token_weights"]
+__all__ = ["LOSS_NORMALIZATION_MODES", "rollout_scales", "normalize_advantages"]
 
 
 def rollout_scales(
@@ -74,15 +74,3 @@ def normalize_advantages(
     scales = rollout_scales(rollout_ids, row_tokens, mode=mode, n_mini_batches=n_mini_batches)
     return advantages * torch.as_tensor(scales, dtype=advantages.dtype, device=advantages.device).unsqueeze(-1)
 
-
-def token_weights(response_mask: torch.Tensor, row_scales: torch.Tensor | None) -> torch.Tensor:
-    """Each response token's weight in a mini-batch's loss, ``[rows, response_len]``, 0 where untrained.
-
-    Under a per-rollout loss it is the row's ``scale_i`` (``row_scales``); otherwise (``token_mean``)
-    ``1 / n_tokens``. A per-token quantity summed with these weights, such as the entropy bonus, is
-    then reduced exactly as the policy loss is.
-    """
-    mask = response_mask.bool()
-    if row_scales is None:
-        return mask / mask.sum().clamp(min=1)
-    return torch.where(mask, row_scales.to(torch.float32)[:, None], 0.0)

@@ -9,7 +9,7 @@ normalisation are one piece of code on every backend; only the update itself is 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,6 +34,40 @@ def rollout_metrics(rollouts: Sequence[CompletedRollout], prefix: str) -> dict[s
         f"{prefix}/n_rollouts": float(len(rollouts)),
         f"{prefix}/reward": float(np.mean(rewards)) if rewards else float("nan"),
     }
+
+
+def validation_metrics(rollouts: Sequence[CompletedRollout], source_metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """A validation pass's ``val/*`` metrics, the same on every backend: over ``rollouts`` (every batch's)
+    and the rollout sources' metrics of each batch (``source_metrics``).
+
+    Agent Lightning v1.0's set, over the rollouts with at least one model call ("with a trace"):
+    ``val/n_rollouts_w_trace``; ``val/turn_count`` (mean calls per rollout);
+    ``val/mean_response_length_per_turn`` (mean over rollouts of their mean response tokens per
+    call); ``val/mean_total_response_length_per_rollout`` (mean response tokens per rollout); NaN when
+    no rollout has a trace. Plus :func:`rollout_metrics` (``val/reward``, ``val/n_rollouts``),
+    ``val/n_batches``, and the sources' counters (names whose last part starts with ``n_``) summed over
+    the batches under ``val/`` instead of ``training/``: among them ``val/n_rollouts_w_reward`` (0 when
+    none), which only the source knows, as a missing reward is filled before the rollouts get here.
+    """
+    metrics: dict[str, float] = {"val/n_rollouts_w_reward": 0.0}
+    for batch in source_metrics:
+        for name, value in batch.items():
+            if name.startswith("training/") and name.rsplit("/", 1)[-1].startswith("n_"):
+                key = "val/" + name[len("training/") :]
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+    traced = [[len(t.response_ids) for t in r.triplets] for r in rollouts if r.triplets]
+    nan = float("nan")
+    metrics.update(
+        {
+            "val/n_rollouts_w_trace": float(len(traced)),
+            "val/turn_count": float(np.mean([len(calls) for calls in traced])) if traced else nan,
+            "val/mean_response_length_per_turn": float(np.mean([np.mean(calls) for calls in traced])) if traced else nan,
+            "val/mean_total_response_length_per_rollout": float(np.mean([sum(calls) for calls in traced])) if traced else nan,
+            "val/n_batches": float(len(source_metrics)),
+            **rollout_metrics(rollouts, "val"),
+        }
+    )
+    return metrics
 
 
 def staleness_metrics(rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
@@ -70,15 +104,22 @@ class PreparedBatch:
     row_scales: np.ndarray | None
     metrics: dict[str, float]
 
-    def advantages(self, width: int, *, normalized: bool = True) -> torch.Tensor:
+    def advantages(self, width: int) -> torch.Tensor:
         """The kept rows' advantages as a ``[rows, width]`` float32 tensor, right-padded like the
-        responses, scaled per rollout unless ``normalized`` is false (e.g. critic returns)."""
-        if self.shaped is None:
-            raise ValueError("no trainable rows in this step: check PreparedBatch.shaped before asking for advantages")
-        padded = pad_responses(self.shaped.advantages, width, torch.float32)
-        if normalized and self.row_scales is not None:
+        responses and scaled per rollout when the loss uses it."""
+        padded = pad_responses(self._shaped().advantages, width, torch.float32)
+        if self.row_scales is not None:
             padded = padded * torch.as_tensor(self.row_scales, dtype=torch.float32)[:, None]
         return padded
+
+    def returns(self, width: int) -> torch.Tensor:
+        """The kept rows' returns (what a critic fits; never scaled), padded like :meth:`advantages`."""
+        return pad_responses(self._shaped().returns, width, torch.float32)
+
+    def _shaped(self) -> ShapedBatch:
+        if self.shaped is None:
+            raise ValueError("no trainable rows in this step: check PreparedBatch.shaped before asking for advantages")
+        return self.shaped
 
 
 def _scales_per_rollout(config: Any, plugins: Any) -> bool:

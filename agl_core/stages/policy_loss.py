@@ -17,10 +17,10 @@ and ``actor/pg_clipfrac_lower`` to Python floats. Both built-ins share the per-t
 
 and differ only in how they reduce it over the trained tokens ``T`` of the (micro-)batch:
 
-* ``token_mean``: ``loss = sum_T l / n_tokens * dp_size``, where ``n_tokens`` is
-  ``settings.batch_num_tokens`` (the mini-batch's trained tokens over all data-parallel ranks) or,
-  when unset, the trained tokens of these tensors. This is verl's ``vanilla`` loss with
-  ``token-mean`` aggregation.
+* ``token_mean``: ``loss = sum_T l / n_tokens * dp_size`` (:func:`batch_token_mean`), where
+  ``n_tokens`` is ``settings.batch_num_tokens`` (the mini-batch's trained tokens over all
+  data-parallel ranks) or, when unset, the trained tokens of these tensors. This is verl's
+  ``vanilla`` loss with ``token-mean`` aggregation.
 * ``per_rollout_mean``: ``loss = sum_T l * dp_size``. The advantages must already be scaled per
   rollout by :func:`agl_core.stages.normalization.normalize_advantages`, which makes this sum a mean over
   rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
@@ -57,6 +57,7 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossSpec",
     "as_verl_policy_loss",
+    "batch_token_mean",
     "masked_sum",
     "policy_loss_spec",
     "ppo_token_losses",
@@ -143,6 +144,22 @@ class LossSettings:
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum()
+
+
+def batch_token_mean(values: torch.Tensor, response_mask: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """``sum_T values / n_tokens * dp_size``: verl's ``agg_loss`` with ``token-mean``.
+
+    ``n_tokens`` is ``settings.batch_num_tokens`` (the mini-batch's trained tokens over every rank and
+    micro-batch) or, when unset, the trained tokens of these tensors; so the parts of a mini-batch,
+    split over micro-batches or data-parallel ranks, add up to the mean over the whole mini-batch.
+    """
+    mask = response_mask.bool()
+    n_tokens = settings.batch_num_tokens
+    if n_tokens is None:
+        if settings.dp_size > 1:
+            raise ValueError("a token mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
+        n_tokens = mask.sum()
+    return masked_sum(values, mask) / n_tokens * settings.dp_size
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -67,14 +67,15 @@ class ShapingSettings:
 
 @attrs.frozen
 class ShapedBatch:
-    """What a step trains on: the kept rows (input order), their advantages, the input indices they
-    came from, how many mini-batches they make, and the shaping metrics."""
+    """What a step trains on: the kept rows (input order), their advantages and returns, the input
+    indices they came from, how many mini-batches they make, and the shaping metrics."""
 
     rows: tuple[TrainingRow, ...]
     advantages: tuple[np.ndarray, ...]
     kept_indices: tuple[int, ...]
     n_mini_batches: int
     metrics: Mapping[str, float]
+    returns: tuple[np.ndarray, ...]
 
     def row_scales(self, mode: str) -> np.ndarray:
         """The per-rollout normalisation of the kept rows (see :mod:`agl_core.stages.normalization`)."""
@@ -162,6 +163,7 @@ def shape_batch(
 ) -> ShapedBatch:
     """Keep whole rollouts making a whole number of mini-batches (the rules in the module docstring)."""
     per_row = advantages.per_row if isinstance(advantages, Advantages) else tuple(advantages)
+    returns = advantages.returns_per_row if isinstance(advantages, Advantages) else per_row
     if len(per_row) != len(rows):
         raise ValueError(f"got advantages for {len(per_row)} rows, but {len(rows)} rows")
     for i, (row, adv) in enumerate(zip(rows, per_row)):
@@ -189,4 +191,5 @@ def shape_batch(
         kept_indices=kept_indices,
         n_mini_batches=n_steps,
         metrics=_shaping_metrics(rows, per_row, indexed, kept_indices, dropped, marked, zero_variance),
+        returns=tuple(returns[i] for i in kept_indices),
     )

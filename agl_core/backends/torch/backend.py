@@ -13,9 +13,9 @@ The steps run in the loop every backend shares (:mod:`agl_core.backends.loop`). 
 and after every ``trainer.test_freq``-th step and the last, one rollout per validation row
 (``is_train=False``; the embedded source samples them at
 ``actor_rollout_ref.rollout.val_kwargs.temperature``, 0 = greedy), in batches of
-``data.val_batch_size`` (all rows at once when unset). ``val/reward`` is the mean final reward over
-every validation rollout of every batch (Agent Lightning v1.0 keeps only the last batch's); the
-sources' counters are summed over the batches under ``val/`` instead of ``training/``.
+``data.val_batch_size`` (all rows at once when unset); the ``val/*`` metrics are every backend's
+(:func:`~agl_core.stages.pipeline.validation_metrics`), over every validation rollout of every batch
+(Agent Lightning v1.0 keeps only the last batch's).
 
 Async rollout (``agentlightning.async_rollout.enabled``; gateway only): a run's first step hands the
 source enough batches to keep ``async_train_batch_size`` groups in flight, later steps one batch (the
@@ -56,7 +56,7 @@ from agl_core.datasets import load_dataset
 from agl_core.hookspecs import Register, hookimpl
 from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.vllm_engine import VllmEngineError
-from agl_core.stages.pipeline import StepPipeline, rollout_metrics
+from agl_core.stages.pipeline import StepPipeline, validation_metrics
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -227,20 +227,16 @@ class TorchBackend:
         return self.data.next_batch()
 
     def validate(self) -> dict[str, float]:
-        """One rollout per validation row with the current weights; ``val/*`` metrics over all batches."""
+        """One rollout per validation row with the current weights; ``val/*`` metrics over all batches
+        (:func:`~agl_core.stages.pipeline.validation_metrics`)."""
         size = int(self.config.data.val_batch_size or len(self.val_rows))
         rollouts: list[CompletedRollout] = []
-        counts: dict[str, float] = {}
-        n_batches = 0
+        source_metrics: list[dict[str, float]] = []
         for start in range(0, len(self.val_rows), size):
             batch = self.source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
             rollouts.extend(batch.rollouts)
-            for name, value in batch.metrics.items():
-                if name.startswith("training/"):
-                    key = "val/" + name[len("training/") :]
-                    counts[key] = counts.get(key, 0.0) + value
-            n_batches += 1
-        return {**counts, **rollout_metrics(rollouts, "val"), "val/n_batches": float(n_batches)}
+            source_metrics.append(batch.metrics)
+        return validation_metrics(rollouts, source_metrics)
 
     def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Train step ``step + 1`` on ``samples`` and advance ``step``."""
@@ -260,6 +256,8 @@ class TorchBackend:
         self.scheduler.step()
         metrics.update(self.serve_weights(step))
         metrics["timing/update_s"] = time.perf_counter() - update_started
+        metrics["training/global_step"] = float(step)
+        metrics["training/epoch"] = float(self.data.epoch)
         return metrics
 
     def serve_weights(self, version: int) -> dict[str, float]:

@@ -1,9 +1,16 @@
 """The torch backend's actor update: AdamW with verl's lr schedules, PPO epochs over mini-batches.
 
-Per mini-batch: the configured policy loss (+ optional KL to the initial policy, − ``actor.entropy_coeff``
-× the policy's entropy, weighted over tokens as the loss is; ``actor/entropy`` is reported either
-way) → gradient clipping at ``actor.grad_clip`` → AdamW step, skipped and counted
+Per mini-batch, the loss is the one verl's ``ppo_loss`` builds (:meth:`ActorUpdate.loss`): the
+configured policy loss − ``actor.entropy_coeff`` × the entropy + ``actor.kl_loss_coef`` × the KL to
+the initial policy (``actor.use_kl_loss``), the entropy and KL being token means over the
+mini-batch (verl's ``agg_loss`` with its default ``token-mean``), whatever the policy loss's own
+reduction. Then gradient clipping at ``actor.grad_clip`` → AdamW step, skipped and counted
 (``actor/n_skipped_nonfinite_grad``) when the gradient norm is not finite.
+
+Metrics, with verl's names: ``actor/pg_loss`` (the policy-loss term alone), ``actor/entropy_loss``
+(reported every update, as verl does with Agent Lightning's ``calculate_entropy: true``),
+``actor/kl_loss`` and ``actor/kl_coef`` (with the KL term), ``actor/loss`` (the total that is
+minimised), the policy loss's own metrics, ``actor/grad_norm``.
 """
 
 from __future__ import annotations
@@ -17,9 +24,8 @@ import torch
 
 from agl_core.backends.torch.model_ops import chosen_log_probs, low_var_kl, response_distributions, response_log_probs, token_entropy
 from agl_core.config import ConfigError
-from agl_core.stages.normalization import token_weights
 from agl_core.stages.pipeline import PreparedBatch
-from agl_core.stages.policy_loss import LossSettings, PolicyLoss
+from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean
 from agl_core.stages.tensorize import tensorize
 
 if TYPE_CHECKING:
@@ -83,7 +89,6 @@ class UpdateBatch:
     advantages: torch.Tensor
     old_log_prob: torch.Tensor
     ref_log_prob: torch.Tensor | None
-    row_scales: torch.Tensor | None
 
     @property
     def mask(self) -> torch.Tensor:
@@ -95,7 +100,6 @@ class UpdateBatch:
             self.advantages[part],
             self.old_log_prob[part],
             None if self.ref_log_prob is None else self.ref_log_prob[part],
-            None if self.row_scales is None else self.row_scales[part],
         )
 
 
@@ -152,7 +156,6 @@ class ActorUpdate:
             prepared.advantages(tensors["response_mask"].shape[1]).to(self.device),
             old_log_prob,
             ref_log_prob,
-            None if prepared.row_scales is None else torch.as_tensor(prepared.row_scales, device=self.device),
         )
 
     def mini_batch_step(self, mini: UpdateBatch) -> dict[str, float]:
@@ -165,22 +168,25 @@ class ActorUpdate:
             self.optimizer.step()
         else:
             metrics["actor/n_skipped_nonfinite_grad"] = 1.0
-        return {**metrics, "actor/pg_loss": loss.item(), "actor/grad_norm": float(grad_norm)}
+        return {**metrics, "actor/grad_norm": float(grad_norm)}
 
     def loss(self, mini: UpdateBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """The policy loss on ``mini`` − the entropy bonus + the KL term, and their metrics."""
+        """The policy loss on ``mini`` − the entropy bonus + the KL term (see the module docstring), and
+        the metrics of every term."""
         distributions = response_distributions(self.model, mini.tensors)
         log_prob = chosen_log_probs(distributions, mini.tensors["responses"])
-        loss, loss_metrics = self.loss_fn(mini.old_log_prob, log_prob, mini.advantages, mini.mask, self.settings.loss)
-        coeff = self.settings.entropy_coeff
-        with torch.set_grad_enabled(coeff > 0):
-            entropy = (token_weights(mini.mask, mini.row_scales) * token_entropy(distributions)).sum()
-        if coeff > 0:
-            loss = loss - coeff * entropy
-        metrics = {**loss_metrics, "actor/entropy": entropy.item()}
+        pg_loss, pg_metrics = self.loss_fn(mini.old_log_prob, log_prob, mini.advantages, mini.mask, self.settings.loss)
+        entropy = self.entropy_loss(distributions, mini.mask)
+        loss = pg_loss - self.settings.entropy_coeff * entropy
+        metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy_loss": entropy.item()}
         if mini.ref_log_prob is not None:
-            trained = mini.mask.bool()
-            kl = torch.where(trained, low_var_kl(log_prob, mini.ref_log_prob), 0.0).sum() / trained.sum().clamp(min=1)
+            kl = batch_token_mean(low_var_kl(log_prob, mini.ref_log_prob), mini.mask, self.settings.loss)
             loss = loss + self.settings.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.item()
+            metrics.update({"actor/kl_loss": kl.item(), "actor/kl_coef": self.settings.kl_loss_coef})
+        metrics["actor/loss"] = loss.item()
         return loss, metrics
+
+    def entropy_loss(self, distributions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The token-mean entropy, without a gradient when ``entropy_coeff`` is 0 (it is only reported)."""
+        with torch.set_grad_enabled(self.settings.entropy_coeff > 0):
+            return batch_token_mean(token_entropy(distributions), mask, self.settings.loss)
