@@ -70,8 +70,8 @@ class Advantages:
     response (zero wherever its ``response_mask`` is 0); ``metrics`` are for the step's log.
 
     ``returns`` are the value targets a critic would fit, aligned the same way; ``None`` when they are
-    the advantages themselves, as for every outcome estimator (verl's ``grpo``, ``rloo``... return the
-    same tensor twice).
+    the advantages themselves, as for agl's built-in estimators (verl's ``grpo`` and ``rloo`` return
+    the same tensor twice too).
     """
 
     per_row: tuple[np.ndarray, ...]
