@@ -58,7 +58,8 @@ def in_flight_ids(state):
 
 def test_a_killed_async_run_trains_every_sample_in_flight_once(gateway, tmp_path):  # noqa: F811
     dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(40)))
+    # rows shaped like the example's: its config's env_map reads input.signs from every row
+    dataset.write_text("".join(json.dumps({"id": i, "signs": ["left", "right", "left"]}) + "\n" for i in range(40)))
     hook = tmp_path / "recording_hook.py"
     hook.write_text(RECORDING_HOOK)
     run_dir = tmp_path / "run"
