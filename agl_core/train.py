@@ -101,7 +101,7 @@ def resolve_config(
 
     The backend is read first (``agentlightning.backend`` from the overrides, else the YAML, else the
     schema's default), so that the run is validated by that backend's
-    :attr:`~agl_core.backends.contract.BackendSpec.load_config` (verl: verl's full config; by default
+    ``load_config`` (:class:`~agl_core.backends.contract.BackendSpec`) (verl: verl's full config; by default
     the core schema's :func:`~agl_core.config.load_config`).
     """
     from omegaconf import OmegaConf

@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
+# absolute, so it still names the venv once the tests run from the generated folder
+python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")"
 work=$(mktemp -d)
 cleanup() {
     "$python" -m pip uninstall -q -y agl-template-smoke >/dev/null 2>&1 || true

@@ -6,7 +6,7 @@ verl's run configs (Agent Lightning v1.0's verl config among them) are Hydra pri
 already holds what it composes (the verl backend's base is verl's ``ppo_trainer``). So such a file
 loads when its ``defaults`` name only configs the base holds, with ``_self_`` (if given) last — the
 file over its defaults, as Hydra merges it — and its ``hydra`` section holds only ``searchpath``.
-Anything else is a :class:`ConfigError` naming the entry; under a base that composes nothing (the
+Anything else is a :class:`~agl_core.config.ConfigError` naming the entry; under a base that composes nothing (the
 core schema of backend ``torch``) the error says which backend reads verl's configs.
 """
 

@@ -309,7 +309,7 @@ class PluginManager:
         self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
 
     def pop_metrics(self) -> dict[str, float]:
-        """The lifecycle hooks' failure, timeout and skip counts since the last call (see :class:`HookCalls`)."""
+        """The lifecycle hooks' failure, timeout and skip counts since the last call (see :class:`~agl_core.plugins.calls.HookCalls`)."""
         return self.calls.pop_metrics()
 
     # -- introspection ------------------------------------------------------------------------

@@ -52,7 +52,7 @@ SinkFactory = Callable[[SinkContext], MetricSink]
 
 
 def sink_names(config: Any) -> list[str]:
-    """:data:`ALWAYS_ON`, then ``trainer.logger`` in order (a name, or a list of names, as verl takes
+    """``ALWAYS_ON``, then ``trainer.logger`` in order (a name, or a list of names, as verl takes
     it), each once."""
     logger = config.trainer.logger
     listed = [logger] if isinstance(logger, str) else list(logger or [])
