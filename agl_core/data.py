@@ -11,7 +11,6 @@ known, the rollout.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from agl_core.fields import (
     readonly,
     reward_value,
     thaw,
+    timestamp,
     token_ids,
 )
 
@@ -136,11 +136,7 @@ def _state(_instance: Any, _attribute: Any, value: Any) -> None:
 
 def _optional_time(field: str):
     def convert(value: Any) -> float | None:
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise DataValidationError(field, f"must be a finite timestamp in seconds, got {value!r}")
-        return float(value)
+        return None if value is None else timestamp(field, value)
 
     return convert
 

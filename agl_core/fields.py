@@ -32,6 +32,7 @@ __all__ = [
     "readonly",
     "reward_value",
     "thaw",
+    "timestamp",
     "token_ids",
 ]
 
@@ -109,6 +110,24 @@ def readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
+def _brief(value: Any) -> str:
+    """``repr(value)`` cut to a readable length: a hostile value (a 4,000-digit int, a huge list) must
+    not turn an error message into a dump."""
+    if type(value) is int and not -(10**40) < value < 10**40:
+        return f"an int of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fits_float(value: Any) -> bool:
+    """Whether ``float(value)`` works: JSON integers are unbounded, floats are not."""
+    try:
+        float(value)
+    except (OverflowError, TypeError, ValueError):
+        return False
+    return True
+
+
 def _all_ints(values: list[Any]) -> bool:
     """Whether every item is exactly an ``int`` (not a bool): one pass in C, no per-item Python call."""
     return list(map(type, values)).count(int) == len(values)
@@ -120,6 +139,18 @@ def _all_numbers(values: list[Any]) -> bool:
     return types.count(float) + types.count(int) == len(values)
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _ids_item_by_item(field: str, value: Sequence[Any]) -> np.ndarray:
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise DataValidationError(f"{field}[{i}]", f"token id must be an int, got {_brief(v)}")
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise DataValidationError(f"{field}[{i}]", f"token id must be non-negative and below 2**63, got {_brief(v)}")
+    return np.array(value, dtype=np.int64) if len(value) else np.zeros(0, dtype=np.int64)
+
+
 def token_ids(field: str, value: Any) -> np.ndarray:
     """Validate and freeze a sequence of token ids as a read-only int64 array.
 
@@ -129,7 +160,11 @@ def token_ids(field: str, value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray) and value.dtype == np.int64 and not value.flags.writeable:
         array = value
     elif type(value) is list and _all_ints(value):
-        array = readonly(np.array(value, dtype=np.int64) if value else np.zeros(0, dtype=np.int64))
+        try:
+            array = np.array(value, dtype=np.int64) if value else np.zeros(0, dtype=np.int64)
+        except OverflowError:  # JSON integers are unbounded
+            array = _ids_item_by_item(field, value)
+        array = readonly(array)
     else:
         if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
             raise DataValidationError(field, f"expected a sequence of token ids, got {type(value).__name__}")
@@ -140,10 +175,7 @@ def token_ids(field: str, value: Any) -> np.ndarray:
                 raise DataValidationError(field, f"token ids must be integers, got dtype {value.dtype}")
             array = value.astype(np.int64, copy=True)
         else:
-            for i, v in enumerate(value):
-                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                    raise DataValidationError(f"{field}[{i}]", f"token id must be an int, got {v!r}")
-            array = np.array(value, dtype=np.int64) if len(value) else np.zeros(0, dtype=np.int64)
+            array = _ids_item_by_item(field, value)
         array = readonly(array)
     if array.size and array.min() < 0:
         i = int(np.argmax(array < 0))
@@ -184,8 +216,12 @@ def log_probs(field: str, value: Any, length: int) -> np.ndarray:
     elif not isinstance(value, np.ndarray):
         for i, v in enumerate(value):
             if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-                raise DataValidationError(f"{field}[{i}]", f"log-prob must be a number, got {v!r}")
-    array = np.asarray(value, dtype=np.float32)
+                raise DataValidationError(f"{field}[{i}]", f"log-prob must be a number, got {_brief(v)}")
+    try:
+        array = np.asarray(value, dtype=np.float32)
+    except OverflowError:  # an integer beyond float range
+        i = next(i for i, v in enumerate(value) if not _fits_float(v))
+        raise DataValidationError(f"{field}[{i}]", f"log-prob must be finite and <= 0, got {_brief(value[i])}") from None
     if array.ndim != 1:
         raise DataValidationError(field, f"expected a 1-D sequence, got shape {array.shape}")
     if array.shape[0] != length:
@@ -202,11 +238,18 @@ def log_probs(field: str, value: Any, length: int) -> np.ndarray:
 def reward_value(field: str, value: Any) -> float:
     """A finite float reward; booleans and non-numbers are refused rather than coerced."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise DataValidationError(field, f"reward must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise DataValidationError(field, f"reward must be finite, got {value}")
-    return value
+        raise DataValidationError(field, f"reward must be a number, got {_brief(value)}")
+    if not _fits_float(value) or not math.isfinite(value):
+        raise DataValidationError(field, f"reward must be finite, got {_brief(value)}")
+    return float(value)
+
+
+def timestamp(field: str, value: Any) -> float:
+    """Wall-clock seconds as a finite float; booleans, non-numbers and integers beyond float range
+    are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _fits_float(value) or not math.isfinite(value):
+        raise DataValidationError(field, f"must be a finite timestamp in seconds, got {_brief(value)}")
+    return float(value)
 
 
 def optional_reward(field: str):

@@ -111,3 +111,24 @@ def test_validation_metrics_without_any_trace_or_reward():
     metrics = validation_metrics([CompletedRollout(rollout_id="a", group_id="g", state="failed")], [{}])
     assert metrics["val/n_rollouts_w_trace"] == 0.0 and metrics["val/n_rollouts_w_reward"] == 0.0
     assert np.isnan(metrics["val/turn_count"]) and np.isnan(metrics["val/mean_response_length_per_turn"])
+
+
+class _Tokenizer:
+    """Ten ids; ``decode`` for the trajectory aggregator's break texts."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def decode(self, ids, **_options) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_calls_outside_the_tokenizer_vocabulary_are_removed_before_aggregation(plugins):
+    rollouts = batch()
+    rollouts.append(rollout("r4", "g1", 0.0, [([1], [2, 10])]))  # id 10: the eleventh, not in the vocabulary
+    prepared = StepPipeline(config(), plugins, _Tokenizer()).prepare(rollouts, step=1)
+    assert prepared.metrics["training/events/n_calls_out_of_vocab"] == 1
+    assert "r4" not in {row.rollout_id for row in prepared.shaped.rows}
+    assert prepared.metrics["training/n_sample"] == 5
+    without_tokenizer = StepPipeline(config(), plugins).prepare(batch(), step=1)
+    assert "training/events/n_calls_out_of_vocab" not in without_tokenizer.metrics

@@ -42,7 +42,7 @@ import attrs
 import numpy as np
 
 from agl_core.data import CompletedRollout, DataValidationError, RolloutRequest, Triplet
-from agl_core.fields import json_token_ids, log_probs, reward_value
+from agl_core.fields import json_token_ids, log_probs, reward_value, timestamp
 
 __all__ = [
     "METRICS",
@@ -73,6 +73,7 @@ METRICS = {
     "training/events/n_orphan_call_rewards": "per-call rewards whose call produced no Triplet",
     "training/events/n_malformed_events": "events that are not dicts with a string event_type and dict data",
     "training/events/n_other_events": "events of other types (kept for hooks, not used for training)",
+    "training/events/n_bad_timestamps": "event or rollout-record times ignored (boolean, non-numeric, non-finite)",
 }
 
 
@@ -117,6 +118,14 @@ def _raw_log_probs(choice: Mapping[str, Any]) -> Any:
     return logprobs.get("token_logprobs", logprobs)
 
 
+def _model_version(value: Any) -> int | None:
+    """The weights version that served a call: a non-negative int below 2**63, else unknown (``None``,
+    which the staleness metrics count as a call without a version)."""
+    if type(value) is int and 0 <= value < 2**63:
+        return value
+    return None
+
+
 def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Triplet | None:
     """One successful model call as a Triplet, or ``None`` (counted) when it cannot be trained on."""
     if not isinstance(data, Mapping):
@@ -155,7 +164,7 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Trip
         except (DataValidationError, TypeError, ValueError):
             _count(counts, "training/events/n_calls_bad_log_probs")
     server = data.get("server") if isinstance(data.get("server"), Mapping) else {}
-    metadata = {"call_index": call_index, "model_version": server.get("version", data.get("model_version"))}
+    metadata = {"call_index": call_index, "model_version": _model_version(server.get("version", data.get("model_version")))}
     if data.get("finish_reason") is not None:
         metadata["finish_reason"] = data["finish_reason"]
     return Triplet(
@@ -231,6 +240,17 @@ def events_by_attempt(events: Sequence[Any], default_attempt_id: str = "0") -> d
     return grouped or {default_attempt_id: []}
 
 
+def _time(value: Any, counts: Counter[str]) -> float | None:
+    """A timestamp as a float; ``None`` when absent, or when unusable (counted)."""
+    if value is None:
+        return None
+    try:
+        return timestamp("timestamp", value)
+    except DataValidationError:
+        _count(counts, "training/events/n_bad_timestamps")
+        return None
+
+
 def completed_rollout(
     request: RolloutRequest,
     events: Sequence[Any],
@@ -245,7 +265,8 @@ def completed_rollout(
     """The completed rollout for ``request`` from its raw ``events``, and the anomaly counts.
 
     ``started_at`` is the timestamp of the first event (the agent's first call), the earliest moment
-    the trainer can see the agent running.
+    the trainer can see the agent running. Timestamps that are not finite numbers, there or in
+    ``queued_at`` / ``ended_at``, are left out and counted.
     """
     parsed = parse_events(events)
     counts = parsed.counts
@@ -255,7 +276,7 @@ def completed_rollout(
         _count(counts, "training/n_rollouts_reward_filled")
     else:
         _count(counts, "training/n_rollouts_w_reward")
-    stamps = [e["timestamp"] for e in events if isinstance(e, Mapping) and isinstance(e.get("timestamp"), (int, float))]
+    stamps = [stamp for e in events if isinstance(e, Mapping) if (stamp := _time(e.get("timestamp"), counts)) is not None]
     rollout = CompletedRollout(
         rollout_id=request.rollout_id,
         group_id=request.group_id,
@@ -266,9 +287,9 @@ def completed_rollout(
         sample_index=request.sample_index,
         is_train=request.is_train,
         input=request.input,
-        queued_at=queued_at,
+        queued_at=_time(queued_at, counts),
         started_at=min(stamps) if stamps else None,
-        ended_at=ended_at,
+        ended_at=_time(ended_at, counts),
         error=error,
         attempt_id=attempt_id,
         config=request.config,
@@ -282,7 +303,8 @@ def completed_rollout_from_record(
 ) -> tuple[CompletedRollout, Counter[str]]:
     """Like :func:`completed_rollout`, reading state, error and times from the gateway's rollout record
     (the ``rollout`` object of ``GET /api/rollouts/{id}``)."""
-    status = record.get("status") or {}
+    status = record.get("status")
+    status = status if isinstance(status, Mapping) else {}
     return completed_rollout(
         request,
         events,

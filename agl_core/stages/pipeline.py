@@ -23,6 +23,7 @@ from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
 from agl_core.data import CompletedRollout, TrainingRow
 from agl_core.stages.policy_loss import policy_loss_spec
 from agl_core.stages.tensorize import pad_responses
+from agl_core.stages.vocabulary import OUT_OF_VOCAB_METRIC, within_vocabulary
 
 __all__ = ["PreparedBatch", "StepPipeline", "rollout_metrics", "staleness_metrics"]
 
@@ -140,6 +141,8 @@ class StepPipeline:
     Advantages are scaled per rollout when the loss named by
     ``actor_rollout_ref.actor.policy_loss.loss_mode`` declares ``scale_advantages_per_rollout``.
     Trajectory breaks are appended to ``agentlightning.trace_aggregator.mismatch_log_path`` when set.
+    With a ``tokenizer`` (its ``len()`` is the vocabulary size), calls holding ids outside the
+    vocabulary are removed first (:mod:`agl_core.stages.vocabulary`).
     Each :meth:`prepare` keeps the step's sample tables (:mod:`agl_core.stages.samples`) until the
     backend hands them on with :meth:`take_samples`.
     """
@@ -156,6 +159,7 @@ class StepPipeline:
         self.aggregate = plugins.aggregators.get(aggregator.level)
         self.aggregation_settings = settings_from_config(config, tokenizer)
         self.mismatch_log_path = aggregator.mismatch_log_path
+        self.vocab_size = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
         if estimate is None:
             estimator = plugins.advantage_estimators.get(config.algorithm.adv_estimator)
             settings = AdvantageSettings.from_config(config)
@@ -176,6 +180,9 @@ class StepPipeline:
     def prepare(self, rollouts: Sequence[CompletedRollout], step: int) -> PreparedBatch:
         metrics = rollout_metrics(rollouts, "training")
         metrics.update(staleness_metrics(rollouts, step))
+        if self.vocab_size is not None:
+            rollouts, removed = within_vocabulary(rollouts, self.vocab_size)
+            metrics[OUT_OF_VOCAB_METRIC] = float(removed)
         aggregation = self.aggregate(rollouts, self.aggregation_settings)
         metrics.update(aggregation.metrics)
         if self.mismatch_log_path and aggregation.mismatches:
