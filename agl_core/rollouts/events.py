@@ -42,7 +42,7 @@ import attrs
 import numpy as np
 
 from agl_core.data import CompletedRollout, DataValidationError, RolloutRequest, Triplet
-from agl_core.fields import json_token_ids, log_probs, reward_value, timestamp
+from agl_core.fields import FrozenDict, freeze, from_checked, json_token_ids, log_probs, reward_value, timestamp
 
 __all__ = [
     "METRICS",
@@ -166,9 +166,14 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Trip
     server = data.get("server") if isinstance(data.get("server"), Mapping) else {}
     metadata = {"call_index": call_index, "model_version": _model_version(server.get("version", data.get("model_version")))}
     if data.get("finish_reason") is not None:
-        metadata["finish_reason"] = data["finish_reason"]
-    return Triplet(
-        prompt_ids=prompt_ids, response_ids=response_ids, response_log_probs=response_log_probs, metadata=metadata
+        metadata["finish_reason"] = freeze(data["finish_reason"])
+    return from_checked(
+        Triplet,
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        response_log_probs=response_log_probs,
+        reward=None,
+        metadata=FrozenDict(metadata),
     )
 
 
@@ -217,7 +222,8 @@ def parse_events(events: Sequence[Any]) -> ParsedEvents:
         if triplet is None:
             continue
         if index in call_rewards:
-            triplet = Triplet(
+            triplet = from_checked(
+                Triplet,
                 prompt_ids=triplet.prompt_ids,
                 response_ids=triplet.response_ids,
                 response_log_probs=triplet.response_log_probs,

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from agl_core.config import row_length_keys
 from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
+from agl_core.fields import from_checked
 
 __all__ = [
     "CALLS_LEFT_OUT_METRIC",
@@ -263,11 +264,12 @@ def merged_row(
         counts.counts["training/n_truncated_sample"] += 1
         response, mask, response_turns = response[:cut], mask[:cut], response_turns[:cut]
         log_probs = None if log_probs is None else log_probs[:cut]
-    # Read-only arrays of the row's own dtypes are taken over by TrainingRow without a copy.
     for array in (response, mask, response_turns, log_probs):
         if array is not None:
             array.flags.writeable = False
-    return TrainingRow(
+    # Every part comes from validated Triplets and has the row's dtypes and lengths: no second check.
+    return from_checked(
+        TrainingRow,
         prompt_ids=prompt,
         response_ids=response,
         response_mask=mask,
