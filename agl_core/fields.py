@@ -276,6 +276,8 @@ def reward_value(field: str, value: Any) -> float:
 def timestamp(field: str, value: Any) -> float:
     """Wall-clock seconds as a finite float; booleans, non-numbers and integers beyond float range
     are refused."""
+    if type(value) is float and math.isfinite(value):  # the common case, decided at once
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _fits_float(value) or not math.isfinite(value):
         raise DataValidationError(field, f"must be a finite timestamp in seconds, got {_brief(value)}")
     return float(value)

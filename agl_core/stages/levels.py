@@ -44,9 +44,9 @@ def exact_prefix(previous: Triplet, prompt_ids: np.ndarray, settings: Aggregatio
     end = n_prompt + n_response
     if len(prompt_ids) < end:
         return None
-    if np.array_equal(prompt_ids[:n_prompt], previous.prompt_ids) and np.array_equal(
-        prompt_ids[n_prompt:end], previous.response_ids
-    ):
+    # Same lengths by construction, so a plain element-wise comparison decides (array_equal's
+    # checks cost more than the comparison on most prompts).
+    if (prompt_ids[:n_prompt] == previous.prompt_ids).all() and (prompt_ids[n_prompt:end] == previous.response_ids).all():
         return end
     return None
 
