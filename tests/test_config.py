@@ -72,8 +72,18 @@ def test_the_gateway_key_never_shows():
     assert cfg.agentlightning.agl_key == secret
     assert secret not in to_yaml(cfg) and "***" in to_yaml(cfg)
     assert redacted(cfg).agentlightning.agl_key == "***"
+    for wrong_shape in (f"agentlightning.agl_key=[{secret}]", f"agentlightning.agl_key={{a: {secret}}}", f"agentlightning.agl_key.token={secret}"):
+        with pytest.raises(ConfigError) as info:
+            load_config(overrides=[wrong_shape])
+        assert secret not in str(info.value) and "agentlightning.agl_key" in str(info.value), wrong_shape
+
+
+def test_the_gateway_key_never_shows_from_a_file(tmp_path):
+    secret = "sk-file-999"
+    path = tmp_path / "config.yaml"
+    path.write_text(f"agentlightning:\n  agl_key:\n    token: {secret}\n")
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=[f"agentlightning.agl_key=[{secret}]"])
+        load_config(path)
     assert secret not in str(info.value)
 
 

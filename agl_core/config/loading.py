@@ -138,7 +138,8 @@ def _shape_conflict(base: DictConfig, other: DictConfig, prefix: str = "") -> tu
             if found is not None:
                 return found
         elif isinstance(mine, DictConfig) != isinstance(theirs, DictConfig):
-            return f"{prefix}{key}", _shape(mine), f"{_shape(theirs)} {OmegaConf.to_container(other)[key]!r}"
+            shown = "(not shown: it is a secret)" if f"{prefix}{key}" in SECRET_KEYS else repr(OmegaConf.to_container(other)[key])
+            return f"{prefix}{key}", _shape(mine), f"{_shape(theirs)} {shown}"
     return None
 
 
