@@ -132,3 +132,22 @@ def test_calls_outside_the_tokenizer_vocabulary_are_removed_before_aggregation(p
     assert prepared.metrics["training/n_sample"] == 5
     without_tokenizer = StepPipeline(config(), plugins).prepare(batch(), step=1)
     assert "training/events/n_calls_out_of_vocab" not in without_tokenizer.metrics
+
+
+def test_a_group_left_with_one_rollout_is_dropped_and_counted_not_fatal(plugins):
+    """r3 lost every call (to bad events, or it failed and was skipped): group g1 keeps r2 alone."""
+    rollouts = batch()
+    rollouts[3] = rollout("r3", "g1", 0.5, [])
+    prepared = StepPipeline(config("actor_rollout_ref.actor.ppo_mini_batch_size=1"), plugins).prepare(rollouts, step=1)
+    assert prepared.metrics["training/n_groups_dropped_one_rollout_left"] == 1
+    assert {row.group_id for row in prepared.shaped.rows} == {"g0"}
+    assert StepPipeline(config(), plugins).prepare(batch(), step=1).metrics["training/n_groups_dropped_one_rollout_left"] == 0
+
+
+def test_with_one_rollout_per_sample_groups_of_one_are_the_estimators_to_judge(plugins):
+    rollouts = [rollout("r0", "g0", 1.0, [([1], [2])]), rollout("r1", "g1", 0.0, [([1], [3])])]
+    settings = ["actor_rollout_ref.rollout.n=1", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    prepared = StepPipeline(config(*settings, "algorithm.adv_estimator=reinforce"), plugins).prepare(rollouts, step=1)
+    assert len(prepared.shaped.rows) == 2 and "training/n_groups_dropped_one_rollout_left" not in prepared.metrics
+    with pytest.raises(Exception, match="needs at least 2 per group"):
+        StepPipeline(config(*settings, "algorithm.adv_estimator=grpo"), plugins).prepare(rollouts, step=1)

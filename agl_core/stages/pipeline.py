@@ -133,6 +133,22 @@ def _scales_per_rollout(config: Any, plugins: Any) -> bool:
     return policy_loss_spec(plugins.policy_losses.get(loss_mode)).scale_advantages_per_rollout
 
 
+def _without_lone_rollouts(rows: Sequence[TrainingRow]) -> tuple[list[TrainingRow], int]:
+    """``rows`` without the groups left with a single rollout, and how many such groups there were.
+
+    With ``rollout.n > 1`` a group of one is a group whose other rollouts failed, were skipped or
+    lost every call to bad events: it has no baseline to compare against, so rather than let one bad
+    rollout stop the run (group estimators refuse such groups), its rows are left out and counted.
+    """
+    rollouts_of: dict[str, set[str]] = {}
+    for row in rows:
+        rollouts_of.setdefault(row.group_id, set()).add(row.rollout_id)
+    lone = {group for group, rollouts in rollouts_of.items() if len(rollouts) == 1}
+    if not lone:
+        return list(rows), 0
+    return [row for row in rows if row.group_id not in lone], len(lone)
+
+
 class StepPipeline:
     """Aggregator → advantage estimator (on every collected row) → batch shaping → normalisation.
 
@@ -142,7 +158,8 @@ class StepPipeline:
     ``actor_rollout_ref.actor.policy_loss.loss_mode`` declares ``scale_advantages_per_rollout``.
     Trajectory breaks are appended to ``agentlightning.trace_aggregator.mismatch_log_path`` when set.
     With a ``tokenizer`` (its ``len()`` is the vocabulary size), calls holding ids outside the
-    vocabulary are removed first (:mod:`agl_core.stages.vocabulary`).
+    vocabulary are removed first (:mod:`agl_core.stages.vocabulary`). With ``rollout.n > 1``, groups
+    left with one rollout are removed before estimation (``training/n_groups_dropped_one_rollout_left``).
     Each :meth:`prepare` keeps the step's sample tables (:mod:`agl_core.stages.samples`) until the
     backend hands them on with :meth:`take_samples`.
     """
@@ -159,6 +176,7 @@ class StepPipeline:
         self.aggregate = plugins.aggregators.get(aggregator.level)
         self.aggregation_settings = settings_from_config(config, tokenizer)
         self.mismatch_log_path = aggregator.mismatch_log_path
+        self.group_size = int(config.actor_rollout_ref.rollout.n)
         self.vocab_size = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
         if estimate is None:
             estimator = plugins.advantage_estimators.get(config.algorithm.adv_estimator)
@@ -189,6 +207,9 @@ class StepPipeline:
             write_mismatches_jsonl(os.path.expanduser(self.mismatch_log_path), aggregation.mismatches)
         self._samples = step_samples(rollouts, aggregation.mismatches, step, self.aggregation_settings.tokenizer)
         rows = aggregation.rows
+        if self.group_size > 1:
+            rows, lone = _without_lone_rollouts(rows)
+            metrics["training/n_groups_dropped_one_rollout_left"] = float(lone)
         metrics["training/n_sample"] = float(len(rows))
         shaped = None
         if rows:
