@@ -159,6 +159,21 @@ def test_check_reports_what_training_would_fail_on(policy, capsys, override, mes
     assert code == 2 and err.startswith(message), err
 
 
+def test_check_asks_the_gateway_when_one_is_configured(policy, capsys):
+    import socket
+
+    with socket.socket() as sock:  # a port on 127.0.0.1 that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    code, out, err = run_cli(
+        capsys, "check", CONFIG, f"actor_rollout_ref.model.path={policy}", f"agentlightning.agl_base_url={dead}",
+        "agentlightning.gateway.max_retries=0",
+    )
+    assert code == 2 and "passed" not in out
+    assert err.startswith("agl: error: gateway GET /proxy/state: no answer: ConnectError"), err
+    assert "agl: hint: is the gateway running at agentlightning.agl_base_url" in err
+
+
 def test_rows_missing_an_env_map_field_are_refused_before_training(policy, tmp_path, capsys):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"signs": ["left"]}\n{"sign": ["right"]}\n')
