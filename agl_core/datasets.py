@@ -76,11 +76,15 @@ def check_datasets(config: Any, check_env_map: bool = True) -> dict[str, int]:
         files = config.data.train_files if key == "data.train_files" else config.data.val_files
         if key == "data.val_files" and not files:
             continue
-        rows = load_dataset(files, key)
-        for index, row in enumerate(rows):
-            try:
-                env_from_map(row, env_map)
-            except KeyError as exc:
-                raise ConfigError(key, f"row {index + 1} of {len(rows)}: {exc.args[0]}") from None
-        counts[key] = len(rows)
+        listed = isinstance(files, Sequence) and not isinstance(files, str)
+        counts[key] = 0
+        for file in (files or [None]) if listed else [files]:
+            rows = load_dataset(file, key)
+            where = f" of {file}" if listed else ""  # which file of the list holds the row
+            for index, row in enumerate(rows):
+                try:
+                    env_from_map(row, env_map)
+                except KeyError as exc:
+                    raise ConfigError(key, f"row {index + 1} of {len(rows)}{where}: {exc.args[0]}") from None
+            counts[key] += len(rows)
     return counts

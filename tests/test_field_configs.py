@@ -141,3 +141,17 @@ def test_a_list_of_dataset_files_is_their_rows_in_order(tmp_path):
     assert info.value.key == "data.val_files"
     with pytest.raises(ConfigError, match="no dataset file given"):
         load_dataset([])
+
+
+def test_a_bad_row_in_a_list_of_dataset_files_names_its_file(tmp_path):
+    from agl_core.datasets import check_datasets
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps({"signs": [1]}) + "\n")
+    second.write_text(json.dumps({"signs": [2]}) + "\n" + json.dumps({"sign": [3]}) + "\n")
+    cfg = load_config(overrides=[f"data.train_files=[{first},{second}]", "agentlightning.local.env_map={SIGNS: input.signs}"])
+    with pytest.raises(ConfigError, match=f"row 2 of 2 of {second}: agentlightning.local.env_map.SIGNS") as info:
+        check_datasets(cfg)
+    assert info.value.key == "data.train_files"
+    second.write_text(json.dumps({"signs": [2]}) + "\n")
+    assert check_datasets(cfg)["data.train_files"] == 2
