@@ -80,10 +80,18 @@ def _event_view(rollout_id: str, attempt_id: str, event: dict[str, Any]) -> Even
 
 
 class RolloutHooksPlugin:
-    """Adapts one v1.0 ``RolloutHooks`` instance to agl's lifecycle hookspecs."""
+    """Adapts one v1.0 ``RolloutHooks`` instance to agl's lifecycle hookspecs.
+
+    Only the methods the class overrides become hook implementations (pluggy skips an attribute that
+    is not callable), so a class without ``on_enqueue`` does not count as a plugin that may rewrite
+    requests, and the dataset check still runs.
+    """
 
     def __init__(self, hooks: RolloutHooks):
         self.hooks = hooks
+        for method in HOOK_METHODS:
+            if getattr(type(hooks), method) is getattr(RolloutHooks, method):
+                setattr(self, f"agl_{method}", None)
 
     def __repr__(self) -> str:
         return f"RolloutHooksPlugin({type(self.hooks).__name__})"

@@ -420,3 +420,20 @@ def test_sys_exit_while_importing_a_hook_file_is_a_clear_error(tmp_path, code):
     path = write(tmp_path, "exits.py", f"import sys\nsys.exit({code})\n")
     with pytest.raises(HookFileError, match=rf"hook file {path.resolve()} called sys.exit\({code}\) while being imported"):
         load_hook_file(path)
+
+
+def test_only_the_methods_a_v1_class_overrides_are_hook_implementations(tmp_path):
+    path = write(
+        tmp_path,
+        "succeeded_only.py",
+        """
+        from agentlightning.hooks import RolloutHooks
+
+        class Scores(RolloutHooks):
+            def on_succeeded(self, rollout, events, store):
+                pass
+        """,
+    )
+    manager = manager_with(path)
+    assert manager.implementations("agl_on_succeeded") and not manager.implementations("agl_on_enqueue")
+    assert not manager.implementations("agl_on_startup") and not manager.implementations("agl_on_failed")

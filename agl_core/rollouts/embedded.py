@@ -109,6 +109,7 @@ class EmbeddedRolloutSource(RolloutSource):
                 env = self.agent_env(request)
             except KeyError as exc:
                 errors[request.rollout_id] = f"local subprocess spawn failed: {exc.args[0]}"
+                logger.warning("rollout %s not started: %s", request.rollout_id, errors[request.rollout_id])
                 continue
             self.recorder.open(request.rollout_id, (step, int(is_train), index))
             futures[request.rollout_id] = self.pool.submit(self._run_agent, env)
