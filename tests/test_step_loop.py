@@ -83,3 +83,9 @@ def test_val_only_validates_once_and_stops(start):
 def test_val_only_without_validation_first_trains():
     log = drive(Recorder(), LoopSettings(total_steps=1, val_only=True))
     assert log == [("train", 1, 2), ("report", 1, 1, False)]
+
+
+def test_a_run_resumed_at_its_last_step_says_there_is_nothing_to_train(caplog):
+    with caplog.at_level("WARNING", logger="agl_core.backends.loop"):
+        assert drive(Recorder(step=3), LoopSettings(total_steps=3, validate_first=True)) == []
+    assert "nothing to train: the run resumed at step 3 of 3; raise trainer.total_training_steps" in caplog.text

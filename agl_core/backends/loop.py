@@ -87,6 +87,13 @@ def run_steps(trainer: StepTrainer, settings: LoopSettings) -> Iterator[Step]:
     """Train until ``settings.total_steps``, yielding each step's ``(step, total_steps, metrics)``
     before it is checkpointed (the checkpoint is written when the next item is asked for)."""
     start, total = trainer.step, settings.total_steps
+    if start >= total and not settings.val_only:
+        logger.warning(
+            "nothing to train: the run resumed at step %d of %d; raise trainer.total_training_steps, "
+            "or start a new run in another trainer.default_local_dir",
+            start,
+            total,
+        )
     if settings.validate_first and (start == 0 or settings.val_only):
         yield start, total, _validation(trainer)
         if settings.val_only:
