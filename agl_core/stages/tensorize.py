@@ -14,6 +14,8 @@ when every row has them, ``rollout_log_probs`` (float32). Non-tensor columns: ``
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,9 +46,21 @@ def padded_width(longest: int, multiple: int = PAD_MULTIPLE) -> int:
     return max(multiple, -(-longest // multiple) * multiple)
 
 
+_LARGE_BYTES = 4 << 20
+
+
 def _blank(shape: tuple[int, int], dtype: Any, fill: Any) -> np.ndarray:
-    """``fill`` everywhere; zeros come from fresh zero pages, so padding that is never written costs nothing."""
-    return np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
+    """``fill`` everywhere. Zeros come from fresh zero pages, so padding that is never written costs
+    nothing; a large array is mapped directly (anonymous memory, zero-filled), because numpy asks the
+    kernel for huge pages there, and finding them can stall the first batch of a run for seconds."""
+    size = math.prod(shape)
+    nbytes = size * np.dtype(dtype).itemsize
+    if nbytes < _LARGE_BYTES:
+        return np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
+    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype, count=size).reshape(shape)
+    if fill != 0:
+        array.fill(fill)
+    return array
 
 
 def _pack(arrays: Sequence[np.ndarray], width: int, dtype: Any, fill: Any, *, left: bool = False) -> np.ndarray:
@@ -78,8 +92,8 @@ def pad_responses(per_row_arrays: Sequence[Any], width: int, dtype: torch.dtype)
 def _sequences(prompt_lengths: np.ndarray, response_lengths: np.ndarray, prompt_width: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """``attention_mask`` and ``position_ids`` of rows whose prompt ends at ``prompt_width`` and whose
     response follows it: 1 / 0, 1, 2... on the row's tokens; 0 / 0 before them, 0 / the last position after."""
-    attention = np.zeros((len(prompt_lengths), width), np.int64)
-    positions = np.zeros((len(prompt_lengths), width), np.int64)
+    attention = _blank((len(prompt_lengths), width), np.int64, 0)
+    positions = _blank((len(prompt_lengths), width), np.int64, 0)
     steps = np.arange(width, dtype=np.int64)
     for i, (p, r) in enumerate(zip(prompt_lengths.tolist(), response_lengths.tolist())):
         start, end = prompt_width - p, prompt_width + r
@@ -133,7 +147,7 @@ def tensorize(
     # The reward goes on each row's last trained token: after truncation a row may end on
     # observation tokens, which are never trained.
     last_trained = response_length - 1 - np.argmax(response_mask[:, ::-1], axis=1)
-    scores = np.zeros((len(rows), response_length), np.float32)
+    scores = _blank((len(rows), response_length), np.float32, 0)
     scores[np.arange(len(rows)), last_trained] = [row.reward for row in rows]
 
     tensors = {
