@@ -295,7 +295,8 @@ def micro_batched_per_real(tensors: dict[str, torch.Tensor]) -> float:
     width = tensors["prompts"].shape[1]
     prompts = tensors["attention_mask"][:, :width].sum(1).tolist()
     responses = tensors["attention_mask"][:, width:].sum(1).tolist()
-    return padded_elements(micro_batches(prompts, responses, MICRO_BATCH_TOKENS)) / (sum(prompts) + sum(responses))
+    groups = micro_batches(prompts, responses, MICRO_BATCH_TOKENS, key="MICRO_BATCH_TOKENS")
+    return padded_elements(prompts, responses, groups) / (sum(prompts) + sum(responses))
 
 
 def measure(v1: V1, name: str, inputs, repeat: int, v1_max_gib: float) -> None:

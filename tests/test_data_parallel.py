@@ -71,7 +71,7 @@ def config(model_dir: str, loss: str, normalization: str, kl: bool):
 
 def actor_update(cfg, model, ref, dp_size: int = 1, batch_num_tokens: int | None = None) -> ActorUpdate:
     actor = cfg.actor_rollout_ref.actor
-    settings = ActorSettings.from_actor_config(actor)
+    settings = ActorSettings.from_config(cfg.actor_rollout_ref)
     settings = attrs.evolve(settings, loss=attrs.evolve(settings.loss, dp_size=dp_size, batch_num_tokens=batch_num_tokens))
     loss_fn = PluginManager(load_entrypoints=False).policy_losses.get(actor.policy_loss.loss_mode)
     optimizer, _ = make_optimizer(model, actor.optim, 1)

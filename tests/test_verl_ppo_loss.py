@@ -138,7 +138,7 @@ def torch_update(config, models, tokenizer, rollouts):
     optimizer, _ = make_optimizer(model, actor.optim, 1)
     plugins = PluginManager(load_entrypoints=False)
     loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
-    settings = ActorSettings.from_actor_config(actor)
+    settings = ActorSettings.from_config(config.actor_rollout_ref)
     update = ActorUpdate(model, ref if actor.use_kl_loss else None, optimizer, loss_fn, settings, torch.device("cpu"), tokenizer.pad_token_id)
     prepared = StepPipeline(config, plugins, tokenizer).prepare(rollouts, step=1)
     batch = update.batch(prepared)

@@ -53,6 +53,13 @@ POSITIVE_INTEGERS = (
     "agentlightning.trace_aggregator.trajectory_max_response_length",
     "agentlightning.trace_aggregator.mismatch_max_length",
 )
+# (switch, budget) of the token-budget micro-batches (agl_core.stages.micro_batches): the update's and
+# the old and reference log-probs' passes.
+MICRO_BATCH_KEYS = (
+    ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+    ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+)
 # null, or a positive integer.
 OPTIONAL_POSITIVE_INTEGERS = (
     "trainer.total_training_steps",  # null: total_epochs x steps per epoch
@@ -112,6 +119,7 @@ def validate(cfg: DictConfig) -> None:
             f"must be one of {', '.join(LOSS_NORMALIZATION_MODES)}, got {agl.loss_normalization!r}",
         )
     _validate_gateway_keys(cfg)
+    _validate_micro_batch_keys(cfg)
     _validate_engine_keys(cfg)
     _validate_torch_backend_keys(cfg)
     url = agl.agl_base_url
@@ -160,6 +168,23 @@ def row_length_keys(cfg: DictConfig) -> tuple[str, str]:
         return "data.max_prompt_length", "data.max_response_length"
     prefix = "agentlightning.trace_aggregator.trajectory_max_"
     return prefix + "prompt_length", prefix + "response_length"
+
+
+def _validate_micro_batch_keys(cfg: DictConfig) -> None:
+    """Budgets are positive integers, and one in use holds the longest row the level's limits let
+    through (as verl asks of its ``max_token_len``), so no row ever exceeds its micro-batch budget."""
+    prompt_key, response_key = row_length_keys(cfg)
+    longest = OmegaConf.select(cfg, prompt_key) + OmegaConf.select(cfg, response_key)
+    for switch, budget in MICRO_BATCH_KEYS:
+        if not isinstance(OmegaConf.select(cfg, switch), bool):
+            raise ConfigError(switch, f"must be true or false, got {OmegaConf.select(cfg, switch)!r}")
+        _positive(cfg, budget)
+        tokens = OmegaConf.select(cfg, budget)
+        if OmegaConf.select(cfg, switch) and tokens < longest:
+            raise ConfigError(
+                budget,
+                f"is {tokens}, less than the longest row ({prompt_key} + {response_key} = {longest}); raise it or turn {switch} off",
+            )
 
 
 def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:

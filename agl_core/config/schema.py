@@ -171,6 +171,10 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     entropy_coeff: float = 0.0  # weight of the entropy bonus subtracted from the policy loss
+    # Token-budget micro-batches (agl_core.stages.micro_batches): each mini-batch's optimizer step
+    # accumulates gradients over groups of at most this many padded tokens.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
@@ -186,6 +190,17 @@ class RolloutSamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    # The old log-probs' forward passes, in token-budget micro-batches (the actor's settings unless set).
+    log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # type: ignore[assignment]
+
+
+@dataclass
+class RefConfig:
+    """The reference policy's log-prob passes (with ``actor.use_kl_loss``), the actor's settings unless set."""
+
+    log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # type: ignore[assignment]
 
 
 @dataclass
@@ -193,6 +208,7 @@ class ActorRolloutRefConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutSamplingConfig = field(default_factory=RolloutSamplingConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
 
 
 @dataclass

@@ -133,7 +133,7 @@ class TorchBackend:
         self.model = load_policy(folder, device)
         self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
         ref_model = load_policy(folder, device, frozen=True) if actor.use_kl_loss else None
-        settings = ActorSettings.from_actor_config(actor)
+        settings = ActorSettings.from_config(config.actor_rollout_ref)
         self.actor_update = ActorUpdate(self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id)
         self.pipeline = StepPipeline(config, plugins, self.tokenizer)
         self.run_dir = Path(config.trainer.default_local_dir)

@@ -7,31 +7,51 @@ mini-batch (verl's ``agg_loss`` with its default ``token-mean``), whatever the p
 reduction. Then gradient clipping at ``actor.grad_clip`` → AdamW step, skipped and counted
 (``actor/n_skipped_nonfinite_grad``) when the gradient norm is not finite.
 
+Token-budget micro-batches (verl's keys, :mod:`agl_core.backends.torch.micro_batching`): with
+``actor.use_dynamic_bsz`` each mini-batch's gradients are accumulated over micro-batches of at most
+``actor.ppo_max_token_len_per_gpu`` padded tokens, each padded only to its own longest prompt and
+response; the old and reference log-probs likewise under ``rollout.log_prob_*`` and ``ref.log_prob_*``.
+Every micro-batch's loss is its share of the mini-batch's: the token means (``token_mean``, the entropy,
+the KL) divide by the mini-batch's trained tokens (``LossSettings.batch_num_tokens``) and
+``per_rollout_mean`` sums advantages scaled over the whole batch, so the step equals the one-pass step
+up to float rounding (a loss that declares ``additive_over_micro_batches=False`` is refused).
+
 Metrics, with verl's names: ``actor/pg_loss`` (the policy-loss term alone), ``actor/entropy_loss``
 (reported every update, as verl does with Agent Lightning's ``calculate_entropy: true``),
 ``actor/kl_loss`` and ``actor/kl_coef`` (with the KL term), ``actor/loss`` (the total that is
-minimised), the policy loss's own metrics, ``actor/grad_norm``.
+minimised), the policy loss's own metrics, ``actor/grad_norm``; and ``actor/n_micro_batches`` (the
+forward-backward passes of all the step's updates), ``perf/padded_per_real_tokens`` (tensor elements
+per real token over those passes), ``timing/log_prob_s`` (tensors and old/reference log-probs) and
+``timing/actor_update_s`` (the PPO epochs).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
+from agl_core.backends.torch.micro_batching import MicroBatch, split
 from agl_core.backends.torch.model_ops import chosen_log_probs, low_var_kl, response_distributions, response_log_probs, token_entropy
 from agl_core.config import ConfigError
 from agl_core.stages.pipeline import PreparedBatch
-from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean
+from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean, policy_loss_spec
 from agl_core.stages.tensorize import tensorize
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 __all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch", "lr_lambda", "make_optimizer"]
+
+# The loss terms, which add up over micro-batches; the other metrics are means over trained tokens.
+ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/loss"})
+UPDATE_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+OLD_LOG_PROB_BUDGET_KEY = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
+REF_LOG_PROB_BUDGET_KEY = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
 
 
 def lr_lambda(optim: DictConfig, total_steps: int) -> Callable[[int], float]:
@@ -62,22 +82,30 @@ def make_optimizer(model: torch.nn.Module, optim: DictConfig, total_steps: int) 
 
 @attrs.frozen
 class ActorSettings:
-    """The ``actor_rollout_ref.actor`` values one update reads."""
+    """The ``actor_rollout_ref`` values one update reads. The token budgets are ``None`` when their
+    ``use_dynamic_bsz`` switch is off (one pass over the mini-batch, or over the batch for log-probs)."""
 
     ppo_epochs: int
     entropy_coeff: float
     kl_loss_coef: float
     grad_clip: float
     loss: LossSettings
+    update_max_tokens: int | None = None
+    old_log_prob_max_tokens: int | None = None
+    ref_log_prob_max_tokens: int | None = None
 
     @classmethod
-    def from_actor_config(cls, actor: DictConfig) -> ActorSettings:
+    def from_config(cls, actor_rollout_ref: DictConfig) -> ActorSettings:
+        actor, rollout, ref = actor_rollout_ref.actor, actor_rollout_ref.rollout, actor_rollout_ref.ref
         return cls(
             ppo_epochs=int(actor.ppo_epochs),
             entropy_coeff=float(actor.entropy_coeff),
             kl_loss_coef=float(actor.kl_loss_coef),
             grad_clip=float(actor.grad_clip),
             loss=LossSettings.from_actor_config(actor),
+            update_max_tokens=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
+            old_log_prob_max_tokens=int(rollout.log_prob_max_token_len_per_gpu) if rollout.log_prob_use_dynamic_bsz else None,
+            ref_log_prob_max_tokens=int(ref.log_prob_max_token_len_per_gpu) if ref.log_prob_use_dynamic_bsz else None,
         )
 
 
@@ -102,6 +130,15 @@ class UpdateBatch:
             None if self.ref_log_prob is None else self.ref_log_prob[part],
         )
 
+    def cut(self, micro: MicroBatch) -> UpdateBatch:
+        """The rows of ``micro``, padded only to its widths."""
+        return UpdateBatch(
+            micro.cut(self.tensors),
+            micro.cut_responses(self.advantages),
+            micro.cut_responses(self.old_log_prob),
+            None if self.ref_log_prob is None else micro.cut_responses(self.ref_log_prob),
+        )
+
 
 class ActorUpdate:
     """PPO epochs of ``loss_fn`` over a prepared batch's mini-batches, stepping ``optimizer``;
@@ -117,6 +154,11 @@ class ActorUpdate:
         device: torch.device,
         pad_token_id: int,
     ):
+        if settings.update_max_tokens is not None and not policy_loss_spec(loss_fn).additive_over_micro_batches:
+            raise ConfigError(
+                "actor_rollout_ref.actor.use_dynamic_bsz",
+                "the policy loss declares additive_over_micro_batches=False, so micro-batches would change its update; turn it off",
+            )
         self.model, self.ref_model, self.optimizer = model, ref_model, optimizer
         self.loss_fn, self.settings = loss_fn, settings
         self.device, self.pad_token_id = device, pad_token_id
@@ -125,7 +167,9 @@ class ActorUpdate:
         """Update on ``prepared`` (which has a shaped batch); the actor metrics, averaged over the
         mini-batch updates except the ``actor/n_*`` counts."""
         assert prepared.shaped is not None
+        started = time.perf_counter()
         batch = self.batch(prepared)
+        log_prob_s = time.perf_counter() - started
         n_rows = len(prepared.shaped.rows)
         per_mini = n_rows // prepared.shaped.n_mini_batches
         sums: dict[str, float] = {}
@@ -135,9 +179,13 @@ class ActorUpdate:
                 for name, value in self.mini_batch_step(batch.rows(slice(start, start + per_mini))).items():
                     sums[name] = sums.get(name, 0.0) + float(value)
                 n_updates += 1
+        padded, real = sums.pop("perf/n_padded_tokens"), sums.pop("perf/n_real_tokens")
         metrics = {k: v if k.startswith("actor/n_") else v / n_updates for k, v in sums.items()}
         metrics["actor/n_updates"] = float(n_updates)
         metrics["perf/total_num_tokens"] = float(int(batch.tensors["attention_mask"].sum()))
+        metrics["perf/padded_per_real_tokens"] = padded / real
+        metrics["timing/log_prob_s"] = log_prob_s
+        metrics["timing/actor_update_s"] = time.perf_counter() - started - log_prob_s
         return metrics
 
     def batch(self, prepared: PreparedBatch) -> UpdateBatch:
@@ -148,8 +196,10 @@ class ActorUpdate:
         tensors = {k: v.to(self.device) for k, v in padded.tensors.items()}
         with torch.no_grad():
             self.model.eval()
-            old_log_prob = response_log_probs(self.model, tensors)
-            ref_log_prob = response_log_probs(self.ref_model, tensors) if self.ref_model is not None else None
+            old_log_prob = self.log_probs(self.model, tensors, self.settings.old_log_prob_max_tokens, OLD_LOG_PROB_BUDGET_KEY)
+            ref_log_prob = None
+            if self.ref_model is not None:
+                ref_log_prob = self.log_probs(self.ref_model, tensors, self.settings.ref_log_prob_max_tokens, REF_LOG_PROB_BUDGET_KEY)
         self.model.train()
         return UpdateBatch(
             tensors,
@@ -158,11 +208,37 @@ class ActorUpdate:
             ref_log_prob,
         )
 
+    @staticmethod
+    def log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str) -> torch.Tensor:
+        """``model``'s response log-probs of a batch, ``[rows, response_len]`` (0 past each micro-batch's
+        widths): in one pass, or in micro-batches of at most ``max_tokens`` padded elements (``key``'s)."""
+        if max_tokens is None:
+            return response_log_probs(model, tensors)
+        out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=tensors["responses"].device)
+        for micro in split(tensors, max_tokens, key):
+            out[micro.rows, : micro.response_length] = response_log_probs(model, micro.cut(tensors))
+        return out
+
     def mini_batch_step(self, mini: UpdateBatch) -> dict[str, float]:
-        """One optimizer step on ``mini``; its metrics."""
-        loss, metrics = self.loss(mini)
+        """One optimizer step on ``mini``, its gradients accumulated over token-budget micro-batches
+        when ``update_max_tokens`` is set; its metrics (the loss terms summed over the micro-batches,
+        the other metrics weighted by their share of the trained tokens, as one pass would give them)."""
+        loss_settings, parts = self.settings.loss, [mini]
+        if self.settings.update_max_tokens is not None:
+            parts = [mini.cut(micro) for micro in split(mini.tensors, self.settings.update_max_tokens, UPDATE_BUDGET_KEY)]
+            if loss_settings.batch_num_tokens is None:
+                loss_settings = attrs.evolve(loss_settings, batch_num_tokens=int(mini.mask.sum()))
+        n_tokens = float(mini.mask.sum())
+        metrics = {"actor/n_micro_batches": float(len(parts)), "perf/n_padded_tokens": 0.0, "perf/n_real_tokens": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for part in parts:
+            loss, part_metrics = self.loss(part, loss_settings)
+            loss.backward()
+            share = float(part.mask.sum()) / n_tokens
+            for name, value in part_metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + (value if name in ADDITIVE_METRICS else value * share)
+            metrics["perf/n_padded_tokens"] += part.tensors["input_ids"].numel()
+            metrics["perf/n_real_tokens"] += float(part.tensors["attention_mask"].sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
@@ -170,23 +246,24 @@ class ActorUpdate:
             metrics["actor/n_skipped_nonfinite_grad"] = 1.0
         return {**metrics, "actor/grad_norm": float(grad_norm)}
 
-    def loss(self, mini: UpdateBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, mini: UpdateBatch, settings: LossSettings | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The policy loss on ``mini`` − the entropy bonus + the KL term (see the module docstring), and
-        the metrics of every term."""
+        the metrics of every term; ``settings`` (a micro-batch's) replaces the configured loss settings."""
+        settings = self.settings.loss if settings is None else settings
         distributions = response_distributions(self.model, mini.tensors)
         log_prob = chosen_log_probs(distributions, mini.tensors["responses"])
-        pg_loss, pg_metrics = self.loss_fn(mini.old_log_prob, log_prob, mini.advantages, mini.mask, self.settings.loss)
-        entropy = self.entropy_loss(distributions, mini.mask)
+        pg_loss, pg_metrics = self.loss_fn(mini.old_log_prob, log_prob, mini.advantages, mini.mask, settings)
+        entropy = self.entropy_loss(distributions, mini.mask, settings)
         loss = pg_loss - self.settings.entropy_coeff * entropy
         metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy_loss": entropy.item()}
         if mini.ref_log_prob is not None:
-            kl = batch_token_mean(low_var_kl(log_prob, mini.ref_log_prob), mini.mask, self.settings.loss)
+            kl = batch_token_mean(low_var_kl(log_prob, mini.ref_log_prob), mini.mask, settings)
             loss = loss + self.settings.kl_loss_coef * kl
             metrics.update({"actor/kl_loss": kl.item(), "actor/kl_coef": self.settings.kl_loss_coef})
         metrics["actor/loss"] = loss.item()
         return loss, metrics
 
-    def entropy_loss(self, distributions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def entropy_loss(self, distributions: torch.Tensor, mask: torch.Tensor, settings: LossSettings) -> torch.Tensor:
         """The token-mean entropy, without a gradient when ``entropy_coeff`` is 0 (it is only reported)."""
         with torch.set_grad_enabled(self.settings.entropy_coeff > 0):
-            return batch_token_mean(token_entropy(distributions), mask, self.settings.loss)
+            return batch_token_mean(token_entropy(distributions), mask, settings)

@@ -1,0 +1,214 @@
+"""Training-step time of the reference backend, with and without token-budget micro-batches, in one run.
+
+A multi-turn chat workload of varied lengths on a small local policy: a 4-layer Llama (hidden 128)
+with a 32,000-word vocabulary, random weights, and a word-level tokenizer trained here on a generated
+corpus (nothing is downloaded). Each rollout is a conversation of 1-6 turns; every turn the agent
+sends the whole history plus a user message of 5-160 words, and asks for a reply of 4-32 tokens. The
+embedded rollout source runs the agents against the in-process policy server, the trajectory
+aggregator merges each conversation into one row, and GRPO + ``per_rollout_mean`` trains it.
+
+The same steps (same seed, same data) run twice: padded to the batch's longest prompt and response
+(the default), then with ``actor_rollout_ref.actor.use_dynamic_bsz`` (and the log-prob passes
+following it) under a token budget. It prints, per mode, the mean seconds per step of generation
+(``timing/gen_s``), old log-probs (``timing/log_prob_s``) and the actor update
+(``timing/actor_update_s``), the update's padded tensor elements per real token
+(``perf/padded_per_real_tokens``), its micro-batches per step, and the ratios of the two modes.
+
+    python benchmarks/bench_step.py                 # 2 steps a mode
+    python benchmarks/bench_step.py --steps 4 --budget 2048 --rollouts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+VOCAB = 32_000
+TURNS, REPLY_TOKENS, USER_WORDS = (1, 7), (4, 33), (5, 161)
+
+
+# -- the policy -------------------------------------------------------------------------------------
+
+
+def words(n: int) -> list[str]:
+    """``n`` distinct lowercase pseudo-words (the corpus the tokenizer is trained on)."""
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    out: set[str] = set()
+    while len(out) < n:
+        out.add("".join(rng.choice(letters, size=int(rng.integers(3, 9)))))
+    return sorted(out)
+
+
+def build_policy(folder: Path) -> Path:
+    """A 4-layer Llama with a trained word-level tokenizer of ``VOCAB`` tokens, saved in ``folder``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from examples.corridor.build_policy import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = words(VOCAB - len(SPECIAL_TOKENS) - 3) + ["system user assistant"]
+    tokenizer.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, vocab_size=VOCAB))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="[UNK]", chat_template=CHAT_TEMPLATE
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.generation_config.pad_token_id = fast.pad_token_id
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+# -- the agent (run by the embedded rollout source) -------------------------------------------------
+
+
+class ChatAgent:
+    """A conversation whose turn count, user messages and reply lengths come from the rollout input."""
+
+    def run(self) -> float:
+        import httpx
+
+        base_url = os.environ["AGL_OPENAI_BASE_URL"].rstrip("/")
+        headers = {"Authorization": f"Bearer {os.environ.get('AGL_KEY', '')}"}
+        turns = json.loads(os.environ["BENCH_TURNS"])
+        messages: list[dict[str, str]] = [{"role": "system", "content": "you are a chat partner"}]
+        replies = []
+        with httpx.Client(timeout=300) as client:
+            for turn in turns:
+                messages.append({"role": "user", "content": turn["user"]})
+                body = {"model": "policy", "messages": messages, "max_tokens": turn["max_tokens"]}
+                response = client.post(f"{base_url}/chat/completions", headers=headers, json=body)
+                response.raise_for_status()
+                reply = response.json()["choices"][0]["message"]["content"]
+                messages.append({"role": "assistant", "content": reply})
+                replies.append(reply)
+            reward = float(sum(len(r.split()) for r in replies) % 5) / 4  # varies within a group
+            client.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
+        return reward
+
+
+def dataset(path: Path, n_rows: int) -> Path:
+    rng = np.random.default_rng(1)
+    vocabulary = words(VOCAB - 10)
+    with open(path, "w") as out:
+        for i in range(n_rows):
+            turns = [
+                {
+                    "user": " ".join(rng.choice(vocabulary, size=int(rng.integers(*USER_WORDS)))),
+                    "max_tokens": int(rng.integers(*REPLY_TOKENS)),
+                }
+                for _ in range(int(rng.integers(*TURNS)))
+            ]
+            out.write(json.dumps({"id": i, "turns": turns}) + "\n")
+    return path
+
+
+# -- the run ------------------------------------------------------------------------------------------
+
+
+def run_mode(policy: Path, data: Path, run_dir: Path, steps: int, rollouts: int, extra: list[str]) -> list[dict[str, float]]:
+    from agl_core.backends.torch.backend import TorchBackend
+    from agl_core.config import load_config
+    from agl_core.plugins import PluginManager
+
+    config = load_config(
+        overrides=[
+            "agentlightning.backend=torch",
+            "agentlightning.local.agent_class=benchmarks.bench_step:ChatAgent",
+            "agentlightning.local.env_map.BENCH_TURNS=input.turns",
+            "agentlightning.trace_aggregator.level=trajectory",
+            "agentlightning.trace_aggregator.trajectory_max_prompt_length=512",
+            "agentlightning.trace_aggregator.trajectory_max_response_length=1536",
+            "agentlightning.torch.device=cpu",
+            f"agentlightning.torch.num_threads={os.cpu_count()}",
+            f"actor_rollout_ref.model.path={policy}",
+            f"data.train_files={data}",
+            f"data.train_batch_size={rollouts}",
+            "data.shuffle=false",
+            "actor_rollout_ref.rollout.n=4",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={rollouts}",  # one optimizer step on all the rows
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            f"trainer.total_training_steps={steps}",
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.val_before_train=false",
+            "trainer.resume_mode=disable",
+            *extra,
+        ]
+    )
+    backend = TorchBackend(config, PluginManager.from_config(config, (), load_entrypoints=False))
+    metrics: list[dict[str, float]] = []
+    backend.fit(lambda step, total, m, samples=None: metrics.append(dict(m)))
+    return metrics
+
+
+def summary(metrics: list[dict[str, float]]) -> dict[str, float]:
+    names = ["timing/gen_s", "timing/log_prob_s", "timing/actor_update_s", "perf/padded_per_real_tokens", "actor/n_micro_batches"]
+    return {name: float(np.mean([m[name] for m in metrics])) for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="training steps per mode")
+    parser.add_argument("--budget", type=int, default=4096, help="ppo_max_token_len_per_gpu (padded tokens per micro-batch)")
+    parser.add_argument("--rollouts", type=int, default=4, help="dataset rows per step (each run rollout.n = 4 times)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        policy = build_policy(folder / "policy")
+        data = dataset(folder / "train.jsonl", args.rollouts * args.steps)
+        modes = {
+            "padded to the batch": [],
+            f"micro-batches <= {args.budget} tokens": [
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.budget}",
+            ],
+        }
+        results = {
+            name: summary(run_mode(policy, data, folder / f"run{i}", args.steps, args.rollouts, extra)) for i, (name, extra) in enumerate(modes.items())
+        }
+    print(f"\n{args.steps} steps a mode, {args.rollouts} x 4 rollouts a step; mean seconds per step")
+    print(f"{'mode':<32} {'gen s':>8} {'log-prob s':>11} {'update s':>9} {'padded/real':>12} {'micro-batches':>14}")
+    for name, r in results.items():
+        print(
+            f"{name:<32} {r['timing/gen_s']:8.2f} {r['timing/log_prob_s']:11.2f} {r['timing/actor_update_s']:9.2f} "
+            f"{r['perf/padded_per_real_tokens']:12.2f} {r['actor/n_micro_batches']:14.1f}"
+        )
+    plain, micro = results.values()
+    print(
+        f"ratio (padded / micro-batched): gen {plain['timing/gen_s'] / micro['timing/gen_s']:.2f}x, "
+        f"log-prob {plain['timing/log_prob_s'] / micro['timing/log_prob_s']:.2f}x, "
+        f"update {plain['timing/actor_update_s'] / micro['timing/actor_update_s']:.2f}x, "
+        f"padded/real {plain['perf/padded_per_real_tokens'] / micro['perf/padded_per_real_tokens']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
