@@ -101,12 +101,11 @@ def _check(args: argparse.Namespace) -> int:
     if check_backend is not None:
         check_backend(config)
         report.append(f"backend {config.agentlightning.backend!r}: its own checks passed")
-    if config.agentlightning.agl_base_url:
-        from agl_core.rollouts.gateway_client import GatewayClient
+    from agl_core.backends.preflight import check_gateway
 
-        with GatewayClient.from_config(config) as client:
-            client.proxy_state()  # a read that changes nothing: is the gateway there
-        report.append("gateway at agentlightning.agl_base_url: answers (GET /proxy/state)")
+    gateway = check_gateway(config)
+    if gateway is not None:
+        report.append(gateway)
     hook_files = [info.name for info in manager.list_plugins() if info.name.startswith("hookfile:")]
     report.append(f"hook files: {', '.join(hook_files) or 'none'}")
     print(to_yaml(config), end="")

@@ -1,0 +1,21 @@
+"""What ``agl check`` verifies beyond the backend's own check: that the gateway it will train
+through is there, so a wrong URL fails before a run rather than at its first step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agl_core.rollouts.gateway_client import GatewayClient
+
+__all__ = ["check_gateway"]
+
+
+def check_gateway(config: Any) -> str | None:
+    """Ask the gateway at ``agentlightning.agl_base_url`` for its proxy state (a read that changes
+    nothing), with the configured retries; a line for the report, or ``None`` without a gateway.
+    A gateway that does not answer raises the client's ``GatewayError``."""
+    if not config.agentlightning.agl_base_url:
+        return None
+    with GatewayClient.from_config(config) as client:
+        client.proxy_state()
+    return "gateway at agentlightning.agl_base_url: answers (GET /proxy/state)"
