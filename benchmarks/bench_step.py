@@ -52,22 +52,12 @@ def words(n: int) -> list[str]:
 
 def build_policy(folder: Path) -> Path:
     """A 4-layer Llama with a trained word-level tokenizer of ``VOCAB`` tokens, saved in ``folder``."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from agl_core.testing.word_policy import SPECIAL_TOKENS, llama_policy, save_policy, word_tokenizer
 
-    from examples.corridor.build_policy import CHAT_TEMPLATE, SPECIAL_TOKENS
-
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    corpus = words(VOCAB - len(SPECIAL_TOKENS) - 3) + ["system user assistant"]
-    tokenizer.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, vocab_size=VOCAB))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="[UNK]", chat_template=CHAT_TEMPLATE
-    )
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(fast),
+    tokenizer = word_tokenizer(words(VOCAB - len(SPECIAL_TOKENS) - 3) + ["system user assistant"], vocab_size=VOCAB)
+    model = llama_policy(
+        tokenizer,
+        0,
         hidden_size=128,
         intermediate_size=344,
         num_hidden_layers=4,
@@ -75,16 +65,8 @@ def build_policy(folder: Path) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=None,
     )
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = fast.eos_token_id
-    model.generation_config.pad_token_id = fast.pad_token_id
-    model.save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return folder
+    return save_policy(folder, model, tokenizer)
 
 
 # -- the agent (run by the embedded rollout source) -------------------------------------------------

@@ -26,15 +26,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+from agl_core.testing.word_policy import CHAT_TEMPLATE, SPECIAL_TOKENS, save_policy
+
 __all__ = ["AGENT_CLASS", "SyntheticAgent", "build_policy", "build_tokenizer", "write_dataset"]
 
 AGENT_CLASS = "device_workload:SyntheticAgent"
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 TEMPLATE_WORDS = ["system", "user", "assistant"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SYSTEM_PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8"
 
 # One pool for every agent thread, never trimmed (see examples/corridor/agent.py for why).
@@ -75,9 +72,7 @@ def build_policy(out_dir: Path, shape: Mapping[str, Any], device: str) -> tuple[
         model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_policy(out_dir, model, tokenizer)
     return out_dir, {"architecture": "llama", **shape, "parameters": sum(p.numel() for p in model.parameters())}
 
 

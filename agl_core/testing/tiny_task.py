@@ -21,15 +21,12 @@ from pathlib import Path
 
 import httpx
 
+from agl_core.testing.word_policy import llama_policy, save_policy, word_tokenizer
+
 __all__ = ["SYSTEM_PROMPT", "WORDS", "TinyWordAgent", "build_policy", "corpus", "write_dataset"]
 
 WORDS = ("up", "down", "left", "right")
 SYSTEM_PROMPT = "answer with one word ."
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 WORDS_ENV = "TINY_TASK_WORDS"  # mapped from the rollout input's ``words`` (agentlightning.local.env_map)
 
 
@@ -79,35 +76,15 @@ def write_dataset(path: Path, n_rows: int, n_words: int, seed: int) -> Path:
 
 def build_policy(out_dir: Path, seed: int = 0) -> Path:
     """Save the tiny policy (model, tokenizer with its chat template) in ``out_dir``."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    words.train_from_iterator(corpus(), trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="[UNK]", chat_template=CHAT_TEMPLATE
+    tokenizer = word_tokenizer(corpus())
+    model = llama_policy(
+        tokenizer,
+        seed,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=256,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=None,
-        )
-    )
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return save_policy(out_dir, model, tokenizer)

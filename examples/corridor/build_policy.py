@@ -26,41 +26,21 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from agl_core.testing.word_policy import llama_policy, save_policy, word_tokenizer  # noqa: E402
 from examples.corridor.task import vocabulary_corpus  # noqa: E402
 
 DEFAULT_DIR = Path("outputs/corridor/policy")
 BODY_INIT_STD = 0.08
 HEAD_INIT_STD = 0.02
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    corpus = [*vocabulary_corpus(), "system user assistant"]
-    tokenizer.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="[UNK]",
-        chat_template=CHAT_TEMPLATE,
-    )
-
-
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+def build(out_dir: Path, seed: int = 0) -> Path:
+    tokenizer = word_tokenizer([*vocabulary_corpus(), "system user assistant"])
+    model = llama_policy(
+        tokenizer,
+        seed,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -68,26 +48,11 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
         num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
         initializer_range=BODY_INIT_STD,
     )
-    model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, HEAD_INIT_STD)
-    return model
-
-
-def build(out_dir: Path, seed: int = 0) -> Path:
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return save_policy(out_dir, model, tokenizer)
 
 
 def main() -> None:
