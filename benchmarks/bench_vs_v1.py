@@ -22,8 +22,9 @@ For each workload and level it prints both times (best of ``--repeat``), the rat
 padded/real ratio of each batch (tensor elements per real token; for agl also of the same rows in
 token-budget micro-batches, as the reference backend pads them) and checks that both batches train
 the same tokens (equal response ids under the response mask, row by row) and the same log-probs.
-The ``×2`` / ``×4`` rows scale the rollouts; v1.0 is skipped (and said so) where its padded batch
-would not fit in ``--v1-max-gib``.
+The ``×2`` / ``×4`` rows scale the rollouts; v1.0 is skipped (and said so) where what it holds (its
+own copy of the events, the models built from them, and its padded batch) would not fit in
+``--v1-max-gib``.
 
     bash benchmarks/v1_site.sh                       # once: agentlightning 1.0.2 into .venvs/
     taskset -c 1 python benchmarks/bench_vs_v1.py    # 256x8 and 1024x16, each ×1 ×2 ×4
@@ -63,6 +64,7 @@ BREAK_RATE = 0.05
 MODEL = "policy"
 MICRO_BATCH_TOKENS = 16384  # verl's default ppo_max_token_len_per_gpu
 V1_BYTES_PER_ELEMENT = 80  # v1.0's peak memory per padded element: int lists + ~6 int64 tensors
+V1_BYTES_PER_EVENT_INT = 72  # its own copy of the events plus the models built from them, per JSON int
 _NO_TOP: list[Any] = []
 
 
@@ -299,21 +301,30 @@ def micro_batched_per_real(tensors: dict[str, torch.Tensor]) -> float:
     return padded_elements(prompts, responses, groups) / (sum(prompts) + sum(responses))
 
 
+def _event_ints(event: dict) -> int:
+    """Token ids and log-probs in one event (what dominates the memory of decoded events)."""
+    if event["event_type"] != "model_request":
+        return 0
+    response = event["data"]["response"]
+    return len(response["prompt_token_ids"]) + 2 * len(response["choices"][0]["token_ids"])
+
+
 def measure(v1: V1, name: str, inputs, repeat: int, v1_max_gib: float) -> None:
     n_calls = sum(len(events) - 1 for _, events in inputs)
+    n_ints = sum(_event_ints(event) for _, events in inputs for event in events)
     print(f"\n== {name}: {len(inputs)} rollouts, {n_calls} triplets")
     requests = agl_requests(inputs)
     for level in LEVELS:
         max_lengths = limits(requests, inputs, level)
         agl_s, ours = best_of(lambda: agl_path(requests, inputs, level, max_lengths), repeat)
-        v1_gib = len(ours["input_ids"]) * sum(max_lengths) * V1_BYTES_PER_ELEMENT / 2**30
+        v1_gib = (len(ours["input_ids"]) * sum(max_lengths) * V1_BYTES_PER_ELEMENT + n_ints * V1_BYTES_PER_EVENT_INT) / 2**30
         head = f"{level:>10} (limits {max_lengths[0]}/{max_lengths[1]}, {len(ours['input_ids'])} rows)"
         agl_line = (
             f"agl  {agl_s:8.3f} s  {n_calls / agl_s:9.0f} triplets/s  padded/real {padded_per_real(ours):5.2f} "
             f"(in micro-batches of {MICRO_BATCH_TOKENS} tokens: {micro_batched_per_real(ours):4.2f})"
         )
         if v1_gib > v1_max_gib:
-            print(f"{head}\n    {agl_line}\n    v1.0 skipped: its padded batch needs ~{v1_gib:.0f} GiB (> --v1-max-gib {v1_max_gib:g})")
+            print(f"{head}\n    {agl_line}\n    v1.0 skipped: it would need ~{v1_gib:.0f} GiB (> --v1-max-gib {v1_max_gib:g})")
             continue
         # v1.0 edits the event lists it is given, so every run gets its own (as from fresh JSON).
         v1_s, theirs = best_of(lambda m, p: v1.path(m, p, level, max_lengths), repeat, lambda: v1.prepare(inputs))
@@ -329,7 +340,7 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {list(WORKLOADS)}")
     parser.add_argument("--scales", default="1,2,4", help="rollout-count multipliers, comma-separated")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best shown)")
-    parser.add_argument("--v1-max-gib", type=float, default=8.0, help="skip v1.0 where its padded batch needs more memory")
+    parser.add_argument("--v1-max-gib", type=float, default=8.0, help="skip v1.0 where its events and padded batch need more memory")
     args = parser.parse_args()
     torch.set_num_threads(1)
     v1 = V1()
