@@ -164,6 +164,14 @@ def validate_verl(cfg: DictConfig) -> None:
             "'gae' gives per-token advantages, which cannot be computed once per rollout; choose an outcome "
             f"estimator (grpo, rloo, ...) or set algorithm.{ROLLOUT_LEVEL_KEY}=false",
         )
+    actor = cfg.actor_rollout_ref.actor
+    clip_grad = OmegaConf.select(actor, "optim.clip_grad", default=None)
+    if clip_grad is not None and float(actor.grad_clip) != float(clip_grad):
+        raise ConfigError(
+            "actor_rollout_ref.actor.grad_clip",
+            f"is {actor.grad_clip}, but verl clips gradients at actor_rollout_ref.actor.optim.clip_grad ({clip_grad}) "
+            "and never reads this key, which the torch backend clips at: give both the same value",
+        )
 
 
 def check_verl_requirements(cfg: DictConfig) -> None:

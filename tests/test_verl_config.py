@@ -77,6 +77,9 @@ def test_verl_defaults_overlay_and_user_values_compose(user_yaml):
         ("actor_rollout_ref.actor.grad_clip=-1", "actor_rollout_ref.actor.grad_clip", "greater than 0"),
         ("actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size", "larger than data.train_batch_size"),
         ("trainer.total_training_steps=0", "trainer.total_training_steps", "positive integer or null"),
+        # verl clips at optim.clip_grad and never reads grad_clip: a difference would be ignored silently
+        ("actor_rollout_ref.actor.grad_clip=0.5", "actor_rollout_ref.actor.grad_clip", "give both the same value"),
+        ("actor_rollout_ref.actor.optim.clip_grad=0.5", "actor_rollout_ref.actor.grad_clip", "verl clips gradients at"),
     ],
 )
 def test_errors_name_the_key(user_yaml, override, key, fragment):
@@ -84,6 +87,11 @@ def test_errors_name_the_key(user_yaml, override, key, fragment):
         verl_config.load_verl_config(user_yaml, [override])
     assert info.value.key == key
     assert fragment in str(info.value)
+
+
+def test_the_same_gradient_clip_under_both_keys_is_accepted(user_yaml):
+    cfg = verl_config.load_verl_config(user_yaml, ["actor_rollout_ref.actor.grad_clip=0.5", "actor_rollout_ref.actor.optim.clip_grad=0.5"])
+    assert cfg.actor_rollout_ref.actor.optim.clip_grad == 0.5
 
 
 def test_async_batch_size_rule_accepts_a_larger_in_flight_size(user_yaml):
