@@ -37,19 +37,19 @@ class MicroBatch:
         start, end = prompt_width - self.prompt_length, prompt_width + self.response_length
         out = {}
         for name, value in tensors.items():
-            value = value[self.rows]
+            # Columns first (a view), then rows: only the micro-batch's own widths are copied.
             if name == "prompts":
-                out[name] = value[:, start:]
+                out[name] = value[:, start:][self.rows]
             elif name in SEQUENCE_TENSORS:
-                out[name] = value[:, start:end]
+                out[name] = value[:, start:end][self.rows]
             else:
-                out[name] = value[:, : self.response_length]
+                out[name] = self.cut_responses(value)
         return out
 
     def cut_responses(self, values: torch.Tensor) -> torch.Tensor:
         """These rows of a response-aligned ``[rows, response_len]`` tensor (advantages, log-probs),
         cut like the responses in :meth:`cut`."""
-        return values[self.rows][:, : self.response_length]
+        return values[:, : self.response_length][self.rows]
 
 
 def split(tensors: Mapping[str, torch.Tensor], max_tokens: int, key: str) -> list[MicroBatch]:
