@@ -116,6 +116,7 @@ class TaskRunner:
         from verl.utils.config import omega_conf_to_dataclass, validate_config
 
         from agl_core.rollouts.gateway import gateway_source
+        from agl_core.rollouts.replay import ReplayRolloutSource
         from agl_core.plugins import PluginManager
         from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
 
@@ -129,7 +130,7 @@ class TaskRunner:
         model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
         manager = PluginManager.from_config(config, plugins)
         train = SampleDataset(train_samples, "train_dataset")
-        source = gateway_source(config, manager)
+        source = ReplayRolloutSource(config, model.tokenizer) if config.agentlightning.replay else gateway_source(config, manager)
         try:
             trainer = AglRayPPOTrainer(
                 config=config,

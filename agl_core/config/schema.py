@@ -122,6 +122,10 @@ class AgentLightningConfig:
     torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
     engine: str = "builtin"  # what serves the policy: builtin (in-process) | vllm (a real vLLM server)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    # Append each step's completed rollouts to rollouts.jsonl in the run directory (agl_core.recording).
+    record_rollouts: bool = False
+    # Train on a recording (a rollouts.jsonl, or a run directory holding one) instead of running agents.
+    replay: Optional[str] = None
 
 
 # -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
