@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 from omegaconf import OmegaConf
 
-from agl_core.config import REDACTED, SECRET_KEYS, ConfigError, redacted
+from agl_core.config import REDACTED, SECRET_KEYS, ConfigError, default_config, redacted
 from agl_core.data import CompletedRollout
 from agl_core.jsonl import read_json_objects
 
@@ -181,6 +181,10 @@ class Recording:
             raise RecordingError(f"{self.path} has no step {step} (it holds {held})")
         return self.steps[step]
 
+    def core_config(self) -> dict[str, Any]:
+        """The recorded run's config, the keys the core schema knows (another backend's left out)."""
+        return _schema_keys(self.header.get("config") or {}, default_config())
+
     def check(self, config: Any, tokenizer: Any) -> None:
         """Refuse a recording whose model or tokenizer is not the run's: a :class:`RecordingError`
         naming the file, the first recorded step and what differs."""
@@ -188,6 +192,21 @@ class Recording:
         if problem:
             first = min(self.steps) if self.steps else None
             raise RecordingError(f"{self.path} step {first}: recorded with another model or tokenizer: {problem}")
+
+
+def _schema_keys(values: Mapping[str, Any], schema: Any) -> dict[str, Any]:
+    """The part of ``values`` (a plain config) whose keys ``schema`` (a struct config) has (a
+    user-keyed mapping, such as ``local.env_map``, is kept whole)."""
+    from omegaconf import DictConfig
+
+    out = {}
+    for key, value in values.items():
+        if key not in schema:
+            continue
+        node = schema.get(key)
+        known = isinstance(node, DictConfig) and isinstance(value, Mapping) and OmegaConf.is_struct(node)
+        out[key] = _schema_keys(value, node) if known else value
+    return out
 
 
 def _read_header(path: Path) -> dict[str, Any]:

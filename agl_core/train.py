@@ -108,7 +108,6 @@ def replay_step(
 
     from omegaconf import OmegaConf
 
-    from agl_core.config import default_config
     from agl_core.fields import thaw
     from agl_core.recording import read_recording
 
@@ -116,7 +115,7 @@ def replay_step(
     rollouts = recording.rollouts(step)
     scratch = Path(scratch)
     config_file, dataset = scratch / "config.yaml", scratch / "samples.jsonl"
-    OmegaConf.save(OmegaConf.create(_schema_keys(recording.header["config"], default_config())), config_file)
+    OmegaConf.save(OmegaConf.create(recording.core_config()), config_file)
     samples = {r.group_id: thaw(r.input) for r in rollouts}
     dataset.write_text("".join(json.dumps(s if isinstance(s, Mapping) else {}) + "\n" for s in samples.values()))
     replayed = [
@@ -133,21 +132,6 @@ def replay_step(
     backend = _spec(manager, "torch").factory(config, manager)
     recording.check(config, backend.tokenizer)
     return backend.replay_step(rollouts, step)
-
-
-def _schema_keys(values: Mapping[str, Any], schema: Any) -> dict[str, Any]:
-    """The part of ``values`` (a plain config) whose keys ``schema`` (a struct config) has: another
-    backend's keys left out (a user-keyed mapping, such as ``local.env_map``, is kept whole)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    out = {}
-    for key, value in values.items():
-        if key not in schema:
-            continue
-        node = schema.get(key)
-        known = isinstance(node, DictConfig) and isinstance(value, Mapping) and OmegaConf.is_struct(node)
-        out[key] = _schema_keys(value, node) if known else value
-    return out
 
 
 def resolve_config(

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,8 @@ from agl_core.plugins import PluginManager
 from agl_core.recording import FORMAT, FORMAT_VERSION, RECORDING_FILE, RecordingError, RecordingWriter, read_recording
 from agl_core.stages.pipeline import StepPipeline
 from agl_core.testing.harness import run_training, tiny_policy
+from agl_core.testing.recorded import gateway_trace_rollouts, recorded_steps, run_pipeline
+from tests.conftest import GATEWAY_TRACES
 from tests.gateway_fixtures import Plan, SimulatedController, always, gateway, gateway_config, good_call, plugin_manager  # noqa: F401
 
 # What differs between a run and its replay by nature: wall times, and the counts only a live source has.
@@ -204,3 +208,118 @@ def test_a_file_that_is_not_a_recording_is_named(tmp_path):
     bad.write_text(json.dumps({"format": FORMAT, "version": 1}) + '\n{"step": 1, "rollouts": [{"rollout_id": "", "group_id": "g", "state": "succeeded"}]}\n')
     with pytest.raises(RecordingError, match=rf"{bad} line 2 \(step 1\): .*rollout_id"):
         read_recording(bad)
+
+
+# -- the kit: a plugin on recorded steps ------------------------------------------------------------
+
+RECORDED_CORRIDOR = Path(__file__).parent / "fixtures" / "corridor_recording"
+# The corridor example's settings that shape a step (examples/corridor/config.yaml).
+CORRIDOR_SETTINGS = (
+    "agentlightning.trace_aggregator.trajectory_max_prompt_length=256",
+    "agentlightning.trace_aggregator.trajectory_max_response_length=256",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "algorithm.adv_estimator=turn_grpo",
+    "algorithm.gamma=0.0",
+)
+PIPELINE_METRICS = ("training/n_sample", "training/n_sample_trained", "training/n_zero_adv_groups", "training/reward", "training/n_turns")
+
+
+def test_the_corridor_fixture_replays_the_recorded_runs_pipeline():
+    """Each shipped step, through the pipeline with the recorded config, gives the metrics the
+    recording run logged (its metrics.jsonl, shipped beside it)."""
+    logged = {m["step"]: m for m in (json.loads(line) for line in (RECORDED_CORRIDOR / "metrics.jsonl").read_text().splitlines())}
+    steps = recorded_steps(RECORDED_CORRIDOR)
+    assert sorted(steps) == [1, 2, 3] and all(len(rollouts) == 32 for rollouts in steps.values())
+    for step, rollouts in steps.items():
+        metrics = run_pipeline(rollouts, config=RECORDED_CORRIDOR, step=step).metrics
+        assert {k: metrics[k] for k in PIPELINE_METRICS} == {k: logged[step][k] for k in PIPELINE_METRICS}
+
+
+def test_a_third_party_plugin_set_runs_on_recorded_steps():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "retoken_merge"))
+    import agl_retoken_merge
+
+    from tests.test_backend_differential import MedianBaseline
+
+    overrides = {"agentlightning.trace_aggregator.level": "retoken_merge", "algorithm.adv_estimator": "median_baseline"}
+    prepared = run_pipeline(recorded_steps(RECORDED_CORRIDOR)[2], [agl_retoken_merge, MedianBaseline()], overrides, config=RECORDED_CORRIDOR, step=2)
+    assert prepared.shaped is not None and prepared.metrics["training/n_sample_trained"] == 32
+    assert "training/n_realigned_merges" in prepared.metrics
+
+
+def test_the_real_gateway_traces_run_through_a_plugin(gateway_traces, tiny_model_dir):
+    """retoken_merge decodes ids, so it gets the tokenizer that produced the traces."""
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "retoken_merge"))
+    import agl_retoken_merge
+
+    rollouts = gateway_trace_rollouts(GATEWAY_TRACES / "traces.json")
+    assert [r.rollout_id for r in rollouts] == list(gateway_traces)
+    assert next(r for r in rollouts if r.rollout_id == "failed_rollout").state == "failed"
+    assert next(r for r in rollouts if r.rollout_id == "several_rewards_last_wins").final_reward == pytest.approx(0.9)
+    small = {"data.train_batch_size": 1, "actor_rollout_ref.actor.ppo_mini_batch_size": 1}
+    train = [r for r in rollouts if r.is_train and r.state == "succeeded"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    trajectory = run_pipeline(train, overrides=small, tokenizer=tokenizer)
+    level = {**small, "agentlightning.trace_aggregator.level": "retoken_merge"}
+    merged = run_pipeline(train, [agl_retoken_merge], level, tokenizer=tokenizer)
+    assert merged.metrics["training/n_realigned_merges"] > 0
+    assert merged.metrics["training/n_sample"] < trajectory.metrics["training/n_sample"], "retokenized turns merge into fewer rows"
+
+
+@pytest.mark.verl
+def test_the_verl_trainer_replays_the_recorded_corridor_steps(tmp_path):
+    """The verl backend's trainer (verl's RayPPOTrainer subclass, its GPU-only worker calls faked)
+    with the replay source: each recorded step reaches its update with the pipeline metrics the
+    recording run logged on the torch backend."""
+    pytest.importorskip("verl")
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.ray_trainer import Role
+
+    from agl_backend_verl.config import load_verl_config
+    from agl_backend_verl.trainer import AglRayPPOTrainer, SampleDataset, collate_samples
+    from agl_core.rollouts.replay import ReplayRolloutSource
+    from tests.corridor_policy import build_corridor_policy
+    from tests.test_verl_trainer_step import FakeWorkers
+
+    policy = build_corridor_policy(tmp_path / "policy")
+    config = load_verl_config(
+        None,
+        [
+            *CORRIDOR_SETTINGS,
+            f"agentlightning.replay={RECORDED_CORRIDOR}",
+            f"actor_rollout_ref.model.path={policy}",
+            "data.train_batch_size=4",
+            "data.dataloader_num_workers=0",
+            "trainer.total_training_steps=3",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.device=cpu",
+            "trainer.balance_batch=false",
+        ],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    plugins = PluginManager(load_entrypoints=False)
+    trainer = AglRayPPOTrainer(
+        config=config,
+        tokenizer=tokenizer,
+        role_worker_mapping={Role.ActorRollout: object},
+        resource_pool_manager=None,
+        train_dataset=SampleDataset([{"signs": "x"}] * 12, "train_dataset"),
+        val_dataset=SampleDataset([{"signs": "x"}], "val_dataset"),
+        collate_fn=collate_samples,
+        plugins=plugins,
+        rollout_source=ReplayRolloutSource(config, tokenizer),
+        worker_calls=FakeWorkers(config),
+    )
+    seen = {}
+    trainer.fit(on_step=lambda step, total, metrics, samples: seen.setdefault(step, dict(metrics)))
+    logged = {m["step"]: m for m in (json.loads(line) for line in (RECORDED_CORRIDOR / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(seen) == [1, 2, 3]
+    for step, metrics in seen.items():
+        assert metrics["training/replay/n_rollouts_replayed"] == 32
+        assert {k: metrics[k] for k in PIPELINE_METRICS} == {k: logged[step][k] for k in PIPELINE_METRICS}
+
