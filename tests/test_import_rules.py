@@ -20,7 +20,7 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 # The package root (the public API) is its own part; a name imported from it counts as an import of
 # the module that defines the name.
 API = "agl_core"
-BASE = {"agl_core.data", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
+BASE = {"agl_core.data", "agl_core.errors", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
         "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
 ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.

@@ -21,6 +21,7 @@ from typing import Any
 
 import pluggy
 
+from agl_core.errors import AglError
 from agl_core.plugins.event_writer import EventWriter
 
 __all__ = ["HookCalls", "HookTimeout", "call_bounded", "in_plugin_order", "wrapper_impls"]
@@ -36,7 +37,7 @@ HOOK_SKIPS_METRIC = "training/n_hook_skipped"
 DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
 
 
-class HookTimeout(Exception):
+class HookTimeout(AglError):
     """A hook call did not return within its time limit and was abandoned; ``thread`` still runs it."""
 
     def __init__(self, message: str, thread: threading.Thread):

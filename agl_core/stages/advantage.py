@@ -16,6 +16,7 @@ import numpy as np
 
 from agl_core.config import ConfigError
 from agl_core.data import DataValidationError
+from agl_core.errors import AglError
 from agl_core.fields import reward_value
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
 METRIC_PREFIX = "training/rollout_level_advantage/"
 
 
-class AdvantageError(ValueError):
+class AdvantageError(AglError, ValueError):
     """The rows cannot be given advantages by this estimator (e.g. a group is too small)."""
 
 
