@@ -98,7 +98,7 @@ def agl_register_policy_losses(register: Register) -> None:
     ``metrics`` maps ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` to
     floats. Values at padded positions must not reach the loss or its gradient.
     ``agl_backend_verl.policy_loss.as_verl_policy_loss`` turns such a function into one for verl's
-    policy-loss registry. See :mod:`agl_core.stages.losses`.
+    policy-loss registry. See :mod:`agl_core.builtins.losses`.
 
     A loss that needs something of the step pipeline declares it by registering a
     :class:`~agl_core.stages.policy_loss.PolicyLossSpec` instead of the bare function:

@@ -52,7 +52,7 @@ V1_SITE = Path(os.environ.get("AGL_V1_SITE", REPO_ROOT / ".venvs" / "agentlightn
 from agl_core.data import RolloutRequest, TrainingRow  # noqa: E402
 from agl_core.rollouts.events import completed_rollout_from_record  # noqa: E402
 from agl_core.stages.aggregation import AggregationSettings  # noqa: E402
-from agl_core.stages.levels import trajectory, transition  # noqa: E402
+from agl_core.builtins.aggregators import trajectory, transition  # noqa: E402
 from agl_core.stages.micro_batches import micro_batches, padded_elements  # noqa: E402
 from agl_core.stages.tensorize import tensorize  # noqa: E402
 

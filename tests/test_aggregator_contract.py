@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from agl_core import AggregationCounts, Aggregation, Segment, hookimpl, merged_row, rollout_reward
 from agl_core.stages import levels
-from agl_core.stages.levels import trajectory
+from agl_core.builtins.aggregators import trajectory
 from agl_core.testing.aggregator_checks import check_metrics, check_tokens
 from agl_core.testing.contracts import AggregatorContract, check_aggregation, check_input_unchanged
 from agl_core.testing.lookup import contract_manager

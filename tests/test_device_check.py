@@ -22,7 +22,7 @@ import torch
 
 from agl_core import hookimpl
 from agl_core.plugins import PluginManager
-from agl_core.stages.losses import token_mean
+from agl_core.builtins.losses import token_mean
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"

@@ -21,9 +21,9 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.workers.config import ActorConfig
 
 from agl_core.stages.advantage import AdvantageSettings
-from agl_core.stages.estimators import grpo, rloo
+from agl_core.builtins.estimators import grpo, rloo
 from agl_core.data import TrainingRow
-from agl_core.stages.losses import per_rollout_mean, token_mean
+from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core.stages.normalization import normalize_advantages
 

@@ -46,14 +46,14 @@ ENTRYPOINT_GROUP = "agl"
 DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
 
-# The built-in plugins: registration name -> module. The names are stable (they are what
-# ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
+# The built-in plugins (agl_core/builtins/): registration name -> module. The names are stable (they
+# are what ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
 DEFAULT_PLUGINS: dict[str, str] = {
-    "aggregators": "agl_core.stages.levels",
-    "estimators": "agl_core.stages.estimators",
-    "losses": "agl_core.stages.losses",
-    "torch": "agl_core.backends.torch",
-    "sinks": "agl_core.tracking.builtins",
+    "aggregators": "agl_core.builtins.aggregators",
+    "estimators": "agl_core.builtins.estimators",
+    "losses": "agl_core.builtins.losses",
+    "torch": "agl_core.builtins.backends",
+    "sinks": "agl_core.builtins.sinks",
 }
 
 # registry property -> (hook name, kind, config key selecting an entry)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from agl_core.backends.contract import BackendSpec, OnStep
+from agl_core.backends.contract import OnStep
 from agl_core.backends.loop import LoopSettings, run_steps
 from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.backends.torch.data_order import DataOrder
@@ -53,7 +53,6 @@ from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_opti
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
 from agl_core.datasets import load_dataset
-from agl_core.hookspecs import Register, hookimpl
 from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.vllm_engine import VllmEngineError
 from agl_core.stages.pipeline import StepPipeline, validation_metrics
@@ -64,7 +63,7 @@ if TYPE_CHECKING:
     from agl_core.plugins import PluginManager
     from agl_core.rollouts.source import RolloutSource
 
-__all__ = ["TorchBackend", "agl_register_backends", "check_torch_config", "model_folder", "pick_device"]
+__all__ = ["TorchBackend", "check_torch_config", "model_folder", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +288,3 @@ def check_torch_config(config: DictConfig) -> None:
         from agl_core.rollouts.agents import load_agent_class
 
         load_agent_class(config.agentlightning.local.agent_class)
-
-
-@hookimpl
-def agl_register_backends(register: Register) -> None:
-    register("torch", BackendSpec(TorchBackend, check_config=check_torch_config))
