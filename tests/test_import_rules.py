@@ -30,6 +30,7 @@ SOURCE_FAMILIES = {
         "agl_core.rollouts.gateway_sync",
         "agl_core.rollouts.gateway_async",
         "agl_core.rollouts.gateway_client",
+        "agl_core.rollouts.gateway_error",
         "agl_core.rollouts.retry",
     ),
     "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),

@@ -14,9 +14,7 @@ The key is sent as a bearer token and never appears in an error, a log line or `
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -25,36 +23,13 @@ import httpx
 from omegaconf import DictConfig
 
 from agl_core.data import RolloutRequest
-from agl_core.errors import AglError
 from agl_core.fields import thaw
+from agl_core.rollouts.gateway_error import GatewayError
 from agl_core.rollouts.retry import RetryPolicy
 
-logger = logging.getLogger(__name__)
+__all__ = ["GatewayClient", "GatewayError", "rollout_payload"]
 
 T = TypeVar("T")
-
-
-class GatewayError(AglError):
-    """A gateway call failed for good.
-
-    ``status`` is the HTTP status (``None`` when no answer came: timeout, connection error),
-    ``endpoint`` the method and path, ``message`` the server's ``detail`` or the transport error.
-    ``ambiguous`` is true when the request may have been applied although no answer confirmed it.
-    """
-
-    hint = "is the gateway running at agentlightning.agl_base_url, with agentlightning.agl_key?"
-
-    def __init__(self, endpoint: str, status: int | None, message: str, *, ambiguous: bool = False):
-        self.endpoint = endpoint
-        self.status = status
-        self.message = message
-        self.ambiguous = ambiguous
-        answer = f"HTTP {status}" if status is not None else "no answer"
-        super().__init__(f"gateway {endpoint}: {answer}: {message}")
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
 
 
 def _server_message(response: httpx.Response) -> str:
@@ -146,20 +121,12 @@ class GatewayClient:
         return response
 
     def _retrying(self, kind: str, attempt: Callable[[], T], *, idempotent: bool) -> T:
-        """Call ``attempt`` until it succeeds, the policy calls its failure final, or the attempts run out."""
-        retries = 0
-        while True:
-            try:
-                return attempt()
-            except GatewayError as error:
-                if retries >= self.retry.max_retries or not self.retry.is_retryable(error, idempotent=idempotent):
-                    raise
-                delay = self.retry.backoff(retries)
-                retries += 1
-                with self._count_lock:
-                    self.retries[kind] += 1
-                logger.warning("%s; retry %d/%d in %.2fs", error, retries, self.retry.max_retries, delay)
-                time.sleep(delay)
+        """``attempt`` run by the retry policy's loop, each retry counted under ``kind``."""
+        return self.retry.run(attempt, idempotent=idempotent, on_retry=lambda: self._count_retry(kind))
+
+    def _count_retry(self, kind: str) -> None:
+        with self._count_lock:
+            self.retries[kind] += 1
 
     def _request(
         self, method: str, path: str, *, kind: str, idempotent: bool = True, **kwargs: Any

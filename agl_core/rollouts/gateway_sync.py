@@ -156,7 +156,7 @@ class GatewayRolloutSource(RolloutSource):
             elif self.pending and time.monotonic() - self.last_progress > self.gateway.liveness_check_seconds:
                 self._check_liveness()
         except GatewayError as exc:
-            if not exc.not_found and not self.client.retry.is_retryable(exc):
+            if not exc.not_found and not exc.transient:
                 raise
             self.counts["training/gateway/n_poll_errors"] += 1
             logger.warning("gateway poll failed, will retry until the rollouts' deadlines: %s", exc)
@@ -241,7 +241,7 @@ class GatewayRolloutSource(RolloutSource):
             if isinstance(read, GatewayError):
                 if read.not_found:
                     self._handle_lost([rid])
-                elif not self.client.retry.is_retryable(read):
+                elif not read.transient:
                     raise read
                 else:
                     self.counts["training/gateway/n_event_read_errors"] += 1
