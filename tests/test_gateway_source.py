@@ -24,6 +24,7 @@ from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     gateway,
     gateway_config,
     good_call,
+    list_rollouts,
     plugin_manager,
 )
 from tests.gateway_server import MODEL_NAME
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.gateway
 def leftover(server, rollout_ids) -> list[str]:
     """Which of ``rollout_ids`` the gateway still holds (finished rollouts must be deleted)."""
     with GatewayClient(server.url, server.key) as c:
-        held = {r["rollout_id"] for r in c.list_rollouts(["queuing", "running", "succeeded", "failed"], 5000)}
+        held = {r["rollout_id"] for r in list_rollouts(c, ["queuing", "running", "succeeded", "failed"], 5000)}
     return sorted(held & set(rollout_ids))
 
 

@@ -234,8 +234,8 @@ def test_hooks_from_config_accept_a_path_or_a_list(tmp_path):
     mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
     one = PluginManager.from_config({"agentlightning": {"hooks": str(v1)}}, load_entrypoints=False, builtins={})
     both = PluginManager.from_config({"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins={})
-    assert one.is_registered(f"hookfile:{v1.resolve()}") and not one.is_registered(f"hookfile:{mod.resolve()}")
-    assert both.is_registered(f"hookfile:{mod.resolve()}")
+    assert one.get_plugin(f"hookfile:{v1.resolve()}") is not None and one.get_plugin(f"hookfile:{mod.resolve()}") is None
+    assert both.get_plugin(f"hookfile:{mod.resolve()}") is not None
 
 
 class _JsonHookFiles:

@@ -230,9 +230,6 @@ class PluginManager:
         """The plugin object registered under ``name`` (``None`` if there is none)."""
         return self._pm.get_plugin(name)
 
-    def is_registered(self, name: str) -> bool:
-        return self._pm.get_plugin(name) is not None
-
     def implementations(self, hook_name: str) -> list[str]:
         """The plugins implementing ``hook_name``, in the order they are called."""
         return [impl.plugin_name for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -150,10 +150,6 @@ class GatewayClient:
         """``{"rollout": {...}, "attempts": [...]}``; a :class:`GatewayError` with status 404 if unknown."""
         return self._request("GET", f"/api/rollouts/{rollout_id}", kind="get").json()
 
-    def list_rollouts(self, states: Iterable[str], limit: int = 500) -> list[dict[str, Any]]:
-        params = [("state_in", s) for s in states] + [("limit", str(limit))]
-        return self._request("GET", "/api/rollouts", kind="list", params=params).json()
-
     def terminal_page(self, after: int, limit: int = 1000) -> dict[str, Any]:
         """Rollouts that became terminal after cursor ``after``, in completion order."""
         params = {"after": after, "limit": limit}
@@ -161,12 +157,6 @@ class GatewayClient:
 
     def delete_rollout(self, rollout_id: str) -> None:
         self._request("DELETE", f"/api/rollouts/{rollout_id}", kind="delete")
-
-    def patch_rollout(self, rollout_id: str, **status: Any) -> dict[str, Any]:
-        """Move a rollout (what a controller does); 409 on an illegal transition."""
-        return self._request(
-            "PATCH", f"/api/rollouts/{rollout_id}", kind="patch", idempotent=False, json={"status": status}
-        ).json()
 
     # -- events -------------------------------------------------------------------------------
 
