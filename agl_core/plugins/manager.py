@@ -36,7 +36,7 @@ import pluggy
 from agl_core import hookspecs
 from agl_core.config import AgentLightningConfig, redacted
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.calls import HookCalls, in_plugin_order, wrapper_impls
+from agl_core.plugins.calls import HookCalls, env_flag, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
 from agl_core.suggestions import suggest
@@ -71,10 +71,6 @@ PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 
 class PluginError(Exception):
     """A plugin could not be loaded or does not fit the hook specifications."""
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def blocked_from_env() -> list[str]:
@@ -113,7 +109,7 @@ class PluginManager:
             if not self._pm.is_blocked(name):
                 self.register(importlib.import_module(module_name), name=name, source="built-in")
         if load_entrypoints is None:
-            load_entrypoints = not _env_flag(DISABLE_AUTOLOAD_ENV)
+            load_entrypoints = not env_flag(DISABLE_AUTOLOAD_ENV)
         self._load_entrypoints(third_party=load_entrypoints)
         self.check_pending()
 
@@ -294,8 +290,8 @@ class PluginManager:
                     raise TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
                 if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
                     raise ValueError("agl_on_enqueue may not change rollout_id or group_id")
-            except Exception:
-                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject)
+            except Exception as exc:
+                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject, exc)
                 continue
             request = result
         return request
