@@ -251,3 +251,26 @@ def test_plot_reports_empty_and_malformed_metrics_in_one_line(tmp_path, capsys, 
     assert code == 2 and err.startswith(f"agl: error: cannot plot {metrics}: ") and message in err
     code, _, err = run_cli(capsys, "plot", str(tmp_path / "elsewhere"))
     assert code == 2 and err == f"agl: error: no metrics file at {tmp_path / 'elsewhere'}\n"
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_misspelt_hook_method_stops_check_and_train_at_the_start(policy, tmp_path, capsys, command):
+    hooks = tmp_path / "hooks.py"
+    hooks.write_text("from agl_hooks import RolloutHooks\n\nclass Judge(RolloutHooks):\n    def onSucceeded(self, rollout, events, store):\n        pass\n")
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(
+        capsys, command, CONFIG, f"actor_rollout_ref.model.path={policy}", f"agentlightning.hooks={hooks}", f"trainer.default_local_dir={run_dir}"
+    )
+    assert code == 2
+    assert err.splitlines()[0] == (
+        f"agl: error: hook file {hooks.resolve()}: Judge.onSucceeded is not a hook, so it would never be called; did you mean 'on_succeeded'?"
+    )
+    assert not run_dir.exists()
+
+
+def test_a_hook_files_syntax_error_names_its_line(tmp_path, capsys):
+    hooks = tmp_path / "broken.py"
+    hooks.write_text("from agl_core import hookimpl\n\ndef agl_on_startup(config:\n    pass\n")
+    code, _, err = run_cli(capsys, "plugins", "--hooks", str(hooks))
+    assert code == 2
+    assert err.splitlines()[0].startswith(f"agl: error: hook file {hooks.resolve()} failed to import: {hooks.resolve()}:3: SyntaxError: ")

@@ -190,7 +190,7 @@ def test_enqueue_rewrite_may_not_change_ids(tmp_path):
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("syntax.py", "def broken(:\n    pass\n", r"failed to import:(.|\n)*SyntaxError"),
+        ("syntax.py", "X = 1\ndef broken(:\n    pass\n", r"failed to import: .*syntax\.py:2: SyntaxError: invalid syntax$"),
         ("importerr.py", "import not_a_module_anywhere_xyz\n", r"failed to import:(.|\n)*importerr\.py(.|\n)*ModuleNotFoundError"),
         ("empty.py", "X = 1\n", "no hooks found in hook file"),
         (
@@ -207,6 +207,27 @@ def test_enqueue_rewrite_may_not_change_ids(tmp_path):
             "typo_mod.py",
             "from agl_core import hookimpl\n@hookimpl\ndef agl_on_enqeue(request): return None\n",
             r"unknown hook 'agl_on_enqeue'; did you mean 'agl_on_enqueue'",
+        ),
+        (
+            "camel_v1.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def onSucceeded(self, rollout, events, store): pass\n",
+            r"A\.onSucceeded is not a hook, so it would never be called; did you mean 'on_succeeded'",
+        ),
+        (
+            "bare_v1.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def enqueue(self, request): return request\n",
+            r"A\.enqueue is not a hook, so it would never be called; did you mean 'on_enqueue'",
+        ),
+        (
+            "unprefixed_mod.py",
+            "from agl_core import hookimpl\n@hookimpl\ndef agl_on_startup(config): pass\ndef on_succeeded(rollout, writer): pass\n",
+            r"function on_succeeded is not a hook, so it would never be called; did you mean 'agl_on_succeeded'",
+        ),
+        (
+            "v1_name_at_module_level.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def on_failed(self, rollout, store): pass\n"
+            "def onSucceeded(rollout, events, store): pass\n",
+            r"function onSucceeded is not a hook, so it would never be called; did you mean 'agl_on_succeeded'",
         ),
         ("undecorated.py", "def agl_on_enqueue(request): return None\n", "must be decorated with @agl_core.hookimpl"),
         (
@@ -437,3 +458,27 @@ def test_only_the_methods_a_v1_class_overrides_are_hook_implementations(tmp_path
     manager = manager_with(path)
     assert manager.implementations("agl_on_succeeded") and not manager.implementations("agl_on_enqueue")
     assert not manager.implementations("agl_on_startup") and not manager.implementations("agl_on_failed")
+
+
+def test_helpers_beside_hooks_are_not_taken_for_misspelt_hooks(tmp_path):
+    path = write(
+        tmp_path,
+        "helpers.py",
+        """
+        from agl_hooks import RolloutHooks
+
+        def compute_reward(rollout):
+            return 1.0
+
+        class A(RolloutHooks):
+            def __init__(self):
+                self.seen = 0
+
+            def record(self, rollout):
+                self.seen += 1
+
+            def on_failed(self, rollout, store):
+                self.record(rollout)
+        """,
+    )
+    assert type(load_hook_file(path)).__name__ == "RolloutHooksPlugin"
