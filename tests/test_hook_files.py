@@ -169,7 +169,7 @@ def test_a_raising_hook_writes_nothing_but_the_others_write(tmp_path):
     assert module_of(manager, mod).CALLS[-1] == ("module-failed", "r3"), "plugins after the failing one still run"
 
 
-def test_enqueue_rewrite_may_not_change_ids(tmp_path):
+def test_enqueue_rewrite_may_not_change_ids_the_change_is_undone_warned_once_and_counted(tmp_path, caplog):
     bad = write(
         tmp_path,
         "bad.py",
@@ -179,12 +179,38 @@ def test_enqueue_rewrite_may_not_change_ids(tmp_path):
 
         @hookimpl
         def agl_on_enqueue(request):
-            return attrs.evolve(request, rollout_id="stolen")
+            return attrs.evolve(request, rollout_id="stolen-" + request.rollout_id, step=99, metadata={"kept": True})
         """,
     )
     manager = manager_with(bad)
-    assert manager.enqueue(request()).rollout_id == "r1"
-    assert manager.pop_metrics()["training/n_hook_failures"] == 1
+    results = [manager.enqueue(request(f"r{i}")) for i in range(3)]
+    assert [(r.rollout_id, r.step, dict(r.metadata)) for r in results] == [(f"r{i}", 0, {"kept": True}) for i in range(3)]
+    metrics = manager.pop_metrics()
+    assert metrics["training/n_hook_changes_ignored"] == 3 and metrics["training/n_hook_changes_ignored/agl_on_enqueue"] == 3
+    assert metrics["training/n_hook_failures"] == 0
+    warnings = [r.getMessage() for r in caplog.records if "which a hook may not change" in r.getMessage()]
+    assert len(warnings) == 2 and "changed rollout_id" in warnings[0] and "changed step" in warnings[1]
+
+
+def test_a_v1_hook_rewriting_rollout_id_is_undone_warned_once_and_counted(tmp_path, caplog):
+    hooks = write(
+        tmp_path,
+        "v1_rename.py",
+        """
+        from agentlightning.hooks import RolloutHooks
+
+        class Rename(RolloutHooks):
+            def on_enqueue(self, request):
+                request.rollout_id = "mine-" + request.rollout_id
+                request.metadata = {"batch_idx": 7}
+                return request
+        """,
+    )
+    manager = manager_with(hooks)
+    results = [manager.enqueue(request(f"r{i}")) for i in range(2)]
+    assert [(r.rollout_id, r.metadata["batch_idx"]) for r in results] == [("r0", 7), ("r1", 7)]
+    assert manager.pop_metrics()["training/n_hook_changes_ignored"] == 2
+    assert sum("changed rollout_id" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize(

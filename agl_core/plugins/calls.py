@@ -39,6 +39,8 @@ HOOK_TIMEOUTS_METRIC = "training/n_hook_timeouts"
 HOOK_SKIPS_METRIC = "training/n_hook_skipped"
 # Events a hook queued before it raised or overran: discarded (a failing hook writes nothing), and counted.
 DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
+# Changes a hook made to fields it may not change (a request's ids and place): undone, warned once, counted.
+HOOK_CHANGES_IGNORED_METRIC = "training/n_hook_changes_ignored"
 # Set to a true value to log the traceback of every hook failure, not only the first of each kind.
 TRACEBACKS_ENV = "AGL_HOOK_TRACEBACKS"
 
@@ -81,6 +83,8 @@ class HookCalls:
         self.timeouts: Counter[str] = Counter()
         self.skips: Counter[str] = Counter()
         self.discarded_events = 0
+        self.ignored_changes: Counter[str] = Counter()
+        self._warned_changes: set[tuple[str, str, str]] = set()  # (plugin, hook, field) warned about
         self._abandoned: dict[tuple[str, str], threading.Thread] = {}  # (plugin, hook) -> the call still running
         self._traced: set[tuple[str, str, type[BaseException]]] = set()  # (plugin, hook, exception type) logged in full
 
@@ -149,12 +153,31 @@ class HookCalls:
             exc_info=exc if first or env_flag(TRACEBACKS_ENV) else None,
         )
 
+    def record_ignored_changes(self, hook_name: str, plugin_name: str, subject: str, fields: Sequence[str]) -> None:
+        """Count a call of ``plugin_name``'s ``hook_name`` whose changes to ``fields`` were undone (the
+        rest of its result is kept), warning once per plugin, hook and field."""
+        self.ignored_changes[hook_name] += 1
+        for field in fields:
+            if (plugin_name, hook_name, field) not in self._warned_changes:
+                self._warned_changes.add((plugin_name, hook_name, field))
+                logger.warning(
+                    "hook %s of plugin %r changed %s (%s), which a hook may not change: the change is undone, "
+                    "the rest of the result kept; counted in %s, warned once",
+                    hook_name, plugin_name, field, subject, HOOK_CHANGES_IGNORED_METRIC,
+                )
+
     def pop_metrics(self) -> dict[str, float]:
         """Failure, timeout and skip counts since the last call (``training/n_hook_failures[/hook]``,
-        ``training/n_hook_timeouts[/hook]``, ``training/n_hook_skipped[/hook]``) and the number of
-        events discarded because the hook that queued them raised or overran."""
+        ``training/n_hook_timeouts[/hook]``, ``training/n_hook_skipped[/hook]``), the calls whose
+        changes to fixed fields were undone (``training/n_hook_changes_ignored[/hook]``) and the number
+        of events discarded because the hook that queued them raised or overran."""
         metrics: dict[str, float] = {DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_events)}
-        for name, counts in ((HOOK_FAILURES_METRIC, self.failures), (HOOK_TIMEOUTS_METRIC, self.timeouts), (HOOK_SKIPS_METRIC, self.skips)):
+        for name, counts in (
+            (HOOK_FAILURES_METRIC, self.failures),
+            (HOOK_TIMEOUTS_METRIC, self.timeouts),
+            (HOOK_SKIPS_METRIC, self.skips),
+            (HOOK_CHANGES_IGNORED_METRIC, self.ignored_changes),
+        ):
             metrics[name] = float(sum(counts.values()))
             for hook_name, count in counts.items():
                 metrics[f"{name}/{hook_name}"] = float(count)
