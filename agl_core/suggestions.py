@@ -9,8 +9,15 @@ __all__ = ["closest", "misspelling_of", "suggest"]
 
 
 def closest(name: str, known: Iterable[str]) -> str | None:
-    """The known name ``name`` was most likely meant to be, if one is close enough."""
-    close = difflib.get_close_matches(name, sorted(known), n=1)
+    """The known name ``name`` was most likely meant to be, if one is close enough: the shortest that
+    holds every word of ``name`` (``total_steps`` → ``total_training_steps``), else the closest spelling."""
+    known = sorted(known)
+    words = set(name.split("_"))
+    if len(words) > 1:
+        holding = [k for k in known if words <= set(k.split("_"))]
+        if holding:
+            return min(holding, key=len)
+    close = difflib.get_close_matches(name, known, n=1)
     return close[0] if close else None
 
 
