@@ -26,6 +26,7 @@ from typing import Any
 
 import pluggy
 
+from agl_core.errors import AglError
 from agl_core.plugins.event_writer import EventWriter
 
 __all__ = ["HookCalls", "HookTimeout", "call_bounded", "in_plugin_order", "wrapper_impls"]
@@ -45,7 +46,7 @@ HOOK_CHANGES_IGNORED_METRIC = "training/n_hook_changes_ignored"
 TRACEBACKS_ENV = "AGL_HOOK_TRACEBACKS"
 
 
-class HookTimeout(Exception):
+class HookTimeout(AglError):
     """A hook call did not return within its time limit and was abandoned; ``thread`` still runs it."""
 
     def __init__(self, message: str, thread: threading.Thread):

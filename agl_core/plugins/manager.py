@@ -36,6 +36,7 @@ import pluggy
 from agl_core import hookspecs
 from agl_core.config import AgentLightningConfig, redacted
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.errors import AglError
 from agl_core.plugins.calls import HookCalls, env_flag, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
@@ -71,7 +72,7 @@ FIXED_REQUEST_FIELDS = ("rollout_id", "group_id", "step", "sample_index")
 PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 
 
-class PluginError(Exception):
+class PluginError(AglError):
     """A plugin could not be loaded or does not fit the hook specifications."""
 
 
