@@ -250,9 +250,11 @@ class TorchBackend:
         prepared = self.pipeline.prepare(batch.rollouts, step)
         metrics.update(prepared.metrics)
         if prepared.shaped is not None:
-            metrics.update(self.actor_update(prepared))
+            update = self.actor_update(prepared)
+            metrics.update(update)
             metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
+            if update["actor/n_updates"] > update.get("actor/n_skipped_nonfinite_grad", 0.0):
+                self.scheduler.step()  # the schedule advances with the optimizer only
         metrics.update(self.serve_weights(step))
         metrics["timing/update_s"] = time.perf_counter() - update_started
         metrics["training/global_step"] = float(step)
