@@ -167,13 +167,22 @@ class OptimConfig:
 
 
 @dataclass
+class MixedPrecisionConfig:
+    """verl's FSDP ``mixed_precision`` mapping (its defaults when a field is left out)."""
+
+    param_dtype: str = "bf16"  # the dtype forward passes compute in (autocast)
+    reduce_dtype: str = "fp32"
+    buffer_dtype: str = "fp32"
+
+
+@dataclass
 class FSDPEngineDtypes:
     """verl's FSDP engine dtype keys, as the torch backend reads them (agl_core.backends.torch.precision)."""
 
     model_dtype: str = "fp32"  # the weights' dtype: fp32 | bf16
-    # {param_dtype: bf16} autocasts forward passes to bf16 over model_dtype weights; null: no autocast
-    # (verl's FSDP engine computes in bf16 when it is null).
-    mixed_precision: Optional[dict[str, str]] = None
+    # Set (e.g. mixed_precision.param_dtype=bf16): autocast forward passes over model_dtype weights;
+    # null: no autocast (verl's FSDP engine computes in bf16 when it is null).
+    mixed_precision: Optional[MixedPrecisionConfig] = None
 
 
 @dataclass

@@ -33,7 +33,6 @@ MIXED_PRECISION_KEY = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
 # verl's names for the dtypes this backend trains in (verl.utils.torch_dtypes.PrecisionType's spellings).
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 FP16_NAMES = ("fp16", "float16", "16")
-MIXED_PRECISION_FIELDS = ("param_dtype", "reduce_dtype", "buffer_dtype")
 
 
 def parse_dtype(value: object, key: str) -> torch.dtype:
@@ -59,13 +58,10 @@ class Precision:
         mixed = fsdp_config.mixed_precision
         if mixed is None:
             return cls(param_dtype)
-        unknown = sorted(set(mixed) - set(MIXED_PRECISION_FIELDS))
-        if unknown:
-            raise ConfigError(f"{MIXED_PRECISION_KEY}.{unknown[0]}", f"is not a mixed-precision field (known: {', '.join(MIXED_PRECISION_FIELDS)})")
         for field in ("reduce_dtype", "buffer_dtype"):
-            if field in mixed and parse_dtype(mixed[field], f"{MIXED_PRECISION_KEY}.{field}") != torch.float32:
+            if parse_dtype(mixed[field], f"{MIXED_PRECISION_KEY}.{field}") != torch.float32:
                 raise ConfigError(f"{MIXED_PRECISION_KEY}.{field}", "the torch backend keeps it in fp32 (one process, buffers not cast); set fp32 or leave it out")
-        compute = parse_dtype(mixed.get("param_dtype", "bf16"), f"{MIXED_PRECISION_KEY}.param_dtype")
+        compute = parse_dtype(mixed.param_dtype, f"{MIXED_PRECISION_KEY}.param_dtype")
         if compute == torch.float32 and param_dtype != torch.float32:
             raise ConfigError(f"{MIXED_PRECISION_KEY}.param_dtype", f"fp32 compute over {MODEL_DTYPE_KEY} bf16 weights is not done; set model_dtype fp32")
         return cls(param_dtype, None if compute in (torch.float32, param_dtype) else compute)
