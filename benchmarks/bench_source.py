@@ -94,7 +94,7 @@ def run_side(folder: Path, window: float) -> dict[str, Any]:
     from agl_core.rollouts.gateway_client import GatewayClient
     from agl_core.rollouts.gateway_sync import GatewayRolloutSource
     from agl_core.stages.aggregation import AggregationSettings
-    from agl_core.stages.levels import trajectory
+    from agl_core.builtins.aggregators import trajectory
     from agl_core.stages.tensorize import tensorize
     from gateway_bodies import Bodies
 
