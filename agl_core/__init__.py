@@ -17,7 +17,7 @@ from agl_core.hookspecs import hookimpl
 if TYPE_CHECKING:
     from agl_core.config import ConfigError
     from agl_core.data import CompletedRollout, DataValidationError, FrozenDict, RolloutRequest, TrainingRow, Triplet
-    from agl_core.plugins import EventWriter, PluginError, PluginManager, RegistryError
+    from agl_core.plugins import EventWriter, PluginError, PluginManager, PluginSettings, RegistryError
     from agl_core.stages.advantage import (
         AdvantageError,
         Advantages,
@@ -66,6 +66,7 @@ _LAZY = {
     "Mismatch": "agl_core.stages.aggregation",
     "PluginError": "agl_core.plugins",
     "PluginManager": "agl_core.plugins",
+    "PluginSettings": "agl_core.plugins",
     "PolicyLoss": "agl_core.stages.policy_loss",
     "PolicyLossSpec": "agl_core.stages.policy_loss",
     "RegistryError": "agl_core.plugins",
@@ -107,6 +108,7 @@ __all__ = [
     "Mismatch",
     "PluginError",
     "PluginManager",
+    "PluginSettings",
     "PolicyLoss",
     "PolicyLossSpec",
     "RegistryError",

@@ -121,6 +121,7 @@ def resolve_config(
         others = {e.name: backend_spec(e).load_config for e in manager.backends if e.name != name}
         raise with_backend_hint(exc, config_path, overrides, others) from None
     manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
+    manager.configure(config)  # the plugins' settings (agentlightning.plugins), validated
     return config, manager
 
 
