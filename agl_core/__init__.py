@@ -13,6 +13,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from agl_core.hookspecs import hookimpl
+from agl_core._moved import install as _serve_moved_modules
+
+_serve_moved_modules()  # old module paths stay importable, with a warning, for one minor release
 
 if TYPE_CHECKING:
     from agl_core.config import ConfigError

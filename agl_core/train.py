@@ -113,6 +113,7 @@ def resolve_config(
     if not isinstance(hooks, str) and not (OmegaConf.is_list(hooks) and all(isinstance(h, str) for h in hooks)):
         hooks = None  # malformed: validation names the key
     manager = PluginManager.from_config({"agentlightning": {"hooks": hooks}}, plugins)
+    manager.refuse_broken()
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
     name = default_config().agentlightning.backend if name is None else name
     try:

@@ -21,7 +21,7 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 # the module that defines the name.
 API = "agl_core"
 BASE = {"agl_core.data", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
-        "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
+        "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot", "agl_core._moved"}
 ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {

@@ -90,6 +90,8 @@ class PluginInfo:
     source: str
     hooks: tuple[str, ...]
     provides: dict[str, tuple[str, ...]]
+    #: why the plugin could not be loaded (an entry point that fails to import); None when it works.
+    error: str | None = None
 
 
 class PluginManager:
@@ -110,6 +112,7 @@ class PluginManager:
         self._registries: dict[str, Registry] = {}
         self._settings_section: Any = None  # the config's agentlightning.plugins, once configured
         self._settings: PluginSettings | None = None
+        self._broken: dict[str, PluginInfo] = {}  # entry points that failed to import, by name
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
         for name, module_name in (DEFAULT_PLUGINS if builtins is None else builtins).items():
@@ -165,13 +168,27 @@ class PluginManager:
                 continue
             if not third_party and not _is_own(ep):
                 continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             try:
                 plugin = ep.load()
-            except Exception as exc:
-                dist = ep.dist.name if ep.dist else "unknown distribution"
-                raise PluginError(f"entry point {ep.name!r} ({ep.value}) of {dist} failed to import: {exc}") from exc
-            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            except Exception as exc:  # listed as broken; check and train refuse it (refuse_broken)
+                error = f"{type(exc).__name__}: {exc}"
+                self._broken[ep.name] = PluginInfo(ep.name, f"entry point {ep.value} ({dist})", (), {}, error)
+                continue
             self.register(plugin, name=ep.name, source=f"entry point ({dist})")
+
+    def broken(self) -> list[PluginInfo]:
+        """The entry points that failed to import (``error`` says why), by name."""
+        return [self._broken[name] for name in sorted(self._broken)]
+
+    def refuse_broken(self) -> None:
+        """Raise :class:`PluginError` naming the first entry point that failed to import and how to
+        block it: a run must not go on without a plugin its environment installs."""
+        for info in self.broken():
+            raise PluginError(
+                f"plugin {info.name!r} ({info.source}) failed to import: {info.error}; fix or uninstall it, "
+                f"or block it with {BLOCKED_PLUGINS_ENV}={info.name}"
+            )
 
     def load_hook_files(self, paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         """Load user hook files as plugins through ``agl_load_hook_file``; return their names."""
@@ -381,7 +398,7 @@ class PluginManager:
                     provides={k: tuple(v) for k, v in provides.get(name, {}).items()},
                 )
             )
-        return infos
+        return infos + self.broken()
 
 
 KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))
