@@ -125,6 +125,9 @@ class AgentLightningConfig:
     torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
     engine: str = "builtin"  # what serves the policy: builtin (in-process) | vllm (a real vLLM server)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    # Plugin settings, one section per plugin (agentlightning.plugins.<section>.<key>): each plugin
+    # declares its typed section (agl_plugin_settings); the plugin manager validates them.
+    plugins: dict[str, Any] = field(default_factory=dict)
 
 
 # -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
@@ -283,4 +286,5 @@ def default_config() -> DictConfig:
     OmegaConf.set_struct(cfg, True)
     # A user-keyed mapping (env var name -> input path) takes any key.
     OmegaConf.set_struct(cfg.agentlightning.local.env_map, False)
+    OmegaConf.set_struct(cfg.agentlightning.plugins, False)  # checked by the plugin manager
     return cfg
