@@ -27,8 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_core.config import AgentLightningConfig, ConfigError, default_config, merge_config
-from agl_core.config.checks import validate
+from agl_core import AgentLightningConfig, ConfigError, default_config, merge_config, validate_config
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
 
@@ -95,7 +94,7 @@ def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequ
     base = verl_base()
     cfg = merge_config(path, overrides, base=base.copy(), composed=COMPOSED)
     check_types(cfg, base)
-    validate(cfg)
+    validate_config(cfg)
     validate_verl(cfg)
     return cfg
 

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from agl_core.config import REDACTED, SECRET_KEYS, ConfigError, default_config, redacted
 from agl_core.data import CompletedRollout
+from agl_core.errors import AglError
 from agl_core.jsonl import read_json_objects
 
 __all__ = [
@@ -56,8 +57,10 @@ REDACTED_METRIC = "training/record/n_redacted_strings"
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-class RecordingError(ValueError):
+class RecordingError(AglError, ValueError):
     """A recording cannot be read or does not fit the run; the message names the file (and step)."""
+
+    hint = "agl replay and agentlightning.replay read what agentlightning.record_rollouts writes (docs/replay.md)"
 
 
 def recording_file(path: str | os.PathLike[str]) -> Path:

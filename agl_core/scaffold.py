@@ -1,8 +1,8 @@
 """``agl new-plugin NAME [--dir DIR]``: write a plugin package that passes its tests out of the box.
 
-The package (``DIR/NAME``) has a ``pyproject.toml`` with an ``agl`` entry point, one module that
-registers an aggregator, an advantage estimator and a policy loss under the plugin's name and
-implements a lifecycle hook, and tests that run agl's contract suites on each part and train two
+The package (``DIR/NAME``, ``src/`` layout) has a ``pyproject.toml`` with an ``agl`` entry point,
+one module that declares typed settings, registers an aggregator, an advantage estimator and a
+policy loss under the plugin's name and implements a lifecycle hook, and tests that run agl's contract suites on each part and train two
 real steps with the harness (:mod:`agl_core.testing.harness`). The files are rendered from the
 templates in ``agl_core/plugin_template/``.
 """
@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import re
 import string
-import sys
 from importlib.resources import files
 from pathlib import Path
+
+from agl_core.errors import AglError
 
 __all__ = ["ScaffoldError", "add_command", "new_plugin"]
 
@@ -22,14 +23,14 @@ __all__ = ["ScaffoldError", "add_command", "new_plugin"]
 FILES = {
     "pyproject.toml": "pyproject.toml.tmpl",
     "README.md": "README.md.tmpl",
-    "{package}/__init__.py": "package.py.tmpl",
+    "src/{package}/__init__.py": "package.py.tmpl",
     "tests/test_contracts.py": "test_contracts.py.tmpl",
     "tests/test_training.py": "test_training.py.tmpl",
 }
 _NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 
 
-class ScaffoldError(ValueError):
+class ScaffoldError(AglError, ValueError):
     """The plugin cannot be written: a bad name, a name agl already uses, or an existing folder."""
 
 
@@ -65,11 +66,7 @@ def new_plugin(name: str, directory: str | Path = ".") -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        target = new_plugin(args.name, args.dir)
-    except ScaffoldError as exc:
-        print(f"agl: error: {exc}", file=sys.stderr)
-        return 2
+    target = new_plugin(args.name, args.dir)
     print(f"agl: wrote plugin {args.name!r} in {target}; next: pip install -e '{target}[test]' && pytest {target}")
     return 0
 

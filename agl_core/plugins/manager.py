@@ -36,23 +36,25 @@ import pluggy
 from agl_core import hookspecs
 from agl_core.config import AgentLightningConfig, redacted
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.calls import HookCalls, in_plugin_order, wrapper_impls
+from agl_core.errors import AglError
+from agl_core.plugins.calls import HookCalls, env_flag, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
+from agl_core.plugins.settings import SETTINGS_KEY, PluginSettings, SettingsDeclaration, build_settings, check_settings_class
 from agl_core.suggestions import suggest
 
 ENTRYPOINT_GROUP = "agl"
 DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
 
-# The built-in plugins: registration name -> module. The names are stable (they are what
-# ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
+# The built-in plugins (agl_core/builtins/): registration name -> module. The names are stable (they
+# are what ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
 DEFAULT_PLUGINS: dict[str, str] = {
-    "aggregators": "agl_core.stages.levels",
-    "estimators": "agl_core.stages.estimators",
-    "losses": "agl_core.stages.losses",
-    "torch": "agl_core.backends.torch",
-    "sinks": "agl_core.tracking.builtins",
+    "aggregators": "agl_core.builtins.aggregators",
+    "estimators": "agl_core.builtins.estimators",
+    "losses": "agl_core.builtins.losses",
+    "torch": "agl_core.builtins.backends",
+    "sinks": "agl_core.builtins.sinks",
 }
 
 # registry property -> (hook name, kind, config key selecting an entry)
@@ -65,16 +67,14 @@ REGISTRIES = {
 }
 
 DEFAULT_HOOK_TIMEOUT_SECONDS = AgentLightningConfig.hook_timeout_seconds
+# What agl_on_enqueue may not change: the ids the trainer tracks a rollout by and its place in the batch.
+FIXED_REQUEST_FIELDS = ("rollout_id", "group_id", "step", "sample_index")
 # The hook pluggy itself calls (firstresult), where hook wrappers work as pluggy documents.
 PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 
 
-class PluginError(Exception):
+class PluginError(AglError):
     """A plugin could not be loaded or does not fit the hook specifications."""
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def blocked_from_env() -> list[str]:
@@ -89,6 +89,8 @@ class PluginInfo:
     source: str
     hooks: tuple[str, ...]
     provides: dict[str, tuple[str, ...]]
+    #: why the plugin could not be loaded (an entry point that fails to import); None when it works.
+    error: str | None = None
 
 
 class PluginManager:
@@ -107,13 +109,16 @@ class PluginManager:
         self._pm.add_hookspecs(hookspecs)
         self._sources: dict[str, str] = {}
         self._registries: dict[str, Registry] = {}
+        self._settings_section: Any = None  # the config's agentlightning.plugins, once configured
+        self._settings: PluginSettings | None = None
+        self._broken: dict[str, PluginInfo] = {}  # entry points that failed to import, by name
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
         for name, module_name in (DEFAULT_PLUGINS if builtins is None else builtins).items():
             if not self._pm.is_blocked(name):
                 self.register(importlib.import_module(module_name), name=name, source="built-in")
         if load_entrypoints is None:
-            load_entrypoints = not _env_flag(DISABLE_AUTOLOAD_ENV)
+            load_entrypoints = not env_flag(DISABLE_AUTOLOAD_ENV)
         self._load_entrypoints(third_party=load_entrypoints)
         self.check_pending()
 
@@ -139,7 +144,16 @@ class PluginManager:
             manager.load_hook_files([hooks] if isinstance(hooks, str) else list(hooks))
         for plugin in plugins:
             manager.register(plugin)
+        manager.configure(config)
         return manager
+
+    def configure(self, config: Any) -> None:
+        """Take the plugin settings of ``config`` (``agentlightning.plugins``), validated now: a
+        :class:`~agl_core.config.ConfigError` names the first wrong key."""
+        self._settings_section = _select(config, SETTINGS_KEY)
+        self._settings = None
+        self._registries.clear()
+        self.settings  # noqa: B018 (validates)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -153,13 +167,27 @@ class PluginManager:
                 continue
             if not third_party and not _is_own(ep):
                 continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             try:
                 plugin = ep.load()
-            except Exception as exc:
-                dist = ep.dist.name if ep.dist else "unknown distribution"
-                raise PluginError(f"entry point {ep.name!r} ({ep.value}) of {dist} failed to import: {exc}") from exc
-            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            except Exception as exc:  # listed as broken; check and train refuse it (refuse_broken)
+                error = f"{type(exc).__name__}: {exc}"
+                self._broken[ep.name] = PluginInfo(ep.name, f"entry point {ep.value} ({dist})", (), {}, error)
+                continue
             self.register(plugin, name=ep.name, source=f"entry point ({dist})")
+
+    def broken(self) -> list[PluginInfo]:
+        """The entry points that failed to import (``error`` says why), by name."""
+        return [self._broken[name] for name in sorted(self._broken)]
+
+    def refuse_broken(self) -> None:
+        """Raise :class:`PluginError` naming the first entry point that failed to import and how to
+        block it: a run must not go on without a plugin its environment installs."""
+        for info in self.broken():
+            raise PluginError(
+                f"plugin {info.name!r} ({info.source}) failed to import: {info.error}; fix or uninstall it, "
+                f"or block it with {BLOCKED_PLUGINS_ENV}={info.name}"
+            )
 
     def load_hook_files(self, paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         """Load user hook files as plugins through ``agl_load_hook_file``; return their names."""
@@ -200,6 +228,7 @@ class PluginManager:
         self._refuse_wrappers(plugin, registered)
         self._sources[registered] = source
         self._registries.clear()
+        self._settings = None
         return registered
 
     def _refuse_wrappers(self, plugin: Any, name: str) -> None:
@@ -217,6 +246,7 @@ class PluginManager:
         self._pm.unregister(name=name)
         self._sources.pop(name, None)
         self._registries.clear()
+        self._settings = None
 
     def check_pending(self) -> None:
         """Fail loudly if a plugin implements a hook that no spec defines (a misspelt name)."""
@@ -229,9 +259,6 @@ class PluginManager:
         """The plugin object registered under ``name`` (``None`` if there is none)."""
         return self._pm.get_plugin(name)
 
-    def is_registered(self, name: str) -> bool:
-        return self._pm.get_plugin(name) is not None
-
     def implementations(self, hook_name: str) -> list[str]:
         """The plugins implementing ``hook_name``, in the order they are called."""
         return [impl.plugin_name for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())]
@@ -240,6 +267,36 @@ class PluginManager:
         registration order: what a backend that runs the hooks in another process must ship there."""
         return [self._pm.get_plugin(name) for name, source in self._sources.items() if source == "code"]
 
+    # -- settings -----------------------------------------------------------------------------
+
+    def settings_declarations(self) -> dict[str, SettingsDeclaration]:
+        """Every settings section the plugins declare (``agl_plugin_settings``), by section name."""
+        declared: dict[str, SettingsDeclaration] = {}
+        for impl in in_plugin_order(self._pm.hook.agl_plugin_settings.get_hookimpls()):
+            classes = impl.function()
+            if not isinstance(classes, Mapping):
+                raise PluginError(f"plugin {impl.plugin_name!r}: agl_plugin_settings must return {{section: settings class}}, got {classes!r}")
+            for section, cls in classes.items():
+                try:
+                    check_settings_class(section, cls, impl.plugin_name)
+                except TypeError as exc:
+                    raise PluginError(str(exc)) from None
+                if section in declared:
+                    raise PluginError(
+                        f"settings {section!r} are declared by both plugin {declared[section].plugin_name!r} and plugin "
+                        f"{impl.plugin_name!r}; block one of them ({BLOCKED_PLUGINS_ENV}) or rename a section"
+                    )
+                declared[section] = SettingsDeclaration(section, cls, impl.plugin_name)
+        return declared
+
+    @property
+    def settings(self) -> PluginSettings:
+        """The plugins' settings (section -> typed instance): the configured values over each class's
+        defaults. Registry hooks and ``agl_on_startup`` receive it as their ``settings`` argument."""
+        if self._settings is None:
+            self._settings = build_settings(self.settings_declarations(), self._settings_section)
+        return self._settings
+
     # -- registries ---------------------------------------------------------------------------
 
     def _registry(self, prop: str) -> Registry:
@@ -247,7 +304,11 @@ class PluginManager:
             hook_name, kind, config_key = REGISTRIES[prop]
             registry = Registry(kind, config_key)
             for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
-                impl.function(lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p))
+                args = {
+                    "register": lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p),
+                    "settings": self.settings if "settings" in impl.argnames else None,
+                }
+                impl.function(*[args[name] for name in impl.argnames])
             self._registries[prop] = registry
         return self._registries[prop]
 
@@ -276,27 +337,30 @@ class PluginManager:
     def on_startup(self, config: Any) -> None:
         """Call every ``agl_on_startup`` with a copy of ``config`` whose secrets are redacted: no
         plugin ever sees the gateway key, whoever calls this."""
-        self._call_each("agl_on_startup", "startup", config=redacted(config))
+        self._call_each("agl_on_startup", "startup", config=redacted(config), settings=self.settings)
 
     def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
         impls = in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())
         return self.calls.call_each(impls, hook_name, subject, kwargs)
 
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
-        """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result."""
+        """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result.
+
+        A hook may not change a request's ids or its place in the batch (:data:`FIXED_REQUEST_FIELDS`):
+        such a change is undone, the rest of the result kept, and counted."""
         for impl in in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
             subject = f"rollout {request.rollout_id}"
             ok, result = self.calls.call(impl, "agl_on_enqueue", subject, {"request": request})
             if not ok or result is None:
                 continue
-            try:
-                if not isinstance(result, RolloutRequest):
-                    raise TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
-                if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
-                    raise ValueError("agl_on_enqueue may not change rollout_id or group_id")
-            except Exception:
-                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject)
+            if not isinstance(result, RolloutRequest):
+                error = TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
+                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject, error)
                 continue
+            changed = [f for f in FIXED_REQUEST_FIELDS if getattr(result, f) != getattr(request, f)]
+            if changed:
+                self.calls.record_ignored_changes("agl_on_enqueue", impl.plugin_name, subject, changed)
+                result = attrs.evolve(result, **{f: getattr(request, f) for f in changed})
             request = result
         return request
 
@@ -333,7 +397,7 @@ class PluginManager:
                     provides={k: tuple(v) for k, v in provides.get(name, {}).items()},
                 )
             )
-        return infos
+        return infos + self.broken()
 
 
 KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))
