@@ -126,7 +126,8 @@ class TaskRunner:
         model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
         manager = PluginManager.from_config(config, plugins)
         train = SampleDataset(train_samples, "train_dataset")
-        source = ReplayRolloutSource(config, model.tokenizer) if config.agentlightning.replay else gateway_source(config, manager)
+        replay = config.agentlightning.replay
+        source = ReplayRolloutSource(config, model.tokenizer) if replay else gateway_source(config, manager)
         try:
             trainer = AglRayPPOTrainer(
                 config=config,

@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("run", help="run directory holding rollouts.jsonl, or the recording itself")
     replay.add_argument("--step", type=int, required=True, help="the step to re-run")
-    replay.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides over the recorded run's config")
+    replay.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the recorded run's config")
     replay.set_defaults(func=_replay)
     add_new_plugin_command(sub)
     return parser

@@ -139,7 +139,9 @@ class RecordingWriter:
 
     def __init__(self, config: Any, tokenizer: Any):
         if tokenizer is None:
-            raise ConfigError("agentlightning.record_rollouts", "recording needs the run's tokenizer, to fingerprint it")
+            raise ConfigError(
+                "agentlightning.record_rollouts", "recording needs the run's tokenizer, to fingerprint it"
+            )
         self.path = Path(os.path.expanduser(str(config.trainer.default_local_dir))) / RECORDING_FILE
         self.secrets = _secret_values(config)
         header = _header(config, tokenizer)
@@ -149,7 +151,8 @@ class RecordingWriter:
             if problem:
                 raise ConfigError(
                     "agentlightning.record_rollouts",
-                    f"{self.path} is a recording of another model or tokenizer ({problem}): record into another trainer.default_local_dir",
+                    f"{self.path} is a recording of another model or tokenizer ({problem}): "
+                    "record into another trainer.default_local_dir",
                 )
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +194,9 @@ class Recording:
     def check(self, config: Any, tokenizer: Any) -> None:
         """Refuse a recording whose model or tokenizer is not the run's: a :class:`RecordingError`
         naming the file, the first recorded step and what differs."""
-        problem = mismatch(self.header, {"model": model_fingerprint(config), "tokenizer": tokenizer_fingerprint(tokenizer)})
+        problem = mismatch(
+            self.header, {"model": model_fingerprint(config), "tokenizer": tokenizer_fingerprint(tokenizer)}
+        )
         if problem:
             first = min(self.steps) if self.steps else None
             raise RecordingError(f"{self.path} step {first}: recorded with another model or tokenizer: {problem}")
@@ -223,7 +228,9 @@ def _read_header(path: Path) -> dict[str, Any]:
     if header.get("format") != FORMAT:
         raise RecordingError(f"{path} line 1 is not a {FORMAT} header (format {header.get('format')!r})")
     if header.get("version") != FORMAT_VERSION:
-        raise RecordingError(f"{path} is format version {header.get('version')!r}; this agl reads version {FORMAT_VERSION}")
+        raise RecordingError(
+            f"{path} is format version {header.get('version')!r}; this agl reads version {FORMAT_VERSION}"
+        )
     return header
 
 
@@ -233,7 +240,9 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
     Every error is a :class:`RecordingError` naming the file, and the line or step."""
     file = recording_file(path)
     if not file.is_file():
-        raise RecordingError(f"{file} does not exist: no rollout recording there (agentlightning.record_rollouts writes one)")
+        raise RecordingError(
+            f"{file} does not exist: no rollout recording there (agentlightning.record_rollouts writes one)"
+        )
     header = _read_header(file)
     steps: dict[int, tuple[CompletedRollout, ...]] = {}
     try:
@@ -242,7 +251,9 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
                 continue
             step = record.get("step")
             if not isinstance(step, int) or isinstance(step, bool) or not isinstance(record.get("rollouts"), list):
-                raise RecordingError(f"{file} line {number} is not a step record (an integer step and a list of rollouts)")
+                raise RecordingError(
+                    f"{file} line {number} is not a step record (an integer step and a list of rollouts)"
+                )
             try:
                 steps[step] = tuple(CompletedRollout.from_dict(r) for r in record["rollouts"])
             except (TypeError, ValueError) as exc:

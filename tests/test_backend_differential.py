@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.verl, pytest.mark.slow]
 RTOL = 1e-5
 RECORDED_CORRIDOR = Path(__file__).parent / "fixtures" / "corridor_recording" / "rollouts.jsonl"
 STEP = 2
-BUILT_IN = [(loss, normalization) for loss in ("per_rollout_mean", "token_mean") for normalization in ("rollouts", "upstream")]
+BUILT_IN = [
+    (loss, normalization) for loss in ("per_rollout_mean", "token_mean") for normalization in ("rollouts", "upstream")
+]
 
 
 def median_baseline(rows, settings):
@@ -47,7 +49,17 @@ class MedianBaseline:
         register("median_baseline", median_baseline)
 
 
-def case(case_id, *, loss="per_rollout_mean", normalization="rollouts", micro="one", plugins=False, planted=False, dp=1, dispatch="torch_mini_batches"):
+def case(
+    case_id,
+    *,
+    loss="per_rollout_mean",
+    normalization="rollouts",
+    micro="one",
+    plugins=False,
+    planted=False,
+    dp=1,
+    dispatch="torch_mini_batches",
+):
     return {
         "id": case_id,
         "dp": dp,
@@ -66,13 +78,20 @@ def case(case_id, *, loss="per_rollout_mean", normalization="rollouts", micro="o
 
 CASES = [
     *(case(f"{loss}-{norm}-dp1-one_micro", loss=loss, normalization=norm) for loss, norm in BUILT_IN),
-    *(case(f"{loss}-{norm}-dp2-several_micro", loss=loss, normalization=norm, micro="several", dp=2) for loss, norm in BUILT_IN),
+    *(
+        case(f"{loss}-{norm}-dp2-several_micro", loss=loss, normalization=norm, micro="several", dp=2)
+        for loss, norm in BUILT_IN
+    ),
     case("per_rollout_mean-rollouts-dp1-several_micro", micro="several"),
     case("token_mean-rollouts-dp2-one_micro", loss="token_mean", dp=2),
     case("plugins-retoken_merge-median_baseline-dp2-several_micro", micro="several", plugins=True, dp=2),
 ]
-PLANTED = case("planted-token_mean-no_batch_num_tokens-dp1-several_micro", loss="token_mean", micro="several", planted=True)
-VERL_DISPATCH = case("per_rollout_mean-rollouts-dp2-several_micro-verl_dispatch", micro="several", dp=2, dispatch="verl")
+PLANTED = case(
+    "planted-token_mean-no_batch_num_tokens-dp1-several_micro", loss="token_mean", micro="several", planted=True
+)
+VERL_DISPATCH = case(
+    "per_rollout_mean-rollouts-dp2-several_micro-verl_dispatch", micro="several", dp=2, dispatch="verl"
+)
 
 
 def differences(result: dict) -> dict[str, float]:
@@ -115,7 +134,9 @@ def results(tmp_path_factory):
     common = {"model_dir": str(policy), "recording": str(RECORDED_CORRIDOR), "step": STEP}
     cases = [{**c, **common} for c in (*CASES, PLANTED, VERL_DISPATCH)]
     for dp in (1, 2):
-        torch.multiprocessing.spawn(run_cases, args=(dp, free_port(), [c for c in cases if c["dp"] == dp], str(root)), nprocs=dp)
+        torch.multiprocessing.spawn(
+            run_cases, args=(dp, free_port(), [c for c in cases if c["dp"] == dp], str(root)), nprocs=dp
+        )
     return {c["id"]: json.loads((root / f"{c['id']}.json").read_text()) for c in cases}
 
 

@@ -41,7 +41,14 @@ from tests.corridor_policy import REPO_ROOT
 from tests.verl_fsdp_cpu import ENGINE_OVERRIDES, CpuPlatform, build_engine, full_state
 
 # The metrics both backends report for an update step, compared between them.
-SHARED_METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+SHARED_METRICS = (
+    "actor/pg_loss",
+    "actor/entropy_loss",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+)
 # Means over micro-batches and ranks on verl's engine, over tokens on the torch backend: equal with
 # one micro-batch on one rank only.
 MICRO_BATCH_MEANS = ("actor/pg_clipfrac", "actor/ppo_kl")
@@ -52,9 +59,15 @@ def case_config(case: dict):
     from agl_backend_verl.config import load_verl_config
 
     micro = (
-        ["actor_rollout_ref.actor.use_dynamic_bsz=true", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={case['token_budget']}"]
+        [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={case['token_budget']}",
+        ]
         if case["token_budget"]
-        else ["actor_rollout_ref.actor.use_dynamic_bsz=false", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={case['micro_batch_size']}"]
+        else [
+            "actor_rollout_ref.actor.use_dynamic_bsz=false",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={case['micro_batch_size']}",
+        ]
     )
     return load_verl_config(
         None,
@@ -100,7 +113,9 @@ def case_plugins(case: dict):
 def run_cases(rank: int, world_size: int, port: int, cases: list[dict], out_dir: str) -> None:
     """Rank ``rank`` of ``world_size``: every case's step on verl's engine; rank 0 also on the torch
     backend, writing ``out_dir/{case id}.json``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
     torch.set_num_threads(1)
     from verl.plugin.platform.platform_manager import set_platform
@@ -136,7 +151,9 @@ def _pipelines(config, plugins, tokenizer, rollouts, step):
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     torch_side = StepPipeline(config, plugins, tokenizer).prepare(rollouts, step)
-    verl_side = StepPipeline(config, plugins, tokenizer, estimate=lambda rows: compute_advantages(rows, config, plugins, pad)).prepare(rollouts, step)
+    verl_side = StepPipeline(
+        config, plugins, tokenizer, estimate=lambda rows: compute_advantages(rows, config, plugins, pad)
+    ).prepare(rollouts, step)
     assert [r.rollout_id for r in torch_side.shaped.rows] == [r.rollout_id for r in verl_side.shaped.rows]
     return torch_side, verl_side
 
@@ -178,7 +195,9 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
             return configured(old, new, advantages, mask, attrs.evolve(settings, batch_num_tokens=None))
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    update = ActorUpdate(model, ref, optimizer, loss_fn, ActorSettings.from_config(config.actor_rollout_ref), torch.device("cpu"), pad)
+    update = ActorUpdate(
+        model, ref, optimizer, loss_fn, ActorSettings.from_config(config.actor_rollout_ref), torch.device("cpu"), pad
+    )
     batch = update.batch(torch_prepared)
     noise = 0.3 * torch.randn(batch.old_log_prob.shape, generator=torch.Generator().manual_seed(1))
     batch = attrs.evolve(batch, old_log_prob=batch.old_log_prob + noise * batch.mask)
@@ -196,10 +215,17 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     verl_grads, verl_minis = _capture_grads(engine.optimizer, lambda: full_state(engine, grads=True)), []
     for i in range(n_mini):
         mini = engine_mini_batch(mine[i * per_rank_mini : (i + 1) * per_rank_mini], actor)
-        tu.assign_non_tensor(mini, global_batch_size=per_mini, use_remove_padding=engine.engine_config.use_remove_padding, use_fused_kernels=False)
+        tu.assign_non_tensor(
+            mini,
+            global_batch_size=per_mini,
+            use_remove_padding=engine.engine_config.use_remove_padding,
+            use_fused_kernels=False,
+        )
         with engine.train_mode():
             output = engine.train_batch(mini, loss_function=partial(ppo_loss, config=actor))
-        metrics = {k: v.aggregate() if hasattr(v, "aggregate") else float(np.mean(v)) for k, v in output["metrics"].items()}
+        metrics = {
+            k: v.aggregate() if hasattr(v, "aggregate") else float(np.mean(v)) for k, v in output["metrics"].items()
+        }
         metrics = rename_dict({**metrics, "loss": float(sum(output["loss"]))}, "actor/")  # as verl's trainer names them
         verl_minis.append(metrics)
     after = full_state(engine)
@@ -208,13 +234,19 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     if rank != 0:
         return {}
 
-    torch_grads = _capture_grads(update.optimizer, lambda: {n: p.grad.detach().clone() for n, p in update.model.named_parameters()})
-    torch_minis = [update.mini_batch_step(batch.rows(slice(start, start + per_mini))) for start in range(0, n_rows, per_mini)]
+    torch_grads = _capture_grads(
+        update.optimizer, lambda: {n: p.grad.detach().clone() for n, p in update.model.named_parameters()}
+    )
+    torch_minis = [
+        update.mini_batch_step(batch.rows(slice(start, start + per_mini))) for start in range(0, n_rows, per_mini)
+    ]
     torch_after = {n: p.detach().clone() for n, p in update.model.named_parameters()}
     names = SHARED_METRICS + ("actor/loss",)
     # verl's worker: each rank's loss terms are its local sums × dp_size, averaged over the ranks; the
     # trainer averages each metric over the mini-batches, as the torch backend does.
-    verl_metrics = {n: float(np.mean([np.mean([ranks[i][n] for ranks in gathered]) for i in range(n_mini)])) for n in names}
+    verl_metrics = {
+        n: float(np.mean([np.mean([ranks[i][n] for ranks in gathered]) for i in range(n_mini)])) for n in names
+    }
     torch_metrics = {n: float(np.mean([m[n] for m in torch_minis])) for n in names}
     return {
         "dp_size": world_size,
@@ -251,12 +283,16 @@ def _parameter_differences(before, verl_after, torch_after, verl_grads, torch_gr
     1e-6 (``n_weights_compared`` of ``n_weights``); the largest difference anywhere is also reported."""
     with torch.no_grad():
         grad_rel = [
-            max(float((v[k] - t[k]).abs().max()) for k in t) / max(float(t[k].abs().max()) for k in t) for v, t in zip(verl_grads, torch_grads)
+            max(float((v[k] - t[k]).abs().max()) for k in t) / max(float(t[k].abs().max()) for k in t)
+            for v, t in zip(verl_grads, torch_grads)
         ]
         names = list(torch_after)
         diff = torch.cat([(verl_after[k] - torch_after[k]).abs().flatten() for k in names])
         scale = torch.cat([torch_after[k].abs().max().expand(torch_after[k].numel()) for k in names])
-        above_eps = torch.stack([torch.cat([g[k].abs().flatten() for k in names]) for g in torch_grads]).min(dim=0).values > 1e-6
+        above_eps = (
+            torch.stack([torch.cat([g[k].abs().flatten() for k in names]) for g in torch_grads]).min(dim=0).values
+            > 1e-6
+        )
         change = max(float((torch_after[k] - before[k]).abs().max()) for k in names)
         return {
             "n_optimizer_steps": len(torch_grads),

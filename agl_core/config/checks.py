@@ -201,12 +201,20 @@ def _validate_record_keys(cfg: DictConfig) -> None:
     path = Path(os.path.expanduser(str(agl.replay)))
     recorded = path / "rollouts.jsonl" if path.is_dir() else path
     if not recorded.is_file():
-        raise ConfigError("agentlightning.replay", f"{path} is neither a rollout recording nor a run directory holding rollouts.jsonl")
+        raise ConfigError(
+            "agentlightning.replay", f"{path} is neither a rollout recording nor a run directory holding rollouts.jsonl"
+        )
     own = Path(os.path.expanduser(str(cfg.trainer.default_local_dir))) / "rollouts.jsonl"
     if agl.record_rollouts and recorded.resolve() == own.resolve():
-        raise ConfigError("agentlightning.replay", f"{path} is this run's own recording: record a replayed run into another trainer.default_local_dir")
+        raise ConfigError(
+            "agentlightning.replay",
+            f"{path} is this run's own recording: record a replayed run into another trainer.default_local_dir",
+        )
     if agl.agl_base_url is not None or agl.async_rollout.enabled:
-        raise ConfigError("agentlightning.replay", "a replayed run runs no agents: unset agentlightning.agl_base_url and async_rollout.enabled")
+        raise ConfigError(
+            "agentlightning.replay",
+            "a replayed run runs no agents: unset agentlightning.agl_base_url and async_rollout.enabled",
+        )
 
 
 def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:

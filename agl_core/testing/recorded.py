@@ -45,7 +45,10 @@ def recorded_steps(path: str | os.PathLike[str]) -> dict[int, tuple[CompletedRol
 
 
 def gateway_trace_rollouts(
-    path: str | os.PathLike[str], scenarios: Sequence[str] | None = None, group_id: str = "gateway-traces", reward_fillna_value: float = 0.0
+    path: str | os.PathLike[str],
+    scenarios: Sequence[str] | None = None,
+    group_id: str = "gateway-traces",
+    reward_fillna_value: float = 0.0,
 ) -> list[CompletedRollout]:
     """The stored gateway traces at ``path`` as completed rollouts, one per scenario (``scenarios``:
     those names, in that order; default all), all in the group ``group_id``: each scenario's raw
@@ -58,8 +61,12 @@ def gateway_trace_rollouts(
             raise KeyError(f"{os.fspath(path)} has no scenario {name!r}; it has {', '.join(stored)}")
         record = stored[name]["rollout"]
         record = record.get("rollout", record)  # GET /api/rollouts/{id} answers {rollout, attempts}
-        request = RolloutRequest(rollout_id=name, group_id=group_id, input=record.get("input"), is_train=bool(record.get("is_train", True)))
-        rollout, _ = completed_rollout_from_record(request, record, stored[name]["events"], reward_fillna_value=reward_fillna_value)
+        request = RolloutRequest(
+            rollout_id=name, group_id=group_id, input=record.get("input"), is_train=bool(record.get("is_train", True))
+        )
+        rollout, _ = completed_rollout_from_record(
+            request, record, stored[name]["events"], reward_fillna_value=reward_fillna_value
+        )
         out.append(rollout)
     return out
 
