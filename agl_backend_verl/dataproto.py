@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 from verl import DataProto
 
-from agl_core.data import TrainingRow
-from agl_core.stages.tensorize import PaddedBatch
+from agl_core import PaddedBatch, TrainingRow
 
 GROUP_KEY = "uid"
 ROW_COLUMNS = ("rollout_ids", "group_ids", "turn_indices")

@@ -11,7 +11,7 @@ struct-less merge let through unread.
 
 from __future__ import annotations
 
-from agl_core.config import ConfigError
+from agl_core import ConfigError
 
 __all__ = ["MOVED", "REMOVED", "with_moved_key_hint"]
 

@@ -159,6 +159,7 @@ class RolloutHooksPlugin:
             raise TypeError(f"{type(self.hooks).__name__}.on_enqueue returned None; it must return the request")
         return attrs.evolve(
             request,
+            rollout_id=request.rollout_id if result.rollout_id is None else result.rollout_id,  # a change is undone and counted
             input=result.input,
             is_train=bool(result.is_train),
             config=_as_dict(result.config),

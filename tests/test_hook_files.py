@@ -177,7 +177,7 @@ def test_a_raising_hook_writes_nothing_but_the_others_write(tmp_path):
     assert module_of(manager, mod).CALLS[-1] == ("module-failed", "r3"), "plugins after the failing one still run"
 
 
-def test_enqueue_rewrite_may_not_change_ids(tmp_path):
+def test_enqueue_rewrite_may_not_change_ids_the_change_is_undone_warned_once_and_counted(tmp_path, caplog):
     bad = write(
         tmp_path,
         "bad.py",
@@ -187,18 +187,44 @@ def test_enqueue_rewrite_may_not_change_ids(tmp_path):
 
         @hookimpl
         def agl_on_enqueue(request):
-            return attrs.evolve(request, rollout_id="stolen")
+            return attrs.evolve(request, rollout_id="stolen-" + request.rollout_id, step=99, metadata={"kept": True})
         """,
     )
     manager = manager_with(bad)
-    assert manager.enqueue(request()).rollout_id == "r1"
-    assert manager.pop_metrics()["training/n_hook_failures"] == 1
+    results = [manager.enqueue(request(f"r{i}")) for i in range(3)]
+    assert [(r.rollout_id, r.step, dict(r.metadata)) for r in results] == [(f"r{i}", 0, {"kept": True}) for i in range(3)]
+    metrics = manager.pop_metrics()
+    assert metrics["training/n_hook_changes_ignored"] == 3 and metrics["training/n_hook_changes_ignored/agl_on_enqueue"] == 3
+    assert metrics["training/n_hook_failures"] == 0
+    warnings = [r.getMessage() for r in caplog.records if "which a hook may not change" in r.getMessage()]
+    assert len(warnings) == 2 and "changed rollout_id" in warnings[0] and "changed step" in warnings[1]
+
+
+def test_a_v1_hook_rewriting_rollout_id_is_undone_warned_once_and_counted(tmp_path, caplog):
+    hooks = write(
+        tmp_path,
+        "v1_rename.py",
+        """
+        from agentlightning.hooks import RolloutHooks
+
+        class Rename(RolloutHooks):
+            def on_enqueue(self, request):
+                request.rollout_id = "mine-" + request.rollout_id
+                request.metadata = {"batch_idx": 7}
+                return request
+        """,
+    )
+    manager = manager_with(hooks)
+    results = [manager.enqueue(request(f"r{i}")) for i in range(2)]
+    assert [(r.rollout_id, r.metadata["batch_idx"]) for r in results] == [("r0", 7), ("r1", 7)]
+    assert manager.pop_metrics()["training/n_hook_changes_ignored"] == 2
+    assert sum("changed rollout_id" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("syntax.py", "def broken(:\n    pass\n", r"failed to import:(.|\n)*SyntaxError"),
+        ("syntax.py", "X = 1\ndef broken(:\n    pass\n", r"failed to import: .*syntax\.py:2: SyntaxError: invalid syntax$"),
         ("importerr.py", "import not_a_module_anywhere_xyz\n", r"failed to import:(.|\n)*importerr\.py(.|\n)*ModuleNotFoundError"),
         ("empty.py", "X = 1\n", "no hooks found in hook file"),
         (
@@ -215,6 +241,27 @@ def test_enqueue_rewrite_may_not_change_ids(tmp_path):
             "typo_mod.py",
             "from agl_core import hookimpl\n@hookimpl\ndef agl_on_enqeue(request): return None\n",
             r"unknown hook 'agl_on_enqeue'; did you mean 'agl_on_enqueue'",
+        ),
+        (
+            "camel_v1.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def onSucceeded(self, rollout, events, store): pass\n",
+            r"A\.onSucceeded is not a hook, so it would never be called; did you mean 'on_succeeded'",
+        ),
+        (
+            "bare_v1.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def enqueue(self, request): return request\n",
+            r"A\.enqueue is not a hook, so it would never be called; did you mean 'on_enqueue'",
+        ),
+        (
+            "unprefixed_mod.py",
+            "from agl_core import hookimpl\n@hookimpl\ndef agl_on_startup(config): pass\ndef on_succeeded(rollout, writer): pass\n",
+            r"function on_succeeded is not a hook, so it would never be called; did you mean 'agl_on_succeeded'",
+        ),
+        (
+            "v1_name_at_module_level.py",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def on_failed(self, rollout, store): pass\n"
+            "def onSucceeded(rollout, events, store): pass\n",
+            r"function onSucceeded is not a hook, so it would never be called; did you mean 'agl_on_succeeded'",
         ),
         ("undecorated.py", "def agl_on_enqueue(request): return None\n", "must be decorated with @agl_core.hookimpl"),
         (
@@ -520,3 +567,27 @@ def test_without_agent_lightning_hooks_get_agl_standins():
         pytest.skip("Agent Lightning is installed here: hooks get its own models (the test above)")
     view = rollout_hooks.rollout_view(CompletedRollout(rollout_id="r1", group_id="g1", state="failed", metadata={"k": 1}))
     assert isinstance(view, schemas.Rollout) and view.metadata["k"] == 1 and view.status.created_at == 0.0
+
+
+def test_helpers_beside_hooks_are_not_taken_for_misspelt_hooks(tmp_path):
+    path = write(
+        tmp_path,
+        "helpers.py",
+        """
+        from agl_hooks import RolloutHooks
+
+        def compute_reward(rollout):
+            return 1.0
+
+        class A(RolloutHooks):
+            def __init__(self):
+                self.seen = 0
+
+            def record(self, rollout):
+                self.seen += 1
+
+            def on_failed(self, rollout, store):
+                self.record(rollout)
+        """,
+    )
+    assert type(load_hook_file(path)).__name__ == "RolloutHooksPlugin"

@@ -2,7 +2,7 @@
 
 Advantages: with one row per rollout, rollout-level ``grpo`` (with and without std scaling) and
 ``rloo`` equal verl's ``compute_advantage``. Losses: ``token_mean``, registered in verl's
-policy-loss registry through :func:`agl_core.stages.policy_loss.as_verl_policy_loss`, equals verl's ``vanilla``
+policy-loss registry through :func:`agl_backend_verl.policy_loss.as_verl_policy_loss`, equals verl's ``vanilla``
 loss with ``token-mean`` aggregation, metrics included. ``per_rollout_mean`` over normalised
 advantages of single-row rollouts reduces to verl's ``vanilla`` with ``seq-mean-token-mean``
 aggregation (``upstream`` mode), times the mini-batch count (``rollouts`` mode).
@@ -24,7 +24,7 @@ from agl_core.stages.advantage import AdvantageSettings
 from agl_core.stages.estimators import grpo, rloo
 from agl_core.data import TrainingRow
 from agl_core.stages.losses import per_rollout_mean, token_mean
-from agl_core.stages.policy_loss import as_verl_policy_loss
+from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core.stages.normalization import normalize_advantages
 
 pytestmark = pytest.mark.verl

@@ -67,6 +67,8 @@ def merge_config(
     ``base`` holds, which the file's ``defaults`` may name (see :mod:`agl_core.config.composition`)."""
     cfg = default_config() if base is None else base
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError("<file>", f"{path} is a directory; expected a YAML config file")
         if not os.path.isfile(path):
             raise ConfigError("<file>", f"config file not found: {path}")
         try:

@@ -25,6 +25,7 @@ import httpx
 from omegaconf import DictConfig
 
 from agl_core.data import RolloutRequest
+from agl_core.errors import AglError
 from agl_core.fields import thaw
 from agl_core.rollouts.retry import RetryPolicy
 
@@ -33,13 +34,15 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class GatewayError(Exception):
+class GatewayError(AglError):
     """A gateway call failed for good.
 
     ``status`` is the HTTP status (``None`` when no answer came: timeout, connection error),
     ``endpoint`` the method and path, ``message`` the server's ``detail`` or the transport error.
     ``ambiguous`` is true when the request may have been applied although no answer confirmed it.
     """
+
+    hint = "is the gateway running at agentlightning.agl_base_url, with agentlightning.agl_key?"
 
     def __init__(self, endpoint: str, status: int | None, message: str, *, ambiguous: bool = False):
         self.endpoint = endpoint

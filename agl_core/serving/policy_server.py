@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 import torch
 
+from agl_core.errors import AglError
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
 from agl_core.serving.sampling import Generation, SamplingParams, generate_batch
 
@@ -39,7 +40,7 @@ __all__ = ["PolicyServer", "RequestError"]
 logger = logging.getLogger(__name__)
 
 
-class RequestError(Exception):
+class RequestError(AglError):
     """A request the server refuses; rendered as vLLM's error body with ``status``."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):

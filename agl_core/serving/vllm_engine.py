@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from agl_core.errors import AglError
 from agl_core.serving.processes import free_port, kill_process_group, stop_process_group
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ HEALTH_POLL_SECONDS = 0.5
 STOP_WAIT_SECONDS = 20.0
 
 
-class VllmEngineError(RuntimeError):
+class VllmEngineError(AglError, RuntimeError):
     """The vLLM server could not be started, reached, or updated."""
+
+    hint = "see agentlightning.vllm (python, url, startup_timeout_seconds)"
 
 
 def find_vllm_python(configured: str | os.PathLike[str] | None = None) -> Path:
