@@ -36,9 +36,10 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from tests.corridor_policy import REPO_ROOT
-from tests.verl_fsdp_cpu import ENGINE_OVERRIDES, CpuPlatform, build_engine, full_state
+from tests.verl_fsdp_cpu import ENGINE_OVERRIDES, FP32, CpuPlatform, build_engine, full_state
 
 # The metrics both backends report for an update step, compared between them.
 SHARED_METRICS = (
@@ -69,7 +70,7 @@ def case_config(case: dict):
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={case['micro_batch_size']}",
         ]
     )
-    return load_verl_config(
+    config = load_verl_config(
         None,
         [
             f"actor_rollout_ref.model.path={case['model_dir']}",
@@ -94,6 +95,10 @@ def case_config(case: dict):
             *micro,
         ],
     )
+    # The precision both sides train in: build_engine gives verl's engine FP32; the torch backend reads
+    # the same key, which verl's config leaves out.
+    OmegaConf.update(config, "actor_rollout_ref.actor.fsdp_config.mixed_precision", FP32, force_add=True)
+    return config
 
 
 def case_plugins(case: dict):
