@@ -2,7 +2,7 @@
 
 Step ``N`` of the run gets the rollouts recorded for step ``N`` (:mod:`agl_core.recording`), exactly
 as the recording run's pipeline received them: no agent, gateway or generation runs, and the dataset
-samples handed to :meth:`ReplayRolloutSource.collect` are not used. A recording of another model or
+samples handed to ``collect`` are not used. A recording of another model or
 tokenizer is refused before the first step; a step the recording does not hold, and validation
 (a recording holds training steps only), are errors naming the file.
 """
