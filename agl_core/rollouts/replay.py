@@ -36,10 +36,8 @@ class ReplayRolloutSource(RolloutSource):
                 f"{self.recording.path} holds training steps only: a replayed run cannot validate "
                 "(unset data.val_files, or set trainer.val_before_train=false and trainer.test_freq=-1)",
             )
-        return RolloutBatch(
-            self.recording.rollouts(step),
-            {"training/replay/n_rollouts_replayed": float(len(self.recording.rollouts(step)))},
-        )
+        rollouts = self.recording.rollouts(step)
+        return RolloutBatch(rollouts, {"training/replay/n_rollouts_replayed": float(len(rollouts))})
 
     def before_weight_update(self) -> dict[str, float]:
         return {}
