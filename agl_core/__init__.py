@@ -26,7 +26,7 @@ _serve_moved_modules()  # old module paths stay importable, with a warning, for 
 
 if TYPE_CHECKING:
     # the plugin system and the data model
-    from agl_core.config import AgentLightningConfig, ConfigError, default_config, load_config, merge_config
+    from agl_core.config import AgentLightningConfig, ConfigError, ConfigFile, default_config, load_config, merge_config
     from agl_core.config.checks import validate as validate_config
     from agl_core.data import (
         CompletedRollout,

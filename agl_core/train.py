@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agl_core.backends.contract import BackendSpec, backend_spec
+from agl_core.config import ConfigFile
 from agl_core.data import StepSamples
 from agl_core.datasets import check_datasets
 from agl_core.plugins import PluginManager
@@ -115,16 +116,18 @@ def resolve_config(
 ) -> tuple[Any, PluginManager]:
     """The run's validated config and its plugin manager.
 
-    The backend is read first (``agentlightning.backend`` from the overrides, else the YAML, else the
-    schema's default), so that the run is validated by that backend's
-    ``load_config`` (:class:`~agl_core.backends.contract.BackendSpec`) (verl: verl's full config; by default
-    the core schema's :func:`~agl_core.config.load_config`).
+    The file is read once (:class:`~agl_core.config.ConfigFile`). The backend is read first
+    (``agentlightning.backend`` from the overrides, else the YAML, else the schema's default), so that
+    the run is validated by that backend's ``load_config``
+    (:class:`~agl_core.backends.contract.BackendSpec`) (verl: verl's full config; by default the core
+    schema's :func:`~agl_core.config.load_config`).
     """
     from omegaconf import OmegaConf
 
-    from agl_core.config import ConfigError, default_config, with_backend_hint
+    from agl_core.config import ConfigError, default_config, read_config_file, with_backend_hint
 
-    raw = _unvalidated(config_path, overrides)
+    source = None if config_path is None else read_config_file(config_path)
+    raw = _unvalidated(source, overrides)
     hooks = OmegaConf.select(raw, "agentlightning.hooks", default=None, throw_on_resolution_failure=False)
     if not isinstance(hooks, str) and not (OmegaConf.is_list(hooks) and all(isinstance(h, str) for h in hooks)):
         hooks = None  # malformed: validation names the key
@@ -132,10 +135,10 @@ def resolve_config(
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
     name = default_config().agentlightning.backend if name is None else name
     try:
-        config = _spec(manager, name).load_config(config_path, overrides)
+        config = _spec(manager, name).load_config(source, overrides)
     except ConfigError as exc:  # an unknown key may be one of another backend's: say which
         others = {e.name: backend_spec(e).load_config for e in manager.backends if e.name != name}
-        raise with_backend_hint(exc, config_path, overrides, others) from None
+        raise with_backend_hint(exc, source, overrides, others) from None
     manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
     return config, manager
 
@@ -144,13 +147,13 @@ def _spec(manager: PluginManager, name: str) -> BackendSpec:
     return backend_spec(manager.backends.entry(name))
 
 
-def _unvalidated(config_path: str | None, overrides: Sequence[str]) -> Any:
-    """The YAML with the overrides merged over it, unchecked; empty when either cannot be read (the
-    loader then reports why, naming the file or key)."""
+def _unvalidated(source: ConfigFile | None, overrides: Sequence[str]) -> Any:
+    """The file's content with the overrides merged over it, unchecked; empty when the overrides
+    cannot be read (the loader then reports why, naming the key)."""
     from omegaconf import OmegaConf
 
     try:
-        user = OmegaConf.load(config_path) if config_path is not None and Path(config_path).is_file() else {}
+        user = source.content if source is not None else {}
         return OmegaConf.merge(user, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
     except Exception:
         return OmegaConf.create()

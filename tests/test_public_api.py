@@ -37,6 +37,7 @@ PUBLIC_NAMES = [
     "CompletedRollout",
     "ConfigCheck",
     "ConfigError",
+    "ConfigFile",
     "ConfigLoader",
     "DataValidationError",
     "default_config",
