@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     )
     from agl_core.errors import AglError
     from agl_core.hookspecs import Register
-    from agl_core.plugins import EventWriter, PluginError, PluginManager, RegistryError
+    from agl_core.plugins import EventWriter, PluginError, PluginManager, PluginSettings, RegistryError
 
     # aggregators
     from agl_core.stages.aggregation import (

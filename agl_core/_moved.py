@@ -40,7 +40,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "agl_core.gateway_client": ("agl_core.rollouts.gateway_client",),
     "agl_core.gateway_source": ("agl_core.rollouts.gateway", "agl_core.rollouts.source"),
     "agl_core.inference_engine": ("agl_core.serving.engine",),
-    "agl_core.losses": ("agl_core.stages.policy_loss", "agl_core.builtins.losses"),
+    "agl_core.losses": ("agl_core.stages.policy_loss", "agl_core.builtins.losses", "agl_backend_verl.policy_loss"),
     "agl_core.mismatch": ("agl_core.stages.mismatch",),
     "agl_core.normalization": ("agl_core.stages.normalization",),
     "agl_core.pipeline": ("agl_core.stages.pipeline",),
@@ -110,7 +110,20 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         )
 
 
+class _Package(types.ModuleType):
+    """``agl_core`` itself: importing an old path named like a public name (``agl_core.tensorize``)
+    binds the old module on the package, which would hide the public name; that binding is skipped."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, _MovedModule) and name in getattr(self, "__all__", ()):
+            return
+        super().__setattr__(name, value)
+
+
 def install() -> None:
     """Serve the old paths (idempotent); after every real finder, so a module that exists wins."""
     if not any(isinstance(finder, MovedModules) for finder in sys.meta_path):
         sys.meta_path.append(MovedModules())
+    package = sys.modules["agl_core"]
+    if type(package) is types.ModuleType:
+        package.__class__ = _Package

@@ -55,6 +55,11 @@ def test_rollout_lifecycle_round_trip(client):
     assert client.terminal_page(page["next_after"])["items"] == []
     raw = client.get_events("c1")
     assert [e["event_type"] for e in raw] == ["model_request", "reward"]
+    parsed_fields = client.get_events("c1", only_parsed_fields=True)
+    assert parsed_fields[0]["data"]["response"]["choices"][0]["token_ids"] == [4, 5]
+    assert "request" in raw[0]["data"] and "request" not in parsed_fields[0]["data"]
+    with pytest.raises(ValueError, match="only_parsed_fields"):
+        client.get_events("c1", triplet=True, only_parsed_fields=True)
     triplet = client.get_events("c1", triplet=True)
     assert triplet[0]["data"]["response_token_ids"] == [4, 5]
     assert client.get_events("c1", event_type="reward")[0]["data"] == {"value": 0.5}
