@@ -38,7 +38,7 @@ REDACTED = "***"
 
 @attrs.frozen
 class ConfigFile:
-    """A run config file, read once (:func:`read_config_file`): ``agl train`` and ``agl check`` hand it
+    """A run config file, read once (``read_config_file``): ``agl train`` and ``agl check`` hand it
     to the backend's loader (and to the other backends' when looking for a key's backend), so the
     file is read a single time per command. Every loader accepts one where it accepts a path."""
 
