@@ -93,7 +93,7 @@ def verl_base() -> DictConfig:
     cfg = OmegaConf.merge(_verl_defaults(), {"agentlightning": agl}, overlay())
     assert isinstance(cfg, DictConfig)
     OmegaConf.set_struct(cfg, True)
-    for key, node in _walk(cfg):
+    for _key, node in _walk(cfg):
         if isinstance(node, DictConfig) and len(node) == 0:
             OmegaConf.set_struct(node, False)
     return cfg

@@ -71,7 +71,8 @@ def _validate_sizes(cfg: DictConfig) -> None:
         if not is_int(size) or size <= train:
             raise ConfigError(
                 "agentlightning.async_rollout.async_train_batch_size",
-                f"must be an integer greater than data.train_batch_size ({train}) when async rollout is enabled, got {size!r}",
+                f"must be an integer greater than data.train_batch_size ({train}) when async rollout is enabled, "
+                f"got {size!r}",
             )
 
 
@@ -103,7 +104,8 @@ def _validate_micro_batch_keys(cfg: DictConfig) -> None:
         if OmegaConf.select(cfg, switch) and tokens < longest:
             raise ConfigError(
                 budget,
-                f"is {tokens}, less than the longest row ({prompt_key} + {response_key} = {longest}); raise it or turn {switch} off",
+                f"is {tokens}, less than the longest row ({prompt_key} + {response_key} = {longest}); "
+                f"raise it or turn {switch} off",
             )
 
 

@@ -87,7 +87,9 @@ class GatewayConfig:
 class VllmConfig:
     """The real vLLM OpenAI server used when ``agentlightning.engine`` is ``vllm``."""
 
-    python: Optional[str] = None  # the vLLM venv's python; null: $AGL_VLLM_PYTHON, else .venvs/vllm/bin/python under the working directory (scripts/vllm_venv.sh builds it)
+    # The vLLM venv's python; null: $AGL_VLLM_PYTHON, else .venvs/vllm/bin/python under the working
+    # directory (scripts/vllm_venv.sh builds it).
+    python: Optional[str] = None
     url: Optional[str] = None  # attach to a running server (http://host:port) instead of starting one
     port: int = 0  # port for the started server; 0 picks a free one
     startup_timeout_seconds: float = checked(300.0, at_least(0, strictly=True))  # longest wait for /health after starting
