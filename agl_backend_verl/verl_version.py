@@ -48,5 +48,6 @@ def check_verl_version(installed: str | None = None) -> None:
         reason = "no other release is tested"
     raise ConfigError(
         "agentlightning.backend",
-        f"backend 'verl' supports verl {SUPPORTED_VERL} (0.9.x), but verl {installed} is installed ({reason}): {VERL_INSTALL}",
+        f"backend 'verl' supports verl {SUPPORTED_VERL} (0.9.x), but verl {installed} is installed "
+        f"({reason}): {VERL_INSTALL}",
     )

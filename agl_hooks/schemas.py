@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 
 import attrs
 
-
 __all__ = [
     "DEFAULT_ATTEMPT_ID",
     "TERMINAL_STATES",

@@ -8,10 +8,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.gateway_server import GatewayServer
 
@@ -43,7 +43,9 @@ def test_the_guide_has_files_commands_and_its_install_names_this_package():
     assert {name for _, name, _ in found if name} == {"hooks.py", "make_data.py", "config.yaml"}
     assert sum(len(console_steps(text)) for lang, _, text in found if lang == "console") == 4
     name = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["name"]
-    installs = [line for lang, _, text in found if lang == "bash" for line in text.splitlines() if "pip install" in line]
+    installs = [
+        line for lang, _, text in found if lang == "bash" for line in text.splitlines() if "pip install" in line
+    ]
     assert installs == [f"pip install {name}"]
     for constraints in re.findall(r"constraints/[\w.-]+\.txt", GUIDE.read_text()):
         assert (REPO_ROOT / constraints).is_file(), constraints
@@ -55,7 +57,13 @@ def test_the_guides_steps_run_as_written(tmp_path):
             (tmp_path / name).write_text(text)
     server = GatewayServer().start()
     shell = f'agl() {{ "{sys.executable}" -m agl_core.cli "$@"; }}; python() {{ "{sys.executable}" "$@"; }}; '
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "AGL_URL": server.url, "AGL_KEY": server.key, "RAY_AUTH_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "AGL_URL": server.url,
+        "AGL_KEY": server.key,
+        "RAY_AUTH_MODE": "disabled",
+    }
     try:
         for lang, _, text in blocks():
             if lang != "console":
