@@ -28,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from agl_backend_verl.moved_keys import with_moved_key_hint
+from agl_backend_verl.verl_version import VERL_INSTALL, check_verl_version
 from agl_core import AgentLightningConfig, ConfigError, default_config, merge_config, validate_config
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
@@ -67,10 +68,12 @@ UNSUPPORTED_ESTIMATORS = {
 
 
 def generated_defaults_path() -> str:
-    """Path of the flattened ``ppo_trainer`` defaults inside the installed verl (without importing verl)."""
+    """Path of the flattened ``ppo_trainer`` defaults inside the installed verl (without importing verl),
+    once the installed verl is one this backend supports."""
     spec = importlib.util.find_spec("verl")
     if spec is None or spec.origin is None:
-        raise ConfigError("agentlightning.backend", "backend 'verl' needs verl installed (pip install verl==0.9.1)")
+        raise ConfigError("agentlightning.backend", f"backend 'verl' needs verl installed ({VERL_INSTALL})")
+    check_verl_version()
     return os.path.join(os.path.dirname(spec.origin), "trainer", "config", "_generated_ppo_trainer.yaml")
 
 
