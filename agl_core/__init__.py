@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl_core.hookspecs import hookimpl
+from agl_core._moved import install as _serve_moved_modules
+
+_serve_moved_modules()  # old module paths stay importable, with a warning, for one minor release
 
 if TYPE_CHECKING:
     # the plugin system and the data model
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
     )
     from agl_core.errors import AglError
     from agl_core.hookspecs import Register
-    from agl_core.plugins import EventWriter, PluginError, PluginManager, RegistryError
+    from agl_core.plugins import EventWriter, PluginError, PluginManager, PluginSettings, RegistryError
 
     # aggregators
     from agl_core.stages.aggregation import (
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
         merged_row,
         rollout_reward,
     )
-    from agl_core.stages.levels import Align, aggregate_trajectories, exact_prefix
+    from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix
     from agl_core.stages.mismatch import common_prefix_length
 
     # advantage estimators

@@ -30,7 +30,11 @@ class CommandError(AglError):
 def _plugins(args: argparse.Namespace) -> int:
     manager = PluginManager.from_config({"agentlightning": {"hooks": args.hooks or None}})
     for info in manager.list_plugins():
-        print(f"{info.name}  [{info.source}]")
+        print(f"{info.name}  [{info.source}]" + ("  BROKEN" if info.error else ""))
+        if info.error:
+            print(f"  error: {info.error}")
+            print(f"  (agl check and agl train refuse to run; block it with AGL_BLOCKED_PLUGINS={info.name})")
+            continue
         print(f"  hooks: {', '.join(info.hooks) or '-'}")
         for kind, names in sorted(info.provides.items()):
             print(f"  {kind}: {', '.join(names)}")

@@ -129,6 +129,7 @@ def resolve_config(
     if not isinstance(hooks, str) and not (OmegaConf.is_list(hooks) and all(isinstance(h, str) for h in hooks)):
         hooks = None  # malformed: validation names the key
     manager = PluginManager.from_config({"agentlightning": {"hooks": hooks}}, plugins)
+    manager.refuse_broken()
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
     name = default_config().agentlightning.backend if name is None else name
     try:
@@ -137,6 +138,7 @@ def resolve_config(
         others = {e.name: backend_spec(e).load_config for e in manager.backends if e.name != name}
         raise with_backend_hint(exc, config_path, overrides, others) from None
     manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
+    manager.configure(config)  # the plugins' settings (agentlightning.plugins), validated
     return config, manager
 
 

@@ -32,7 +32,7 @@ from agl_core.plugins import PluginError
 from agl_core.plugins.manager import KNOWN_HOOKS
 from agl_core.suggestions import misspelling_of, suggest
 from agl_hooks import rollout_hooks, schemas
-from agl_hooks.rollout_hooks import HOOK_METHODS, RolloutHooksPlugin
+from agl_hooks.rollout_hooks import HOOK_METHODS, RolloutHooksPlugin, is_rollout_hooks_base
 
 class HookFileError(PluginError):
     """A hook file could not be loaded; the message names the file and what is wrong."""
@@ -41,8 +41,9 @@ class HookFileError(PluginError):
 @contextlib.contextmanager
 def _agentlightning_alias() -> Iterator[None]:
     """Resolve ``agentlightning.hooks`` / ``agentlightning.schemas`` to agl's compatible API while a
-    hook file executes, unless Agent Lightning itself is importable."""
-    if importlib.util.find_spec("agentlightning") is not None:
+    hook file executes, unless Agent Lightning itself is importable (its models are then the ones hooks
+    receive: :func:`~agl_hooks.rollout_hooks.v1_models`)."""
+    if rollout_hooks.v1_models() is not schemas:
         yield
         return
     package = types.ModuleType("agentlightning")
@@ -79,8 +80,7 @@ def _on_sys_path(directory: Path) -> Iterator[None]:
 def _is_rollout_hooks_class(obj: Any) -> bool:
     if not inspect.isclass(obj):
         return False
-    bases = [c for c in obj.__mro__[1:] if c.__name__ == "RolloutHooks" and c.__module__ in ("agl_hooks.rollout_hooks", "agentlightning.hooks")]
-    return bool(bases) and not (obj.__name__ == "RolloutHooks" and obj.__module__ in ("agl_hooks.rollout_hooks", "agentlightning.hooks"))
+    return not is_rollout_hooks_base(obj) and any(is_rollout_hooks_base(c) for c in obj.__mro__[1:])
 
 
 def _exec_module(path: Path) -> types.ModuleType:

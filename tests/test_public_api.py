@@ -130,8 +130,8 @@ def private_imports(source: str) -> list[str]:
 
 
 def test_the_import_check_finds_a_private_import():
-    assert private_imports("from agl_core.stages.levels import trajectory\nimport agl_core.data\n") == [
-        "agl_core.stages.levels",
+    assert private_imports("from agl_core.builtins.aggregators import trajectory\nimport agl_core.data\n") == [
+        "agl_core.builtins.aggregators",
         "agl_core.data",
     ]
     assert private_imports("from agl_core import hookimpl\nfrom agl_core.testing.contracts import X\n") == []

@@ -3,7 +3,7 @@
 An estimator reads one reward per rollout (every row of a rollout must agree on group and reward),
 compares rollouts within their group, and puts the result on the rollout's trained tokens.
 :func:`rollout_level` builds a rollout-level estimator from a function of a group's rewards; the
-built-ins live in :mod:`agl_core.stages.estimators`.
+built-ins live in :mod:`agl_core.builtins.estimators`.
 """
 
 from __future__ import annotations

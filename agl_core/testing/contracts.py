@@ -61,7 +61,7 @@ from agl_core.testing.aggregator_checks import (
     check_tokens,
 )
 from agl_core.testing.estimator_contract import AdvantageEstimatorContract
-from agl_core.testing.lookup import registered
+from agl_core.testing.lookup import PluginContract
 from agl_core.testing.loss_contract import PolicyLossContract
 from agl_core.testing.snapshots import describe_change, snapshot
 from agl_core.testing.strategies import CONTRACT_SETTINGS, TOY_TOKENIZER, aggregation_settings, rollout_batches
@@ -84,12 +84,11 @@ def check_input_unchanged(before: list[Any], after: list[Any], plugin: str) -> N
         raise AssertionError(f"{plugin} changed its input: {change}")
 
 
-class AggregatorContract:
+class AggregatorContract(PluginContract):
     """Base test class: subclass it, set ``aggregator_name`` (and ``plugins``), and pytest runs the contract."""
 
+    registry, name_attribute = "aggregators", "aggregator_name"
     aggregator_name: ClassVar[str] = ""
-    #: plugin objects to register in code beside the built-ins (entry points are never loaded).
-    plugins: ClassVar[tuple[Any, ...]] = ()
     #: False for an aggregator that merges across retokenization: rows then match the last
     #: merged call on decoded text (with the tokenizer of the settings) rather than on ids.
     exact_token_context: ClassVar[bool] = True
@@ -98,8 +97,7 @@ class AggregatorContract:
     leaves_calls_out: ClassVar[bool] = False
 
     def aggregate(self, rollouts: Sequence[CompletedRollout], agg_settings: AggregationSettings) -> Aggregation:
-        aggregate = registered(type(self), "aggregators", self.aggregator_name, "aggregator_name")
-        result = aggregate(rollouts, agg_settings)
+        result = self.plugin_under_test()(rollouts, agg_settings)
         if not isinstance(result, Aggregation):
             raise AssertionError(f"aggregator {self.aggregator_name!r} returned {type(result).__name__}, not an Aggregation")
         return result

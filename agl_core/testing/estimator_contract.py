@@ -50,7 +50,7 @@ import pytest
 
 from agl_core.data import TrainingRow
 from agl_core.stages.advantage import Advantages, AdvantageSettings
-from agl_core.testing.lookup import registered
+from agl_core.testing.lookup import PluginContract
 from agl_core.testing.snapshots import describe_change, shorten, snapshot
 from agl_core.testing.strategies import CONTRACT_SETTINGS, advantage_settings, grouped_rows
 
@@ -180,12 +180,11 @@ def check_errors_name_the_rollout_or_group(
         _refused(estimate, moved, settings, lonely, f"group {lonely!r} has 1 rollout, fewer than min_group_size = {min_group_size}")
 
 
-class AdvantageEstimatorContract:
+class AdvantageEstimatorContract(PluginContract):
     """Base test class: subclass it, set ``estimator_name`` (and ``plugins``), and pytest runs the contract."""
 
+    registry, name_attribute = "advantage_estimators", "estimator_name"
     estimator_name: ClassVar[str] = ""
-    #: plugin objects to register in code beside the built-ins (entry points are never loaded).
-    plugins: ClassVar[tuple[Any, ...]] = ()
     #: True when each model call of a rollout gets its own advantage (``turn_grpo``).
     per_turn: ClassVar[bool] = False
     #: False for an estimator without a group baseline (``reinforce``).
@@ -194,8 +193,7 @@ class AdvantageEstimatorContract:
     min_group_size: ClassVar[int] = 2
 
     def estimate(self, rows: Sequence[TrainingRow], settings: AdvantageSettings) -> Advantages:
-        estimator = registered(type(self), "advantage_estimators", self.estimator_name, "estimator_name")
-        return estimator(rows, settings)
+        return self.plugin_under_test()(rows, settings)
 
     @given(data=st.data(), settings=advantage_settings())
     @CONTRACT_SETTINGS

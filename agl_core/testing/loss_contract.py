@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, policy_loss_spec
-from agl_core.testing.lookup import registered
+from agl_core.testing.lookup import PluginContract
 from agl_core.testing.snapshots import shorten
 from agl_core.testing.strategies import CONTRACT_SETTINGS, LossBatch, loss_batches, loss_settings
 
@@ -222,17 +222,16 @@ def check_inputs_unchanged(loss: Any, batch: LossBatch, settings: LossSettings) 
             raise AssertionError(f"the loss changed its input {name}: [{i}, {j}] was {old[i, j].item()}, now {new[i, j].item()}")
 
 
-class PolicyLossContract:
+class PolicyLossContract(PluginContract):
     """Base test class: subclass it, set ``loss_name`` (and ``plugins``), and pytest runs the contract."""
 
+    registry, name_attribute = "policy_losses", "loss_name"
     loss_name: ClassVar[str] = ""
-    #: plugin objects to register in code beside the built-ins (entry points are never loaded).
-    plugins: ClassVar[tuple[Any, ...]] = ()
     #: False for a loss that is not PPO-clipped (its gradient ignores the clip ratios).
     clips_ratio: ClassVar[bool] = True
 
     def spec(self) -> PolicyLossSpec:
-        return policy_loss_spec(registered(type(self), "policy_losses", self.loss_name, "loss_name"))
+        return policy_loss_spec(self.plugin_under_test())
 
     @given(batch=loss_batches(), settings=loss_settings())
     @CONTRACT_SETTINGS
