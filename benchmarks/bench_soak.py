@@ -20,7 +20,8 @@ rollout left, had every rollout fail, or was still in flight when the run ended;
 reached a terminal state the hooks saw; each epoch enqueued every row once.
 
 Run: ``.venv/bin/python benchmarks/bench_soak.py [--steps 1000] [--every 20] [--out DIR]`` (a
-1,000-step run takes hours on 2 CPU cores; run it at low priority). ``tests/test_soak.py`` runs a
+1,000-step run takes one to two hours on 2 CPU cores; run it at low priority). Interrupted with
+Ctrl-C (SIGINT), it stops the gateway and controller and reports the steps that ran. ``tests/test_soak.py`` runs a
 60-step version with the same checks.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -302,7 +304,10 @@ def soak(steps: int, every: int, out: Path, faults: Faults = Faults(), batch: in
                 "trainer.logger=[soak]",
                 f"trainer.default_local_dir={run_dir}",
             ]
-            run(str(CONFIG), overrides, plugins=[plugin], show_progress=False)
+            try:
+                run(str(CONFIG), overrides, plugins=[plugin], show_progress=False)
+            except KeyboardInterrupt:  # Ctrl-C (SIGINT): report the steps that ran
+                print(f"soak: interrupted after step {len(plugin.steps)}", flush=True)
         finally:
             controller.stop()
     n_rows = sum(1 for line in DATASET.read_text().splitlines() if line.strip())
@@ -344,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hook-raise-every", type=int, default=Faults().hook_raise_every)
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a new temporary one)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background, where SIGINT is ignored
     out = args.out or Path(tempfile.mkdtemp(prefix="agl-soak-"))
     faults = Faults(restart_every=args.restart_every, hook_raise_every=args.hook_raise_every)
     report = soak(args.steps, args.every, out, faults)
