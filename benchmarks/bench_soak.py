@@ -242,7 +242,7 @@ def problems(report: Mapping[str, Any], batch: int = 2, n: int = 4, rss_toleranc
     _, rss_percent = report["growth_per_100_steps"]["rss_mib"]
     if not rss_percent < 100 * rss_tolerance:
         found.append(f"RSS grows {rss_percent:.2f}% per 100 steps after warm-up (limit {100 * rss_tolerance:g}%)")
-    for column, slack in (("threads", 4), ("fds", 8)):
+    for column, slack in (("threads", 6), ("fds", 16)):  # instantaneous counts: in-flight requests come and go
         values = [r[column] for r in after]
         if values and max(values) - min(values) > slack:
             found.append(f"{column} range from {min(values):g} to {max(values):g} after warm-up")
