@@ -18,6 +18,7 @@ from agl_core._moved import install as _serve_moved_modules
 _serve_moved_modules()  # old module paths stay importable, with a warning, for one minor release
 
 if TYPE_CHECKING:
+    from agl_core.backends.contract import Backend, BackendSpec, OnStep
     from agl_core.config import ConfigError
     from agl_core.data import CompletedRollout, DataValidationError, FrozenDict, RolloutRequest, TrainingRow, Triplet
     from agl_core.plugins import EventWriter, PluginError, PluginManager, PluginSettings, RegistryError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from agl_core.stages.levels import Align, aggregate_trajectories, exact_prefix
     from agl_core.stages.mismatch import common_prefix_length
     from agl_core.stages.policy_loss import LossSettings, PolicyLoss, PolicyLossSpec, masked_sum, policy_loss_spec, ppo_token_losses
+    from agl_core.tracking import MetricSink, SinkContext, SinkFactory
 
 __version__ = "0.1.0"
 
@@ -58,6 +60,8 @@ _LAZY = {
     "AggregationCounts": "agl_core.stages.aggregation",
     "AggregationSettings": "agl_core.stages.aggregation",
     "Align": "agl_core.stages.levels",
+    "Backend": "agl_core.backends.contract",
+    "BackendSpec": "agl_core.backends.contract",
     "CALLS_LEFT_OUT_METRIC": "agl_core.stages.aggregation",
     "CompletedRollout": "agl_core.data",
     "ConfigError": "agl_core.config",
@@ -66,7 +70,9 @@ _LAZY = {
     "FrozenDict": "agl_core.data",
     "LossSettings": "agl_core.stages.policy_loss",
     "MISMATCH_KINDS": "agl_core.stages.aggregation",
+    "MetricSink": "agl_core.tracking",
     "Mismatch": "agl_core.stages.aggregation",
+    "OnStep": "agl_core.backends.contract",
     "PluginError": "agl_core.plugins",
     "PluginManager": "agl_core.plugins",
     "PluginSettings": "agl_core.plugins",
@@ -76,6 +82,8 @@ _LAZY = {
     "RolloutGroups": "agl_core.stages.advantage",
     "RolloutRequest": "agl_core.data",
     "Segment": "agl_core.stages.aggregation",
+    "SinkContext": "agl_core.tracking",
+    "SinkFactory": "agl_core.tracking",
     "TrainingRow": "agl_core.data",
     "Triplet": "agl_core.data",
     "aggregate_trajectories": "agl_core.stages.levels",
@@ -102,13 +110,17 @@ __all__ = [
     "AggregationCounts",
     "AggregationSettings",
     "Align",
+    "Backend",
+    "BackendSpec",
     "CompletedRollout",
     "ConfigError",
     "DataValidationError",
     "EventWriter",
     "FrozenDict",
     "LossSettings",
+    "MetricSink",
     "Mismatch",
+    "OnStep",
     "PluginError",
     "PluginManager",
     "PluginSettings",
@@ -118,6 +130,8 @@ __all__ = [
     "RolloutGroups",
     "RolloutRequest",
     "Segment",
+    "SinkContext",
+    "SinkFactory",
     "TrainingRow",
     "Triplet",
     "__version__",

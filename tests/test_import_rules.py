@@ -38,7 +38,7 @@ SHARED_ROLLOUT_MODULES = ("agl_core.rollouts", "agl_core.rollouts.source", "agl_
 
 # part -> the parts it may import (its own part always included)
 ALLOWED = {
-    "api": {"base", "plugins", "stages"},
+    "api": {"base", "plugins", "stages", "backends", "tracking"},
     "base": {"base"},
     "plugins": {"base"},
     "stages": {"base", "plugins"},
