@@ -19,9 +19,15 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from agl_core.stages.advantage import Advantages, AdvantageSettings, RolloutAdvantageError, broadcast, group_rollouts
-from agl_core.data import TrainingRow
-from agl_core.stages.tensorize import tensorize
+from agl_core import (
+    AdvantageSettings,
+    Advantages,
+    RolloutAdvantageError,
+    TrainingRow,
+    broadcast,
+    group_rollouts,
+    tensorize,
+)
 from agl_backend_verl.config import ROLLOUT_LEVEL_KEY, verl_algorithm_config
 from agl_backend_verl.dataproto import to_dataproto
 
@@ -29,7 +35,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
     from verl import DataProto
 
-    from agl_core.plugins import PluginManager
+    from agl_core import PluginManager
 
 
 def is_verl_estimator(name: str) -> bool:

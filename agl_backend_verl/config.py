@@ -27,8 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from agl_core.config import AgentLightningConfig, ConfigError, default_config, merge_config
-from agl_core.config.checks import validate
+from agl_backend_verl.moved_keys import with_moved_key_hint
+from agl_core import AgentLightningConfig, ConfigError, default_config, merge_config, validate_config
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
 
@@ -93,9 +93,12 @@ def verl_base() -> DictConfig:
 def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """The validated run config for backend ``verl``; every error is a :class:`ConfigError` naming its key."""
     base = verl_base()
-    cfg = merge_config(path, overrides, base=base.copy(), composed=COMPOSED)
+    try:
+        cfg = merge_config(path, overrides, base=base.copy(), composed=COMPOSED)
+    except ConfigError as exc:
+        raise with_moved_key_hint(exc) from None
     check_types(cfg, base)
-    validate(cfg)
+    validate_config(cfg)
     validate_verl(cfg)
     return cfg
 

@@ -7,14 +7,12 @@ from typing import TYPE_CHECKING
 
 from agl_backend_verl.config import check_verl_requirements, load_verl_config
 from agl_backend_verl.verl_trackers import register_verl_trackers
-from agl_core import hookimpl
-from agl_core.backends.contract import Backend, BackendSpec
-from agl_core.hookspecs import Register
+from agl_core import Backend, BackendSpec, Register, hookimpl
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from agl_core.plugins import PluginManager
+    from agl_core import PluginManager
 
 
 def verl_backend(config: DictConfig, plugins: PluginManager) -> Backend:

@@ -21,9 +21,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from agl_core.backends.contract import OnStep
-from agl_core.config import ConfigError
-from agl_core.plugins import PluginError, PluginManager
+from agl_core import ConfigError, OnStep, PluginError, PluginManager
 from agl_backend_verl.config import check_verl_requirements
 from agl_backend_verl.trainer import SampleDataset, StepReport
 from agl_backend_verl.verl_plugins import ray_runtime_env
@@ -115,8 +113,7 @@ class TaskRunner:
         from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
         from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-        from agl_core.rollouts.gateway import gateway_source
-        from agl_core.plugins import PluginManager
+        from agl_core import PluginManager, gateway_source
         from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
 
         OmegaConf.resolve(config)
@@ -159,7 +156,7 @@ class VerlBackend:
     """Backend ``verl`` for ``agl train``: the datasets are ``data.train_files`` / ``data.val_files`` (JSONL)."""
 
     def __init__(self, config: DictConfig, plugins: PluginManager):
-        from agl_core.datasets import load_dataset
+        from agl_core import load_dataset
 
         if "ray_kwargs" not in config:
             raise ConfigError(

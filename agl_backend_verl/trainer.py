@@ -27,13 +27,19 @@ from torch.utils.data import Dataset
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.metric import reduce_metrics
 
-from agl_core.backends.contract import OnStep
-from agl_core.backends.loop import LoopSettings, Step, run_steps
-from agl_core.data import CompletedRollout, StepSamples
-from agl_core.plugins import PluginManager
-from agl_core.rollouts.source import RolloutSource
-from agl_core.stages.pipeline import StepPipeline, validation_metrics
-from agl_core.stages.tensorize import tensorize
+from agl_core import (
+    CompletedRollout,
+    LoopSettings,
+    OnStep,
+    PluginManager,
+    RolloutSource,
+    Step,
+    StepPipeline,
+    StepSamples,
+    run_steps,
+    tensorize,
+    validation_metrics,
+)
 from agl_backend_verl.advantages import compute_advantages
 from agl_backend_verl.config import validate_verl
 from agl_backend_verl.dataproto import to_dataproto

@@ -26,10 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from agl_core.stages.advantage import AdvantageSettings
-from agl_core.data import TrainingRow
-from agl_core.stages.policy_loss import as_verl_policy_loss
-from agl_core.plugins import PluginManager
+from agl_backend_verl.policy_loss import as_verl_policy_loss
+from agl_core import AdvantageSettings, PluginManager, TrainingRow
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,10 @@ from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from agl_core.data import StepSamples
-from agl_core.hookspecs import Register
+from agl_core import Register, StepSamples
 
 if TYPE_CHECKING:
-    from agl_core.tracking import SinkContext
+    from agl_core import SinkContext
 
 __all__ = ["VERL_TRACKERS", "VerlTracker", "register_verl_trackers"]
 

@@ -26,11 +26,12 @@ __all__ = ["MOVED", "REMOVED_IN", "MovedModules", "install", "new_import"]
 #: the release in which the rows below stop working.
 REMOVED_IN = "0.3.0"
 
-#: old module -> its names' modules now, searched in order (layout v2 grouped agl_core by stage).
+#: old module -> its names' modules now, searched in order (layout v2 grouped agl_core by stage; the
+#: built-ins then moved to agl_core/builtins/).
 MOVED: dict[str, tuple[str, ...]] = {
-    "agl_core.advantage": ("agl_core.stages.advantage", "agl_core.stages.estimators"),
+    "agl_core.advantage": ("agl_core.stages.advantage", "agl_core.builtins.estimators"),
     "agl_core.aggregation": ("agl_core.stages.aggregation",),
-    "agl_core.aggregators": ("agl_core.stages.levels",),
+    "agl_core.aggregators": ("agl_core.builtins.aggregators",),
     "agl_core.batch_shaping": ("agl_core.stages.shaping",),
     "agl_core.checkpoint": ("agl_core.backends.torch.checkpoint",),
     "agl_core.embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.agents"),
@@ -39,7 +40,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "agl_core.gateway_client": ("agl_core.rollouts.gateway_client",),
     "agl_core.gateway_source": ("agl_core.rollouts.gateway", "agl_core.rollouts.source"),
     "agl_core.inference_engine": ("agl_core.serving.engine",),
-    "agl_core.losses": ("agl_core.stages.policy_loss", "agl_core.stages.losses"),
+    "agl_core.losses": ("agl_core.stages.policy_loss", "agl_core.builtins.losses", "agl_backend_verl.policy_loss"),
     "agl_core.mismatch": ("agl_core.stages.mismatch",),
     "agl_core.normalization": ("agl_core.stages.normalization",),
     "agl_core.pipeline": ("agl_core.stages.pipeline",),
@@ -47,8 +48,12 @@ MOVED: dict[str, tuple[str, ...]] = {
     "agl_core.processes": ("agl_core.serving.processes",),
     "agl_core.registry": ("agl_core.plugins.registry",),
     "agl_core.rollout_source": ("agl_core.rollouts.source",),
+    "agl_core.stages.estimators": ("agl_core.builtins.estimators",),
+    "agl_core.stages.levels": ("agl_core.builtins.aggregators",),
+    "agl_core.stages.losses": ("agl_core.builtins.losses",),
     "agl_core.tensorize": ("agl_core.stages.tensorize",),
     "agl_core.torch_backend": ("agl_core.backends.torch.backend",),
+    "agl_core.tracking.builtins": ("agl_core.builtins.sinks",),
     "agl_core.vllm_engine": ("agl_core.serving.vllm_engine",),
 }
 
@@ -105,7 +110,20 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         )
 
 
+class _Package(types.ModuleType):
+    """``agl_core`` itself: importing an old path named like a public name (``agl_core.tensorize``)
+    binds the old module on the package, which would hide the public name; that binding is skipped."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, _MovedModule) and name in getattr(self, "__all__", ()):
+            return
+        super().__setattr__(name, value)
+
+
 def install() -> None:
     """Serve the old paths (idempotent); after every real finder, so a module that exists wins."""
     if not any(isinstance(finder, MovedModules) for finder in sys.meta_path):
         sys.meta_path.append(MovedModules())
+    package = sys.modules["agl_core"]
+    if type(package) is types.ModuleType:
+        package.__class__ = _Package

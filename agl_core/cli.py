@@ -15,24 +15,16 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from agl_core.errors import AglError
 from agl_core.plugins import PluginManager
 from agl_core.scaffold import add_command as add_new_plugin_command
 
 DISTRIBUTION = "agl-backend-verl"
 
 
-class CommandError(Exception):
+class CommandError(AglError):
     """A command cannot do what it was asked (a missing or unreadable file...); the message says why."""
 
-
-# Errors of modules the CLI must not import (they may not even be loaded): (module, class) -> hint.
-# An error is one of them only if its module was loaded, so looking them up never imports anything.
-LAZY_ERRORS = {
-    ("agl_core.rollouts.gateway_client", "GatewayError"): "is the gateway running at agentlightning.agl_base_url, with agentlightning.agl_key?",
-    ("agl_core.serving.vllm_engine", "VllmEngineError"): "see agentlightning.vllm (python, url, startup_timeout_seconds)",
-    ("agl_core.stages.advantage", "AdvantageError"): None,
-    ("agl_core.fields", "DataValidationError"): None,
-}
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -176,18 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _expected(exc: BaseException) -> tuple[bool, str | None]:
-    """Whether agl expects ``exc`` (its message is the explanation), and a hint to print with it."""
-    from agl_core.config import ConfigError
-    from agl_core.plugins import PluginError, RegistryError
-
-    if isinstance(exc, (ConfigError, CommandError, FileNotFoundError, PluginError)):
+    """Whether agl expects ``exc`` (an :class:`~agl_core.errors.AglError`, or a file that is not
+    there: its message is the explanation), and a hint to print with it."""
+    if isinstance(exc, AglError):
+        return True, exc.hint
+    if isinstance(exc, FileNotFoundError):
         return True, None
-    if isinstance(exc, RegistryError):
-        return True, "agl plugins lists the registered plugins and what they provide"
-    for (module, name), hint in LAZY_ERRORS.items():
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(exc, cls):
-            return True, hint
     return False, "this looks like a bug in agl or a plugin; run again with --traceback to see where it happened"
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from agl_core.errors import AglError
+
 __all__ = [
     "DataValidationError",
     "FrozenDict",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-class DataValidationError(ValueError):
+class DataValidationError(AglError, ValueError):
     """A field of a data-model object holds a value that would corrupt training.
 
     ``field`` is a dotted path (``triplets[2].response_log_probs``); ``rollout_id`` is set when the

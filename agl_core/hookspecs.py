@@ -58,7 +58,8 @@ def agl_register_aggregators(register: Register, settings: PluginSettings) -> No
     is what ``agentlightning.trace_aggregator.level`` selects (built-ins: ``transition``,
     ``trajectory``).
 
-    ``aggregate(rollouts, settings) -> Aggregation``: ``rollouts`` is a sequence of
+    ``aggregate`` is an :class:`agl_core.Aggregator`, ``aggregate(rollouts, settings) -> Aggregation``:
+    ``rollouts`` is a sequence of
     :class:`~agl_core.data.CompletedRollout`; ``settings`` an
     :class:`~agl_core.stages.aggregation.AggregationSettings` (prompt/response limits, optional tokenizer,
     mismatch sample size). It returns an :class:`~agl_core.stages.aggregation.Aggregation` (rows, metrics,
@@ -75,7 +76,8 @@ def agl_register_advantage_estimators(register: Register, settings: PluginSettin
     what ``algorithm.adv_estimator`` selects (built-ins include ``grpo``, ``rloo``, ``reinforce``,
     ``reinforce_baseline``).
 
-    ``estimate(rows, settings) -> Advantages``: ``rows`` is a sequence of
+    ``estimate`` is an :class:`agl_core.AdvantageEstimator`, ``estimate(rows, settings) -> Advantages``:
+    ``rows`` is a sequence of
     :class:`~agl_core.data.TrainingRow` (every row collected for the step, before any drop; an
     estimator reads ``rollout_id``, ``group_id``, ``reward``, ``response_mask`` and, when it credits
     calls separately, ``response_turns``, ``turn_index`` and ``turn_rewards``); ``settings`` is an
@@ -96,13 +98,14 @@ def agl_register_policy_losses(register: Register, settings: PluginSettings) -> 
     is what ``actor_rollout_ref.actor.policy_loss.loss_mode`` selects (built-ins:
     ``per_rollout_mean``, ``token_mean``).
 
-    ``loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None)
-    -> (loss, metrics)`` over padded ``[batch, response_len]`` torch tensors; ``settings`` is a
+    ``loss_fn`` is an :class:`agl_core.PolicyLoss`, ``loss_fn(old_log_prob, log_prob, advantages,
+    response_mask, settings, rollout_is_weights=None) -> (loss, metrics)`` over padded
+    ``[batch, response_len]`` torch tensors; ``settings`` is a
     :class:`~agl_core.stages.policy_loss.LossSettings`; ``loss`` is a scalar tensor to backpropagate and
     ``metrics`` maps ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` to
     floats. Values at padded positions must not reach the loss or its gradient.
-    :func:`agl_core.stages.policy_loss.as_verl_policy_loss` turns such a function into one for verl's
-    policy-loss registry. See :mod:`agl_core.stages.losses`.
+    ``agl_backend_verl.policy_loss.as_verl_policy_loss`` turns such a function into one for verl's
+    policy-loss registry. See :mod:`agl_core.builtins.losses`.
 
     A loss that needs something of the step pipeline declares it by registering a
     :class:`~agl_core.stages.policy_loss.PolicyLossSpec` instead of the bare function:
@@ -146,7 +149,7 @@ def agl_register_metric_sinks(register: Register, settings: PluginSettings) -> N
     ``tensorboard``; ``wandb``). ``factory(context)`` receives a
     :class:`~agl_core.tracking.SinkContext` (the run directory, ``trainer.project_name``,
     ``trainer.experiment_name``, the run config as plain data with the gateway key redacted) and
-    returns a :class:`~agl_core.tracking.MetricSink`: ``log_samples(step, samples)`` (table name →
+    returns an :class:`agl_core.MetricSink`: ``log_samples(step, samples)`` (table name →
     rows of JSON-like dicts: ``trajectories``, ``mismatches``), then ``log_metrics(step, metrics)``
     for every step, and ``close()`` once at the end. Sinks run in the ``agl train`` process on
     every backend. The first step a sink is given is where the run starts (a resumed run redoes

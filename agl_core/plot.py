@@ -35,6 +35,26 @@ def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     return dict(sorted(by_step.items()))
 
 
+def _points(by_step: dict[int, dict[str, float]], key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of ``key`` where it is finite (``null`` is a NaN the run log wrote); any value
+    that is not a number, or values too far apart for a float axis, are a ValueError naming the metric."""
+    points = []
+    for step, metrics in by_step.items():
+        value = metrics.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"metric {key!r} of step {step} is {value!r:.60}, not a number")
+        if isinstance(value, int) and abs(value) >= 2**1024:
+            raise ValueError(f"metric {key!r} of step {step} is an integer beyond a float's range")
+        if math.isfinite(value):
+            points.append((step, float(value)))
+    values = [v for _, v in points]
+    if values and not math.isfinite(max(values) - min(values)):
+        raise ValueError(f"metric {key!r} spans {min(values):g} to {max(values):g}, too wide to plot")
+    return points
+
+
 def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
     """Write the PNG of ``metrics_path`` to ``out_path`` and return it."""
     import matplotlib
@@ -46,9 +66,10 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
     if not by_step:
         raise ValueError(f"{metrics_path} holds no steps to plot")
     panels = [(key, title) for key, title in PANELS if any(key in m for m in by_step.values())]
+    series = {key: _points(by_step, key) for key, _ in panels}
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True, squeeze=False)
     for ax, (key, title) in zip(axes[:, 0], panels):
-        points = [(s, m[key]) for s, m in by_step.items() if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+        points = series[key]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import re
 import string
-import sys
 from importlib.resources import files
 from pathlib import Path
+
+from agl_core.errors import AglError
 
 __all__ = ["ScaffoldError", "add_command", "new_plugin"]
 
@@ -29,7 +30,7 @@ FILES = {
 _NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 
 
-class ScaffoldError(ValueError):
+class ScaffoldError(AglError, ValueError):
     """The plugin cannot be written: a bad name, a name agl already uses, or an existing folder."""
 
 
@@ -65,11 +66,7 @@ def new_plugin(name: str, directory: str | Path = ".") -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        target = new_plugin(args.name, args.dir)
-    except ScaffoldError as exc:
-        print(f"agl: error: {exc}", file=sys.stderr)
-        return 2
+    target = new_plugin(args.name, args.dir)
     print(f"agl: wrote plugin {args.name!r} in {target}; next: pip install -e '{target}[test]' && pytest {target}")
     return 0
 

@@ -11,7 +11,7 @@ reward, validation reward and throughput.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +27,31 @@ __all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "resolve_conf
 
 class MetricsLog:
     """``agl train``'s ``on_step``: hands every step to the sinks (by default only the run log of
-    ``run_dir``) and keeps the progress bar up to date."""
+    ``run_dir``) and keeps the progress bar up to date.
 
-    def __init__(self, run_dir: Path, show_progress: bool = True, sinks: Sequence[MetricSink] | None = None):
+    ``opener``, if given, opens the sinks when the first step arrives: by then the backend has passed
+    its own preflight checks (verl's GPU check runs inside ``fit``), so a tracker that cannot start
+    (W&B without a login) is not reported before what the backend would have refused."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        show_progress: bool = True,
+        sinks: Sequence[MetricSink] | None = None,
+        *,
+        opener: Callable[[], Sequence[MetricSink]] | None = None,
+    ):
         from tqdm import tqdm
 
-        self.sinks = list(sinks) if sinks is not None else [RunLog(SinkContext(run_dir))]
+        self.sinks = list(sinks) if sinks is not None else [] if opener is not None else [RunLog(SinkContext(run_dir))]
+        self._opener = opener
         self.started = time.monotonic()
         self.bar = tqdm(desc="agl train", unit="step", disable=not show_progress, dynamic_ncols=True)
 
     def __call__(self, step: int, total_steps: int, metrics: Mapping[str, float], samples: StepSamples | None = None) -> None:
+        if self._opener is not None:
+            opener, self._opener = self._opener, None
+            self.sinks.extend(opener())
         logged = {"wall_s": round(time.monotonic() - self.started, 3), **metrics}
         tables = {name: rows for name, rows in (samples or {}).items() if rows}
         for sink in self.sinks:
@@ -79,11 +94,12 @@ def run(
     """Train as the config says; return the run directory (metrics, samples, plot, checkpoints).
 
     The sinks are looked up before the backend is built (an unknown name in ``trainer.logger`` is an
-    error naming the key and the registered sinks) and opened once it is."""
+    error naming the key and the registered sinks) and opened when the backend reports its first
+    step, after its own checks."""
     config, manager = resolve_config(config_path, overrides, plugins)
     _, factories = preflight(config, manager)
     backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
-    log = MetricsLog(Path(config.trainer.default_local_dir), show_progress, open_sinks(factories, config))
+    log = MetricsLog(Path(config.trainer.default_local_dir), show_progress, opener=lambda: open_sinks(factories, config))
     try:
         backend.fit(log)
     finally:

@@ -12,16 +12,18 @@ Runs agl from the source tree (nothing of agl is installed) and writes ``DIR/rep
 4. ``synthetic``: a model of realistic size built locally at random init (``full``: Qwen2-0.5B's shape
    on the Llama architecture; ``tiny``: two small layers) with a word-level tokenizer built here, on a
    synthetic multi-turn task: per-step generation and update time (the backend's ``timing/*``
-   metrics), tokens per second and peak device memory.
+   metrics), tokens per second and peak device memory;
+5. ``modes``: the same task on a 0.5B- and a 1.5B-shaped model (``tiny``: two small shapes) in each
+   training mode of :data:`MODES` (full fine-tune in fp32, in bf16, LoRA, LoRA with gradient
+   checkpointing, set by verl's keys): peak device memory, seconds per step of generation, log-probs
+   and update, tokens per second, and which of them fit a 24 GiB and an 80 GiB card.
 
-The torch backend loads its policy in float32 and has no dtype option, so the training sections run
-in float32 (the report says so); bfloat16 is exercised by the numeric sections only. Nothing is
-downloaded. ``agl train``'s own run driver also draws ``metrics.png`` (matplotlib); these runs go
+The first four sections train in float32. Nothing is downloaded. ``agl train``'s own run driver also draws ``metrics.png`` (matplotlib); these runs go
 through :func:`agl_core.train.resolve_config` and the backend registry instead, so matplotlib is not
 needed, and write each step's metrics to ``DIR/<section>/metrics.jsonl``.
 
 Usage: ``python scripts/device_check.py --out DIR [--device cuda|cpu] [--size full|tiny]
-[--deadline-s S]``. Exit status 0 whenever the report was written (``passed`` and each section's
+[--deadline-s S] [--sections NAME ...]``. Exit status 0 whenever the report was written (``passed`` and each section's
 ``status`` say what passed; a section still running at the deadline is marked failed and the run
 ends there), 2 on a usage error such as ``--device cuda`` where no GPU is visible.
 """
@@ -56,7 +58,8 @@ import device_numerics  # noqa: E402  (this script's folder is on sys.path)
 from device_workload import AGENT_CLASS, build_policy, write_dataset  # noqa: E402
 
 GIB = 2**30
-PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "omegaconf", "verl", "ray", "tensordict")
+PACKAGES = ("torch", "transformers", "tokenizers", "peft", "numpy", "omegaconf", "verl", "ray", "tensordict")
+SECTIONS = ("losses", "estimators", "verl", "corridor", "synthetic", "modes")
 
 
 @attrs.frozen
@@ -80,10 +83,29 @@ TINY = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True,
 }  # fmt: skip
+QWEN2_1_5B = {
+    "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+}  # fmt: skip
+TINY_WIDE = {**TINY, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3}
 SIZES = {
     "full": Size(40, QWEN2_0_5B, prompts=8, n=4, turns=3, observation_words=32, max_tokens=48, steps=5, deadline_s=420),
     "tiny": Size(8, TINY, prompts=2, n=4, turns=2, observation_words=6, max_tokens=6, steps=3, deadline_s=240),
 }
+# The models of the modes section, by size.
+MODE_SHAPES = {"full": {"0.5B": QWEN2_0_5B, "1.5B": QWEN2_1_5B}, "tiny": {"tiny": TINY, "tiny-wide": TINY_WIDE}}
+MODE_STEPS = 3  # per mode; the timings are means over the steps after the first
+BF16 = ["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]
+LORA = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=64", "actor_rollout_ref.model.target_modules=all-linear"]
+# The training modes compared, as verl's keys set them (LoRA over bf16 base weights; PEFT keeps the adapter in fp32).
+MODES = {
+    "full fp32": [],
+    "full bf16": BF16,
+    "lora bf16": [*BF16, *LORA],
+    "lora bf16 + checkpointing": [*BF16, *LORA, "actor_rollout_ref.model.enable_gradient_checkpointing=true"],
+}
+CARDS_GIB = (24, 80)
+CUDA_CONTEXT_GIB = 1.0  # what the CUDA context and kernels take besides torch's allocations
 
 
 class Report:
@@ -248,20 +270,18 @@ def corridor(size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
     }
 
 
-def synthetic(size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
-    from agl_core.config import default_config
-
-    folder, model = build_policy(work / "synthetic-policy", size.model, device)
+def synthetic_overrides(size: Size, device: str, work: Path, name: str, folder: Path, steps: int) -> list[str]:
+    """The synthetic task's run of ``steps`` steps on the policy in ``folder``."""
     dataset = write_dataset(
-        work / "synthetic.jsonl",
-        size.prompts * size.steps,
+        work / f"{name}.jsonl",
+        size.prompts * steps,
         size.turns,
         size.observation_words,
         size.max_tokens,
         size.model["vocab_size"],
     )
-    overrides = [
-        *run_overrides(work, "synthetic-run", device, size.steps),
+    return [
+        *run_overrides(work, name, device, steps),
         f"actor_rollout_ref.model.path={folder}",
         f"data.train_files={dataset}",
         f"data.train_batch_size={size.prompts}",
@@ -272,16 +292,19 @@ def synthetic(size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
         "agentlightning.local.env_map.DEVICE_CHECK_TASK=input",
         "algorithm.adv_estimator=grpo",
     ]
+
+
+def synthetic(size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
+    folder, model = build_policy(work / "synthetic-policy", size.model, device)
+    overrides = synthetic_overrides(size, device, work, "synthetic-run", folder, size.steps)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()  # the peak of training, not of drawing the weights
     steps = [s for s in train(None, overrides, out / "synthetic") if s["step"] > 0]
     per_step = [step_summary(s) for s in steps]
     complete = len(steps) == size.steps and all(p["rollouts_succeeded"] == size.prompts * size.n for p in per_step)
-    options = ", ".join(default_config().agentlightning.torch)
     return {
         "status": "passed" if complete else "failed",
-        "model": {**model, "dtype": "float32", "dtype_note": f"the torch backend loads the policy in float32; its options "
-                  f"(agentlightning.torch: {options}) have no dtype"},  # fmt: skip
+        "model": {**model, "dtype": "float32"},
         "workload": {"prompts_per_step": size.prompts, "rollouts_per_prompt": size.n, "turns": size.turns,
                      "observation_words": size.observation_words, "max_tokens_per_reply": size.max_tokens},  # fmt: skip
         "per_step": per_step,
@@ -297,6 +320,8 @@ def step_summary(step: Mapping[str, Any]) -> dict[str, Any]:
         "gen_s": step.get("timing/gen_s"),
         "update_s": step.get("timing/update_s"),
         "step_s": step.get("timing/step_s"),
+        "log_prob_s": step.get("timing/log_prob_s"),
+        "actor_update_s": step.get("timing/actor_update_s"),
         "generated_tokens": (step.get("response_length/training/avg_by_turn") or 0.0) * (step.get("training/n_turns") or 0),
         "trained_tokens": step.get("perf/total_num_tokens") or 0.0,
         "rollouts_succeeded": step.get("training/rollouts/n_succeeded"),
@@ -310,12 +335,58 @@ def throughput(per_step: list[dict[str, Any]]) -> dict[str, Any]:
     """Means over the steps after the first (which also warms the device up) when there are several."""
     warm = per_step[1:] if len(per_step) > 1 else per_step
     return {
-        "mean_after_first_step": {k: _mean([p[k] for p in warm]) for k in ("gen_s", "update_s", "step_s")},
-        "log_probs_s": None,
-        "log_probs_note": "the torch backend times generation and update; it computes the old log-probs inside update_s",
+        "mean_after_first_step": {k: _mean([p[k] for p in warm]) for k in ("gen_s", "log_prob_s", "actor_update_s", "update_s", "step_s")},
         "generated_tokens_per_s": _mean([p["generated_tokens"] / p["gen_s"] for p in warm if p["gen_s"]]),
         "trained_tokens_per_s": _mean([p["trained_tokens"] / p["update_s"] for p in warm if p["update_s"]]),
     }
+
+
+def modes(size_name: str, size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
+    """Every shape of :data:`MODE_SHAPES` in every mode of :data:`MODES`: peak memory, the step's time
+    split, tokens per second, and whether the peak fits each card of :data:`CARDS_GIB`."""
+    import gc
+
+    shapes: dict[str, Any] = {}
+    for shape_name, shape in MODE_SHAPES[size_name].items():
+        folder, model = build_policy(work / f"modes-{shape_name}-policy", {**size.model, **shape}, device)
+        runs: dict[str, Any] = {}
+        for mode, keys in MODES.items():
+            name = f"modes-{shape_name}-{mode.replace(' ', '-').replace('+', 'and')}"
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                steps = [s for s in train(None, [*synthetic_overrides(size, device, work, name, folder, MODE_STEPS), *keys], out / name) if s["step"] > 0]
+            except Exception:
+                runs[mode] = {"status": "failed", "error": traceback.format_exc(limit=-4)}
+                continue
+            per_step = [step_summary(s) for s in steps]
+            runs[mode] = {"status": "passed" if len(steps) == MODE_STEPS else "failed", "keys": keys, **mode_summary(per_step, device)}
+        shapes[shape_name] = {"model": model, "modes": runs}
+    statuses = [run["status"] for shape in shapes.values() for run in shape["modes"].values()]
+    return {"status": "passed" if all(s == "passed" for s in statuses) else "failed", "cards_gib": list(CARDS_GIB), "shapes": shapes}
+
+
+def mode_summary(per_step: list[dict[str, Any]], device: str) -> dict[str, Any]:
+    """One mode's means after the first step, its peak memory and the cards that hold it."""
+    warm = per_step[1:] if len(per_step) > 1 else per_step
+    times = {k: _mean([p[k] for p in warm]) for k in ("gen_s", "log_prob_s", "actor_update_s", "step_s")}
+    trained_s = [(p["log_prob_s"] or 0.0) + (p["actor_update_s"] or 0.0) for p in warm]
+    result: dict[str, Any] = {
+        **times,
+        "generated_tokens_per_s": _mean([p["generated_tokens"] / p["gen_s"] for p in warm if p["gen_s"]]),
+        "trained_tokens_per_s": _mean([p["trained_tokens"] / s for p, s in zip(warm, trained_s) if s]),
+        "peak_allocated_gib": None,
+        "peak_reserved_gib": None,
+        "fits": None,
+    }
+    if device == "cuda":
+        reserved = torch.cuda.max_memory_reserved() / GIB
+        result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        result["peak_reserved_gib"] = round(reserved, 3)
+        result["fits"] = {f"{card}GiB": reserved + CUDA_CONTEXT_GIB <= card for card in CARDS_GIB}
+    return result
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -348,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--size", choices=tuple(SIZES), default="full")
     parser.add_argument("--deadline-s", type=float, help="end the check (report written) after this long (default: by size)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the sections to run (default: all)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (use --device cpu)")
@@ -360,11 +432,17 @@ def main(argv: list[str] | None = None) -> int:
     watchdog.start()
     with tempfile.TemporaryDirectory(prefix="agl-device-check-") as tmp:
         work = Path(tmp)
-        report.run("losses", lambda: device_numerics.check_losses(args.device), args.device)
-        report.run("estimators", lambda: device_numerics.check_estimators(args.device), args.device)
-        report.run("verl", lambda: device_numerics.check_verl(args.device), args.device)
-        report.run("corridor", lambda: corridor(size, args.device, work, args.out), args.device)
-        report.run("synthetic", lambda: synthetic(size, args.device, work, args.out), args.device)
+        checks = {
+            "losses": lambda: device_numerics.check_losses(args.device),
+            "estimators": lambda: device_numerics.check_estimators(args.device),
+            "verl": lambda: device_numerics.check_verl(args.device),
+            "corridor": lambda: corridor(size, args.device, work, args.out),
+            "synthetic": lambda: synthetic(size, args.device, work, args.out),
+            "modes": lambda: modes(args.size, size, args.device, work, args.out),
+        }
+        for name in SECTIONS:
+            if name in args.sections:
+                report.run(name, checks[name], args.device)
     watchdog.cancel()
     for name, section in report.data["sections"].items():
         print(f"device_check: {name}: {section['status']} ({section['seconds']} s)")

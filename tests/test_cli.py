@@ -179,7 +179,7 @@ def test_rows_missing_an_env_map_field_are_refused_before_training(policy, tmp_p
     data.write_text('{"signs": ["left"]}\n{"sign": ["right"]}\n')
     common = [CONFIG, f"actor_rollout_ref.model.path={policy}", f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}"]
     expected = (
-        "agl: error: config key data.train_files: row 2 of 2: agentlightning.local.env_map.CORRIDOR_SIGNS: "
+        f"agl: error: config key data.train_files: row 2 of 2 of {data}: agentlightning.local.env_map.CORRIDOR_SIGNS: "
         "path 'input.signs' not found in the rollout input\n"
     )
     for command in ("check", "train"):
@@ -242,6 +242,10 @@ def test_a_hook_file_that_fails_to_import_is_one_line(tmp_path, capsys):
         ('{"step": 1, "training/reward": 0.5}\n{not json\n', "line 2 is not valid JSON"),
         ('{"training/reward": 0.5}\n', "line 1 has no integer 'step'"),
         ("[1, 2]\n", "line 1 must be a JSON object"),
+        ('{"step": 1, "training/reward": 0.5}\n{"step": 2, "training/reward": "high"}\n', "metric 'training/reward' of step 2 is 'high', not a number"),
+        ('{"step": 1, "timing/step_s": [1.0]}\n', "metric 'timing/step_s' of step 1 is [1.0], not a number"),
+        ('{"step": 1, "training/reward": 1e308}\n{"step": 2, "training/reward": -1e308}\n', "metric 'training/reward' spans -1e+308 to 1e+308, too wide to plot"),
+        ('{"step": 1, "training/reward": 1' + "0" * 400 + '}\n', "metric 'training/reward' of step 1 is an integer beyond a float's range"),
     ],
 )
 def test_plot_reports_empty_and_malformed_metrics_in_one_line(tmp_path, capsys, content, message):
@@ -251,3 +255,40 @@ def test_plot_reports_empty_and_malformed_metrics_in_one_line(tmp_path, capsys, 
     assert code == 2 and err.startswith(f"agl: error: cannot plot {metrics}: ") and message in err
     code, _, err = run_cli(capsys, "plot", str(tmp_path / "elsewhere"))
     assert code == 2 and err == f"agl: error: no metrics file at {tmp_path / 'elsewhere'}\n"
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_misspelt_hook_method_stops_check_and_train_at_the_start(policy, tmp_path, capsys, command):
+    hooks = tmp_path / "hooks.py"
+    hooks.write_text("from agl_hooks import RolloutHooks\n\nclass Judge(RolloutHooks):\n    def onSucceeded(self, rollout, events, store):\n        pass\n")
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(
+        capsys, command, CONFIG, f"actor_rollout_ref.model.path={policy}", f"agentlightning.hooks={hooks}", f"trainer.default_local_dir={run_dir}"
+    )
+    assert code == 2
+    assert err.splitlines()[0] == (
+        f"agl: error: hook file {hooks.resolve()}: Judge.onSucceeded is not a hook, so it would never be called; did you mean 'on_succeeded'?"
+    )
+    assert not run_dir.exists()
+
+
+def test_a_hook_files_syntax_error_names_its_line(tmp_path, capsys):
+    hooks = tmp_path / "broken.py"
+    hooks.write_text("from agl_core import hookimpl\n\ndef agl_on_startup(config:\n    pass\n")
+    code, _, err = run_cli(capsys, "plugins", "--hooks", str(hooks))
+    assert code == 2
+    assert err.splitlines()[0].startswith(f"agl: error: hook file {hooks.resolve()} failed to import: {hooks.resolve()}:3: SyntaxError: ")
+
+
+def test_train_given_a_directory_says_it_expected_a_yaml_file(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", str(tmp_path))
+    assert code == 2 and err == f"agl: error: config key <file>: {tmp_path} is a directory; expected a YAML config file\n"
+
+
+@pytest.mark.parametrize(
+    "key, meant",
+    [("trainer.total_steps", "total_training_steps"), ("trainer.total_epoch", "total_epochs"), ("data.train_file", "train_files")],
+)
+def test_an_unknown_key_suggests_the_key_holding_its_words_else_the_closest_spelling(capsys, key, meant):
+    code, _, err = run_cli(capsys, "check", CONFIG, f"{key}=3")
+    assert code == 2 and f"config key {key}: unknown key (in overrides); did you mean '{meant}'?" in err

@@ -19,15 +19,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from packaging.version import Version
 
 from agl_core import hookimpl
 from agl_core.plugins import PluginManager
-from agl_core.stages.losses import token_mean
+from agl_core.builtins.losses import token_mean
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
 DEVICE_CHECK = SCRIPTS / "device_check.py"
-SECTIONS = ["losses", "estimators", "verl", "corridor", "synthetic"]
+SECTIONS = ["losses", "estimators", "verl", "corridor", "synthetic", "modes"]
+MODES = ["full fp32", "full bf16", "lora bf16", "lora bf16 + checkpointing"]
 IMAGE_TRANSFORMERS = ("transformers==5.17.0", "tokenizers>=0.23.1,<0.24")
 
 sys.path.append(str(SCRIPTS))  # device_numerics, as device_check.py imports it
@@ -55,7 +57,8 @@ def passed_report(out: Path, first_on_path: Path | None = None) -> dict:
 def test_the_tiny_cpu_run_passes_and_reports_every_section(tmp_path):
     report = passed_report(tmp_path / "out")
     assert (report["device"], report["size"]) == ("cpu", "tiny")
-    assert report["environment"]["packages"]["torch"] == torch.__version__
+    # the distribution's version has no local tag; torch.__version__ may (PyPI's CUDA wheel: 2.13.0+cu130)
+    assert Version(report["environment"]["packages"]["torch"]).public == Version(torch.__version__).public
     sections = report["sections"]
     for name in ("losses", "estimators"):
         assert set(sections[name]["tolerances"]) == {"float32", "bfloat16"}
@@ -75,8 +78,20 @@ def test_the_tiny_cpu_run_passes_and_reports_every_section(tmp_path):
         assert step["rollouts_succeeded"] == 8 and step["generated_tokens"] > 0 and step["trained_tokens"] > 0
         assert step["gen_s"] > 0 and step["update_s"] > 0
     assert synthetic["generated_tokens_per_s"] > 0 and synthetic["trained_tokens_per_s"] > 0
+    assert synthetic["mean_after_first_step"]["log_prob_s"] > 0
+    shapes = sections["modes"]["shapes"]
+    assert list(shapes) == ["tiny", "tiny-wide"] and sections["modes"]["cards_gib"] == [24, 80]
+    for shape in shapes.values():
+        assert list(shape["modes"]) == MODES and shape["model"]["parameters"] > 0
+        for run in shape["modes"].values():
+            assert run["status"] == "passed"
+            assert run["gen_s"] > 0 and run["log_prob_s"] > 0 and run["actor_update_s"] > 0
+            assert run["generated_tokens_per_s"] > 0 and run["trained_tokens_per_s"] > 0
+            assert run["peak_allocated_gib"] is None and run["fits"] is None  # measured on a GPU only
     assert all(s["peak_gpu_memory_gib"] is None for s in sections.values())
-    for name in ("corridor", "synthetic"):
+    lora = json.loads((tmp_path / "out" / "modes-tiny-lora-bf16" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert lora["actor/grad_norm"] > 0, "the LoRA run trained its adapter"
+    for name in ("corridor", "synthetic", "modes-tiny-full-fp32"):
         lines = (tmp_path / "out" / name / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == list(range(1, len(lines) + 1))
 

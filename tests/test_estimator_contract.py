@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
 from agl_core import AdvantageError, Advantages, AdvantageSettings, PluginManager, broadcast, group_rollouts, rollout_level
-from agl_core.stages.estimators import grpo
+from agl_core.builtins.estimators import grpo
 from agl_core.testing.contracts import AdvantageEstimatorContract
 from agl_core.testing.estimator_contract import (
     EstimatorCase,

@@ -163,7 +163,7 @@ def test_hook_wrappers_are_refused_naming_plugin_and_hook(opts, kind, hook):
     pm = PluginManager(load_entrypoints=False, builtins={})
     with pytest.raises(PluginError, match=rf"plugin 'wrapping': {hook} is a hook wrapper \({kind}\)"):
         pm.register(plugin, name="wrapping")
-    assert not pm.is_registered("wrapping"), "a refused plugin is not left half-registered"
+    assert pm.get_plugin("wrapping") is None, "a refused plugin is not left half-registered"
 
 
 def test_a_wrapper_on_the_hook_pluggy_calls_works_as_pluggy_documents(tmp_path):
@@ -181,3 +181,41 @@ def test_a_wrapper_on_the_hook_pluggy_calls_works_as_pluggy_documents(tmp_path):
     pm.register(AroundLoading(), name="around")
     assert pm.load_hook_files([hook_file]) == [f"hookfile:{hook_file.resolve()}"]
     assert seen == ["hooks.py"]
+
+
+class RaisesByKind:
+    """on_startup raises ValueError, then KeyError, then ValueError again."""
+
+    def __init__(self):
+        self.errors = [ValueError("bad value"), KeyError("missing"), ValueError("bad value")]
+
+    @hookimpl
+    def agl_on_startup(self):
+        raise self.errors.pop(0)
+
+
+def _failure_records(caplog):
+    return [r for r in caplog.records if r.name == "agl_core.plugins.calls" and "failed" in r.getMessage()]
+
+
+def test_each_hook_failure_is_one_line_with_the_traceback_once_per_kind(caplog, monkeypatch):
+    monkeypatch.delenv("AGL_HOOK_TRACEBACKS", raising=False)
+    pm = manager(RaisesByKind())
+    for _ in range(3):
+        pm.on_startup(config={})
+    records = _failure_records(caplog)
+    assert len(records) == 3
+    assert all("\n" not in r.getMessage() and "plugin 'p0'" in r.getMessage() for r in records)
+    assert ["ValueError: bad value" in records[0].getMessage(), "KeyError: 'missing'" in records[1].getMessage()] == [True, True]
+    # the first ValueError and the first KeyError carry their traceback; the second ValueError does not
+    assert [r.exc_info is not None for r in records] == [True, True, False]
+    assert "AGL_HOOK_TRACEBACKS=1" in records[2].getMessage()
+    assert pm.pop_metrics()["training/n_hook_failures"] == 3
+
+
+def test_every_traceback_is_logged_under_the_debug_flag(caplog, monkeypatch):
+    monkeypatch.setenv("AGL_HOOK_TRACEBACKS", "1")
+    pm = manager(RaisesByKind())
+    for _ in range(3):
+        pm.on_startup(config={})
+    assert [r.exc_info is not None for r in _failure_records(caplog)] == [True, True, True]

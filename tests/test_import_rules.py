@@ -20,8 +20,8 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 # The package root (the public API) is its own part; a name imported from it counts as an import of
 # the module that defines the name.
 API = "agl_core"
-BASE = {"agl_core.data", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
-        "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot", "agl_core._moved"}
+BASE = {"agl_core._moved", "agl_core.data", "agl_core.errors", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
+        "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
 ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {
@@ -30,6 +30,7 @@ SOURCE_FAMILIES = {
         "agl_core.rollouts.gateway_sync",
         "agl_core.rollouts.gateway_async",
         "agl_core.rollouts.gateway_client",
+        "agl_core.rollouts.gateway_error",
         "agl_core.rollouts.retry",
     ),
     "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),
@@ -38,7 +39,7 @@ SHARED_ROLLOUT_MODULES = ("agl_core.rollouts", "agl_core.rollouts.source", "agl_
 
 # part -> the parts it may import (its own part always included)
 ALLOWED = {
-    "api": {"base", "plugins", "stages", "backends", "tracking"},
+    "api": {"base", "plugins", "stages", "rollouts", "backends", "tracking"},
     "base": {"base"},
     "plugins": {"base"},
     "stages": {"base", "plugins"},
@@ -47,6 +48,7 @@ ALLOWED = {
     "backends": {"base", "plugins", "stages", "rollouts", "serving"},
     "backend:torch": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
     "tracking": {"base"},
+    "builtins": {"base", "plugins", "stages", "tracking", "backends", "backend:torch"},
     "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "tracking", "entry"},
     "entry": {"base", "plugins", "backends", "tracking", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
@@ -69,7 +71,7 @@ def part_of(module: str) -> str:
     parts = module.split(".")
     if parts[1] == "backends" and len(parts) > 2 and parts[2] in {"torch"}:
         return "backend:torch"
-    if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "tracking", "testing"}:
+    if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "tracking", "testing", "builtins"}:
         return parts[1]
     raise AssertionError(f"{module} is in no part of the package map: add it to tests/test_import_rules.py and docs/architecture.md")
 
@@ -123,14 +125,12 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[int, str]]:
 
 
 def _public_names(root: Path) -> dict[str, str]:
-    """``agl_core.<name>`` -> the module defining it, for every name the public API imports (its
-    lazily imported names included: ``_LAZY`` maps them to their modules)."""
+    """``agl_core.<name>`` -> the module defining it, for every name the public API imports (the
+    lazily imported ones are its imports under ``TYPE_CHECKING``)."""
     names = {}
     for node in ast.walk(ast.parse((root / "agl_core" / "__init__.py").read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(API):
             names.update({f"{API}.{alias.asname or alias.name}": node.module for alias in node.names})
-        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets):
-            names.update({f"{API}.{name}": module for name, module in ast.literal_eval(node.value).items()})
     return names
 
 
@@ -167,6 +167,41 @@ def forbidden_imports(root: Path) -> list[str]:
 
 def test_every_import_follows_the_package_map():
     assert forbidden_imports(REPO_ROOT) == []
+
+
+def private_core_imports(root: Path, package: str = "agl_backend_verl") -> list[str]:
+    """Every import in ``package`` of ``agl_core`` other than ``from agl_core import <public name>``
+    (imports under ``TYPE_CHECKING`` included): a backend outside the core uses its public API only."""
+    public = {name.rpartition(".")[2] for name in _public_names(root)} | {"__version__"}
+    problems = []
+    for path in sorted((root / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                problems += [f"{where} imports {a.name}" for a in node.names if a.name.startswith(f"{API}.")]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == API:
+                if node.module != API:
+                    problems.append(f"{where} imports {node.module}")
+                else:
+                    problems += [f"{where} imports {API}.{a.name}, which is not public" for a in node.names if a.name not in public]
+    return problems
+
+
+def test_the_verl_backend_imports_only_public_names_of_agl_core():
+    assert private_core_imports(REPO_ROOT) == []
+
+
+def test_a_private_import_of_the_core_is_reported(tmp_path):
+    (tmp_path / "agl_core").mkdir()
+    (tmp_path / "agl_core" / "__init__.py").write_text("if TYPE_CHECKING:\n    from agl_core.data import Triplet\n")
+    (tmp_path / "agl_backend_verl").mkdir()
+    (tmp_path / "agl_backend_verl" / "x.py").write_text(
+        "from agl_core import Triplet\nfrom agl_core import _LAZY\nfrom agl_core.stages.tensorize import tensorize\n"
+    )
+    assert private_core_imports(tmp_path) == [
+        "agl_backend_verl/x.py:2 imports agl_core._LAZY, which is not public",
+        "agl_backend_verl/x.py:3 imports agl_core.stages.tensorize",
+    ]
 
 
 def test_every_rollout_module_is_shared_or_in_one_source_family():

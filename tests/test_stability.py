@@ -27,7 +27,7 @@ PREVIOUS_PUBLIC = {
     "agl_core.batch_shaping": "ShapingSettings ShapedBatch shape_batch",
     "agl_core.losses": "LossSettings PolicyLoss ppo_token_losses per_rollout_mean token_mean as_verl_policy_loss",
     "agl_core.mismatch": "MismatchLog classify_break common_prefix_length decode",
-    "agl_core.normalization": "rollout_scales normalize_advantages",
+    "agl_core.normalization": "rollout_scales",
     "agl_core.tensorize": "PaddedBatch pad_responses padded_width tensorize",
     "agl_core.event_writer": "EventWriter PendingEvent",
     "agl_core.registry": "Registry RegistryEntry RegistryError",
@@ -81,7 +81,7 @@ def test_a_plugin_written_against_the_previous_release_still_loads(tmp_path):
                          env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "registered True"
-    assert "DeprecationWarning: agl_core.advantage.grpo has moved: use 'from agl_core.stages.estimators import grpo'" in out.stderr
+    assert "DeprecationWarning: agl_core.advantage.grpo has moved: use 'from agl_core.builtins.estimators import grpo'" in out.stderr
     assert "DeprecationWarning: agl_core.event_writer.EventWriter has moved: use 'from agl_core import EventWriter'" in out.stderr
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from agl_core import hookimpl
 from agl_core.cli import main
-from agl_core.config import REDACTED, load_config
+from agl_core.config import REDACTED, ConfigError, load_config
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginManager, RegistryError
 from agl_core.stages.pipeline import StepPipeline
@@ -249,3 +249,59 @@ def test_the_trajectory_sample_is_the_first_24_rollouts_in_dataset_order():
     assert rows[0] == {
         "step": 5, "rollout_id": "r28", "group_id": "g", "reward": 0.0, "n_calls": 1, "prompt": "1", "response": "2"
     }
+
+
+def without_wandb_login(monkeypatch, tmp_path):
+    """No W&B key anywhere W&B looks (environment, ~/.netrc, its settings) and online mode."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_SILENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config" / "wandb"))
+    monkeypatch.setenv("WANDB_MODE", "online")
+    import wandb
+
+    wandb.teardown()  # W&B keeps the settings an earlier run in this process read (offline mode)
+
+
+def test_wandb_without_a_login_names_trainer_logger_the_sink_and_offline_mode(tmp_path, monkeypatch, capsys):
+    without_wandb_login(monkeypatch, tmp_path)
+    from agl_core.tracking import open_sinks
+    from agl_core.tracking.wandb_sink import WandB
+
+    config = load_config(overrides=[f"trainer.default_local_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError) as info:
+        open_sinks([("wandb", WandB)], config)
+    assert info.value.key == "trainer.logger"
+    assert "metric sink 'wandb' could not start a W&B run" in info.value.message
+    assert "WANDB_MODE=offline" in info.value.message and "\n" not in str(info.value)
+
+
+def test_a_sink_that_cannot_start_is_a_trainer_logger_error_after_the_backends_own_checks(tmp_path):
+    class Refuses:
+        def __init__(self, context):
+            raise RuntimeError("tracker server unreachable\nmore detail")
+
+    class ChecksInFit(Scripted):
+        """Refuses in fit, before its first step, as verl's GPU check does."""
+
+        def fit(self, on_step=None):
+            raise ConfigError("trainer.n_gpus_per_node", "no GPU")
+
+    class Plugins(Plugin):
+        @hookimpl
+        def agl_register_metric_sinks(self, register):
+            register("refuses", Refuses)
+
+        @hookimpl
+        def agl_register_backends(self, register):
+            register("scripted", Scripted)
+            register("checks_in_fit", ChecksInFit)
+
+    overrides = [f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2", "trainer.logger=[console,refuses]"]
+    with pytest.raises(ConfigError, match="no GPU"):
+        run(None, [*overrides, "agentlightning.backend=checks_in_fit"], plugins=[Plugins()], show_progress=False)
+    with pytest.raises(ConfigError) as info:
+        run(None, [*overrides, "agentlightning.backend=scripted"], plugins=[Plugins()], show_progress=False)
+    assert info.value.key == "trainer.logger"
+    assert info.value.message == "metric sink 'refuses' could not start: RuntimeError: tracker server unreachable"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from agl_core.errors import AglError
+
 __all__ = ["ConfigError"]
 
 
-class ConfigError(ValueError):
+class ConfigError(AglError, ValueError):
     """A config value is missing, unknown, of the wrong type or inconsistent; ``key`` is its path."""
 
     def __init__(self, key: str, message: str):

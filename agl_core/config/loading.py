@@ -67,6 +67,8 @@ def merge_config(
     ``base`` holds, which the file's ``defaults`` may name (see :mod:`agl_core.config.composition`)."""
     cfg = default_config() if base is None else base
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError("<file>", f"{path} is a directory; expected a YAML config file")
         if not os.path.isfile(path):
             raise ConfigError("<file>", f"config file not found: {path}")
         try:
@@ -179,19 +181,35 @@ def with_backend_hint(
     loaders: Mapping[str, Callable[[Any, Sequence[str]], DictConfig]],
 ) -> ConfigError:
     """``error`` (an unknown key under one backend) with a hint naming the backend among ``loaders``
-    (backend name → its config loader) whose config knows the key, if one does."""
+    (backend name → its config loader) that knows the key: the run's config loads under it, or its
+    defaults hold the key (the config may have other problems there, reported once that backend is
+    chosen). Where that backend says the key moved, its message is given."""
     if not error.message.startswith("unknown key"):
         return error
     for name, loader in loaders.items():
+        hint = f"it is a key of backend {name!r}: run with backend={name}"
         try:
             loader(path, [*overrides, f"agentlightning.backend={name}"])
         except ConfigError as other:
-            if other.key == error.key or other.message.startswith("unknown key"):
+            if other.key == error.key and "; moved to " in other.message:
+                return ConfigError(error.key, f"{other.message}, under backend {name!r}: run with backend={name}")
+            if other.key == error.key or (other.message.startswith("unknown key") and not _holds(loader, name, error.key)):
                 continue  # that backend does not know the key either (or it is not clear that it does)
         except Exception:
             continue
-        return ConfigError(error.key, f"{error.message}; it is a key of backend {name!r}: run with backend={name}")
+        return ConfigError(error.key, f"{error.message}; {hint}")
     return error
+
+
+def _holds(loader: Callable[[Any, Sequence[str]], DictConfig], backend: str, key: str) -> bool:
+    """Whether ``backend``'s default config (what ``loader`` gives without a file) has ``key``."""
+    try:
+        defaults = loader(None, [f"agentlightning.backend={backend}"])
+    except Exception:
+        return False
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(defaults, parent) if parent else defaults
+    return isinstance(node, DictConfig) and name in node
 
 
 def redacted(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:

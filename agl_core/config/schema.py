@@ -93,6 +93,9 @@ class TorchBackendConfig:
 
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
     num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
+    # After the last step, write the policy here as a Hugging Face model folder (weights, config,
+    # tokenizer); a LoRA run's adapters are merged into the base weights. null: no export.
+    merged_model_dir: Optional[str] = None
 
 
 @dataclass
@@ -145,6 +148,15 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
+    # verl's gradient checkpointing switch; verl defaults it to true, the torch backend to false (its
+    # models are small unless the user says otherwise, and recomputing activations costs time).
+    enable_gradient_checkpointing: bool = False
+    # LoRA (agl_core.backends.torch.lora): lora_rank > 0 turns it on.
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"  # a module name, all-linear, or a list of names
+    exclude_modules: Any = None  # null, a module name, or a list of names
+    lora_adapter_path: Optional[str] = None  # a saved PEFT LoRA adapter to continue training
 
 
 @dataclass
@@ -155,6 +167,25 @@ class OptimConfig:
     lr_warmup_steps: int = -1
     lr_scheduler_type: str = "constant"
     min_lr_ratio: float = 0.0
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """verl's FSDP ``mixed_precision`` mapping (its defaults when a field is left out)."""
+
+    param_dtype: str = "bf16"  # the dtype forward passes compute in (autocast)
+    reduce_dtype: str = "fp32"
+    buffer_dtype: str = "fp32"
+
+
+@dataclass
+class FSDPEngineDtypes:
+    """verl's FSDP engine dtype keys, as the torch backend reads them (agl_core.backends.torch.precision)."""
+
+    model_dtype: str = "fp32"  # the weights' dtype: fp32 | bf16
+    # Set (e.g. mixed_precision.param_dtype=bf16): autocast forward passes over model_dtype weights;
+    # null: no autocast (verl's FSDP engine computes in bf16 when it is null).
+    mixed_precision: Optional[MixedPrecisionConfig] = None
 
 
 @dataclass
@@ -180,6 +211,7 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    fsdp_config: FSDPEngineDtypes = field(default_factory=FSDPEngineDtypes)
 
 
 @dataclass

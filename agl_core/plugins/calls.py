@@ -8,12 +8,17 @@ its result ignored, and being a daemon thread does not keep the process alive at
 hook is not called again until the abandoned call has returned (the calls in between are skipped and
 counted), so a hook that hangs every time costs one time limit, not one per rollout, and leaves one
 thread behind, not one per call.
+
+A failing call is logged on one line (plugin, hook, subject, exception). Its traceback is logged with
+the first failure of each (plugin, hook, exception type) only, so a hook that fails on every rollout
+does not drown the log; ``AGL_HOOK_TRACEBACKS=1`` logs the traceback of every failure.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,6 +26,7 @@ from typing import Any
 
 import pluggy
 
+from agl_core.errors import AglError
 from agl_core.plugins.event_writer import EventWriter
 
 __all__ = ["HookCalls", "HookTimeout", "call_bounded", "in_plugin_order", "wrapper_impls"]
@@ -34,9 +40,13 @@ HOOK_TIMEOUTS_METRIC = "training/n_hook_timeouts"
 HOOK_SKIPS_METRIC = "training/n_hook_skipped"
 # Events a hook queued before it raised or overran: discarded (a failing hook writes nothing), and counted.
 DISCARDED_HOOK_EVENTS_METRIC = "training/hooks/n_discarded_events"
+# Changes a hook made to fields it may not change (a request's ids and place): undone, warned once, counted.
+HOOK_CHANGES_IGNORED_METRIC = "training/n_hook_changes_ignored"
+# Set to a true value to log the traceback of every hook failure, not only the first of each kind.
+TRACEBACKS_ENV = "AGL_HOOK_TRACEBACKS"
 
 
-class HookTimeout(Exception):
+class HookTimeout(AglError):
     """A hook call did not return within its time limit and was abandoned; ``thread`` still runs it."""
 
     def __init__(self, message: str, thread: threading.Thread):
@@ -74,7 +84,10 @@ class HookCalls:
         self.timeouts: Counter[str] = Counter()
         self.skips: Counter[str] = Counter()
         self.discarded_events = 0
+        self.ignored_changes: Counter[str] = Counter()
+        self._warned_changes: set[tuple[str, str, str]] = set()  # (plugin, hook, field) warned about
         self._abandoned: dict[tuple[str, str], threading.Thread] = {}  # (plugin, hook) -> the call still running
+        self._traced: set[tuple[str, str, type[BaseException]]] = set()  # (plugin, hook, exception type) logged in full
 
     def call(self, impl: Any, hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
         """``(True, result)`` of one implementation, or ``(False, None)`` when it raised, overran the
@@ -99,8 +112,8 @@ class HookCalls:
                 "(agentlightning.hook_timeout_seconds sets the limit)",
                 hook_name, impl.plugin_name, self.timeout, subject,
             )
-        except Exception:
-            self.record_failure(hook_name, impl.plugin_name, subject)
+        except Exception as exc:
+            self.record_failure(hook_name, impl.plugin_name, subject, exc)
         return False, None
 
     def call_each(self, impls: Sequence[Any], hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -127,22 +140,56 @@ class HookCalls:
             results.append((impl.plugin_name, result))
         return results
 
-    def record_failure(self, hook_name: str, plugin_name: str, subject: str) -> None:
+    def record_failure(self, hook_name: str, plugin_name: str, subject: str, exc: BaseException) -> None:
+        """Count one failure of ``plugin_name``'s ``hook_name`` and log it on one line, with the
+        traceback the first time this plugin's hook fails with this exception type."""
         self.failures[hook_name] += 1
-        logger.exception("hook %s of plugin %r failed (%s); training continues", hook_name, plugin_name, subject)
+        kind = (plugin_name, hook_name, type(exc))
+        first = kind not in self._traced
+        self._traced.add(kind)
+        logger.error(
+            "hook %s of plugin %r failed (%s): %s: %s; training continues%s",
+            hook_name, plugin_name, subject, type(exc).__name__, exc,
+            "" if first else f" (traceback shown at its first failure; {TRACEBACKS_ENV}=1 shows every one)",
+            exc_info=exc if first or env_flag(TRACEBACKS_ENV) else None,
+        )
+
+    def record_ignored_changes(self, hook_name: str, plugin_name: str, subject: str, fields: Sequence[str]) -> None:
+        """Count a call of ``plugin_name``'s ``hook_name`` whose changes to ``fields`` were undone (the
+        rest of its result is kept), warning once per plugin, hook and field."""
+        self.ignored_changes[hook_name] += 1
+        for field in fields:
+            if (plugin_name, hook_name, field) not in self._warned_changes:
+                self._warned_changes.add((plugin_name, hook_name, field))
+                logger.warning(
+                    "hook %s of plugin %r changed %s (%s), which a hook may not change: the change is undone, "
+                    "the rest of the result kept; counted in %s, warned once",
+                    hook_name, plugin_name, field, subject, HOOK_CHANGES_IGNORED_METRIC,
+                )
 
     def pop_metrics(self) -> dict[str, float]:
         """Failure, timeout and skip counts since the last call (``training/n_hook_failures[/hook]``,
-        ``training/n_hook_timeouts[/hook]``, ``training/n_hook_skipped[/hook]``) and the number of
-        events discarded because the hook that queued them raised or overran."""
+        ``training/n_hook_timeouts[/hook]``, ``training/n_hook_skipped[/hook]``), the calls whose
+        changes to fixed fields were undone (``training/n_hook_changes_ignored[/hook]``) and the number
+        of events discarded because the hook that queued them raised or overran."""
         metrics: dict[str, float] = {DISCARDED_HOOK_EVENTS_METRIC: float(self.discarded_events)}
-        for name, counts in ((HOOK_FAILURES_METRIC, self.failures), (HOOK_TIMEOUTS_METRIC, self.timeouts), (HOOK_SKIPS_METRIC, self.skips)):
+        for name, counts in (
+            (HOOK_FAILURES_METRIC, self.failures),
+            (HOOK_TIMEOUTS_METRIC, self.timeouts),
+            (HOOK_SKIPS_METRIC, self.skips),
+            (HOOK_CHANGES_IGNORED_METRIC, self.ignored_changes),
+        ):
             metrics[name] = float(sum(counts.values()))
             for hook_name, count in counts.items():
                 metrics[f"{name}/{hook_name}"] = float(count)
             counts.clear()
         self.discarded_events = 0
         return metrics
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def in_plugin_order(impls: Sequence[Any]) -> list[Any]:

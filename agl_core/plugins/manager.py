@@ -36,7 +36,8 @@ import pluggy
 from agl_core import hookspecs
 from agl_core.config import AgentLightningConfig, redacted
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.calls import HookCalls, in_plugin_order, wrapper_impls
+from agl_core.errors import AglError
+from agl_core.plugins.calls import HookCalls, env_flag, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
 from agl_core.plugins.settings import SETTINGS_KEY, PluginSettings, SettingsDeclaration, build_settings, check_settings_class
@@ -46,14 +47,14 @@ ENTRYPOINT_GROUP = "agl"
 DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
 
-# The built-in plugins: registration name -> module. The names are stable (they are what
-# ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
+# The built-in plugins (agl_core/builtins/): registration name -> module. The names are stable (they
+# are what ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
 DEFAULT_PLUGINS: dict[str, str] = {
-    "aggregators": "agl_core.stages.levels",
-    "estimators": "agl_core.stages.estimators",
-    "losses": "agl_core.stages.losses",
-    "torch": "agl_core.backends.torch",
-    "sinks": "agl_core.tracking.builtins",
+    "aggregators": "agl_core.builtins.aggregators",
+    "estimators": "agl_core.builtins.estimators",
+    "losses": "agl_core.builtins.losses",
+    "torch": "agl_core.builtins.backends",
+    "sinks": "agl_core.builtins.sinks",
 }
 
 # registry property -> (hook name, kind, config key selecting an entry)
@@ -66,16 +67,14 @@ REGISTRIES = {
 }
 
 DEFAULT_HOOK_TIMEOUT_SECONDS = AgentLightningConfig.hook_timeout_seconds
+# What agl_on_enqueue may not change: the ids the trainer tracks a rollout by and its place in the batch.
+FIXED_REQUEST_FIELDS = ("rollout_id", "group_id", "step", "sample_index")
 # The hook pluggy itself calls (firstresult), where hook wrappers work as pluggy documents.
 PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 
 
-class PluginError(Exception):
+class PluginError(AglError):
     """A plugin could not be loaded or does not fit the hook specifications."""
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def blocked_from_env() -> list[str]:
@@ -119,7 +118,7 @@ class PluginManager:
             if not self._pm.is_blocked(name):
                 self.register(importlib.import_module(module_name), name=name, source="built-in")
         if load_entrypoints is None:
-            load_entrypoints = not _env_flag(DISABLE_AUTOLOAD_ENV)
+            load_entrypoints = not env_flag(DISABLE_AUTOLOAD_ENV)
         self._load_entrypoints(third_party=load_entrypoints)
         self.check_pending()
 
@@ -260,9 +259,6 @@ class PluginManager:
         """The plugin object registered under ``name`` (``None`` if there is none)."""
         return self._pm.get_plugin(name)
 
-    def is_registered(self, name: str) -> bool:
-        return self._pm.get_plugin(name) is not None
-
     def implementations(self, hook_name: str) -> list[str]:
         """The plugins implementing ``hook_name``, in the order they are called."""
         return [impl.plugin_name for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())]
@@ -348,20 +344,23 @@ class PluginManager:
         return self.calls.call_each(impls, hook_name, subject, kwargs)
 
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
-        """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result."""
+        """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result.
+
+        A hook may not change a request's ids or its place in the batch (:data:`FIXED_REQUEST_FIELDS`):
+        such a change is undone, the rest of the result kept, and counted."""
         for impl in in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
             subject = f"rollout {request.rollout_id}"
             ok, result = self.calls.call(impl, "agl_on_enqueue", subject, {"request": request})
             if not ok or result is None:
                 continue
-            try:
-                if not isinstance(result, RolloutRequest):
-                    raise TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
-                if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
-                    raise ValueError("agl_on_enqueue may not change rollout_id or group_id")
-            except Exception:
-                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject)
+            if not isinstance(result, RolloutRequest):
+                error = TypeError(f"agl_on_enqueue must return a RolloutRequest or None, got {type(result).__name__}")
+                self.calls.record_failure("agl_on_enqueue", impl.plugin_name, subject, error)
                 continue
+            changed = [f for f in FIXED_REQUEST_FIELDS if getattr(result, f) != getattr(request, f)]
+            if changed:
+                self.calls.record_ignored_changes("agl_on_enqueue", impl.plugin_name, subject, changed)
+                result = attrs.evolve(result, **{f: getattr(request, f) for f in changed})
             request = result
         return request
 

@@ -17,13 +17,16 @@ from typing import Any
 
 import attrs
 
+from agl_core.errors import AglError
 from agl_core.suggestions import closest
 
 __all__ = ["Registry", "RegistryEntry", "RegistryError"]
 
 
-class RegistryError(LookupError):
+class RegistryError(AglError, LookupError):
     """A registry name is unknown, or claimed by two plugins."""
+
+    hint = "agl plugins lists the registered plugins and what they provide"
 
 
 @attrs.frozen

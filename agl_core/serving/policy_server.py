@@ -18,7 +18,6 @@ request is answered with a mix of weight versions.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import queue
@@ -31,15 +30,17 @@ from typing import Any
 import attrs
 import torch
 
+from agl_core.errors import AglError
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
 from agl_core.serving.sampling import Generation, SamplingParams, generate_batch
+from agl_core.serving.weights import served_copy, served_state_dict
 
 __all__ = ["PolicyServer", "RequestError"]
 
 logger = logging.getLogger(__name__)
 
 
-class RequestError(Exception):
+class RequestError(AglError):
     """A request the server refuses; rendered as vLLM's error body with ``status``."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
@@ -68,7 +69,8 @@ class _Job:
 class PolicyServer:
     """An :class:`~agl_core.serving.engine.InferenceEngine` serving a Hugging Face causal LM in-process.
 
-    ``model`` is copied, so the trainer may keep updating its own module; ``tokenizer`` renders chat
+    ``model`` is copied (a PEFT model as its base with the adapters merged in,
+:mod:`agl_core.serving.weights`), so the trainer may keep updating its own module; ``tokenizer`` renders chat
     prompts and decodes. ``max_batch_size`` caps how many queued requests one generation pass takes;
     ``batch_wait_s`` is how long the generation thread lingers for more requests once one arrives.
     """
@@ -87,7 +89,7 @@ class PolicyServer:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.version = 0
-        self._model = copy.deepcopy(model).eval()
+        self._model = served_copy(model)
         self._weights_lock = threading.Lock()
         self._port = port
         self._max_batch_size = max_batch_size
@@ -98,7 +100,7 @@ class PolicyServer:
         self._threads: list[threading.Thread] = []
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
-        self._stop_token_ids = _stop_token_ids(model, tokenizer)
+        self._stop_token_ids = _stop_token_ids(self._model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._stop_token_ids[0]
         self._pad_token_id = int(pad)
 
@@ -121,7 +123,7 @@ class PolicyServer:
 
     def push_weights(self, model: torch.nn.Module, version: int) -> None:
         with self._weights_lock, torch.no_grad():
-            self._model.load_state_dict(model.state_dict())
+            self._model.load_state_dict(served_state_dict(model))
             self.version = version
 
     def close(self) -> None:

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from agl_core.errors import AglError
 from agl_core.serving.processes import free_port, kill_process_group, stop_process_group
+from agl_core.serving.weights import save_served
 
 if TYPE_CHECKING:
     import torch
@@ -43,8 +45,10 @@ HEALTH_POLL_SECONDS = 0.5
 STOP_WAIT_SECONDS = 20.0
 
 
-class VllmEngineError(RuntimeError):
+class VllmEngineError(AglError, RuntimeError):
     """The vLLM server could not be started, reached, or updated."""
+
+    hint = "see agentlightning.vllm (python, url, startup_timeout_seconds)"
 
 
 def find_vllm_python(configured: str | os.PathLike[str] | None = None) -> Path:
@@ -243,12 +247,12 @@ class VllmEngine:
     # -- weights --------------------------------------------------------------------------------
 
     def push_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Save ``model`` as safetensors and reload the server from it: pause (in-flight requests
+        """Save ``model`` as safetensors (a PEFT model merged, :func:`~agl_core.serving.weights.save_served`) and reload the server from it: pause (in-flight requests
         finish) → ``reload_weights`` → reset the prefix cache → resume."""
         target = self.weights_dir / f"step_{version:08d}"
         staging = self.weights_dir / f".staging_{version:08d}"
         shutil.rmtree(staging, ignore_errors=True)
-        model.save_pretrained(staging)
+        save_served(model, staging)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
         previous, self._latest_weights = self._latest_weights, target

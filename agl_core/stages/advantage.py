@@ -3,23 +3,25 @@
 An estimator reads one reward per rollout (every row of a rollout must agree on group and reward),
 compares rollouts within their group, and puts the result on the rollout's trained tokens.
 :func:`rollout_level` builds a rollout-level estimator from a function of a group's rewards; the
-built-ins live in :mod:`agl_core.stages.estimators`.
+built-ins live in :mod:`agl_core.builtins.estimators`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import attrs
 import numpy as np
 
 from agl_core.config import ConfigError
 from agl_core.data import DataValidationError
+from agl_core.errors import AglError
 from agl_core.fields import reward_value
 
 __all__ = [
     "AdvantageError",
+    "AdvantageEstimator",
     "AdvantageSettings",
     "Advantages",
     "RolloutAdvantageError",
@@ -33,7 +35,7 @@ __all__ = [
 METRIC_PREFIX = "training/rollout_level_advantage/"
 
 
-class AdvantageError(ValueError):
+class AdvantageError(AglError, ValueError):
     """The rows cannot be given advantages by this estimator (e.g. a group is too small)."""
 
 
@@ -81,6 +83,13 @@ class Advantages:
     @property
     def returns_per_row(self) -> tuple[np.ndarray, ...]:
         return self.per_row if self.returns is None else self.returns
+
+
+class AdvantageEstimator(Protocol):
+    """What ``agl_register_advantage_estimators`` registers: credit for every row collected for the
+    step (:class:`~agl_core.data.TrainingRow`), one array per row aligned with its response."""
+
+    def __call__(self, rows: Sequence[Any], settings: AdvantageSettings) -> Advantages: ...
 
 
 @attrs.frozen

@@ -19,7 +19,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -35,6 +35,7 @@ __all__ = [
     "Aggregation",
     "AggregationCounts",
     "AggregationSettings",
+    "Aggregator",
     "Mismatch",
     "Segment",
     "merged_row",
@@ -134,6 +135,13 @@ class Aggregation:
     rows: tuple[TrainingRow, ...] = attrs.field(converter=tuple)
     metrics: dict[str, float] = attrs.field(factory=dict)
     mismatches: tuple[Mismatch, ...] = attrs.field(default=(), converter=tuple)
+
+
+class Aggregator(Protocol):
+    """What ``agl_register_aggregators`` registers: the rows of completed rollouts, which it must not
+    mutate; its rows are finished by :func:`merged_row`, so the limits and counts above hold."""
+
+    def __call__(self, rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation: ...
 
 
 def write_mismatches_jsonl(path: str | os.PathLike[str], mismatches: Iterable[Mismatch]) -> int:

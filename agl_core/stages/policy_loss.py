@@ -22,8 +22,8 @@ and differ only in how they reduce it over the trained tokens ``T`` of the (micr
   data-parallel ranks) or, when unset, the trained tokens of these tensors. This is verl's
   ``vanilla`` loss with ``token-mean`` aggregation.
 * ``per_rollout_mean``: ``loss = sum_T l * dp_size``. The advantages must already be scaled per
-  rollout by :func:`agl_core.stages.normalization.normalize_advantages`, which makes this sum a mean over
-  rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
+  rollout (:func:`agl_core.stages.normalization.rollout_scales`, applied by the step pipeline), which
+  makes this sum a mean over rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
 
 Mapping onto verl 0.9.1: verl's policy-loss registry (``verl.trainer.ppo.core_algos.
 register_policy_loss(name)``, looked up by ``get_policy_loss_fn(actor.policy_loss.loss_mode)``)
@@ -31,9 +31,9 @@ calls ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, con
 rollout_is_weights)`` with ``config`` verl's ``ActorConfig`` (``clip_ratio``, ``clip_ratio_low``,
 ``clip_ratio_high``, ``clip_ratio_c`` and ``global_batch_info`` = ``{dp_size, batch_num_tokens,
 global_batch_size, loss_scale_factor}``), and expects ``(loss, metrics)`` with the metrics above.
-:func:`as_verl_policy_loss` is the adapter: it builds :class:`LossSettings` from ``config`` with
-:meth:`LossSettings.from_actor_config` and drops ``loss_agg_mode`` (each of our losses fixes its own
-reduction), so ``register_policy_loss(name)(as_verl_policy_loss(loss_fn))`` is all a backend needs.
+:func:`agl_backend_verl.policy_loss.as_verl_policy_loss` is the adapter: it builds :class:`LossSettings`
+from ``config`` with :meth:`LossSettings.from_actor_config` and drops ``loss_agg_mode`` (each of our
+losses fixes its own reduction).
 
 What a loss needs from the step pipeline is declared when it is registered, with a
 :class:`PolicyLossSpec`: ``register("per_rollout_mean", PolicyLossSpec(per_rollout_mean,
@@ -45,8 +45,7 @@ name gets scaled advantages exactly when it declares so.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import attrs
 import torch
@@ -56,14 +55,25 @@ __all__ = [
     "LossSettings",
     "PolicyLoss",
     "PolicyLossSpec",
-    "as_verl_policy_loss",
     "batch_token_mean",
     "masked_sum",
     "policy_loss_spec",
     "ppo_token_losses",
 ]
 
-PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+class PolicyLoss(Protocol):
+    """What ``agl_register_policy_losses`` registers (bare, or inside a :class:`PolicyLossSpec`):
+    ``(loss, metrics)`` of a padded ``[batch, response_len]`` batch, padded positions excluded."""
+
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        settings: LossSettings,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 def _callable(_instance: Any, _attribute: Any, value: Any) -> None:
@@ -199,28 +209,3 @@ def ppo_token_losses(
         "actor/pg_clipfrac_lower": _masked_mean(((ppo > dual) & negative).to(log_prob.dtype), mask).item(),
     }
     return losses, metrics
-
-
-def as_verl_policy_loss(loss: PolicyLoss | PolicyLossSpec) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """``loss`` (a function or a :class:`PolicyLossSpec`) with verl's policy-loss signature, ready
-    for ``register_policy_loss(name)``."""
-    loss_fn = policy_loss_spec(loss).fn
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-
-    def verl_policy_loss(
-        old_log_prob: torch.Tensor,
-        log_prob: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        loss_agg_mode: str = "token-mean",
-        config: Any = None,
-        rollout_is_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        if config is None:
-            raise ValueError(f"policy loss {name!r} needs the actor config")
-        settings = LossSettings.from_actor_config(config)
-        return loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
-
-    verl_policy_loss.__name__ = name
-    verl_policy_loss.__doc__ = loss_fn.__doc__
-    return verl_policy_loss

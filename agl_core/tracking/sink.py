@@ -64,7 +64,8 @@ def sink_names(config: Any) -> list[str]:
 
 def open_sinks(factories: Sequence[tuple[str, SinkFactory]], config: Any) -> list[MetricSink]:
     """Build the sinks of ``factories`` (``(name, factory)``, as looked up by :func:`sink_names`)
-    for the run ``config``; the ones already open are closed when one fails."""
+    for the run ``config``; the ones already open are closed when one fails. A sink that cannot
+    start is a :class:`~agl_core.config.ConfigError` of ``trainer.logger`` naming the sink."""
     from omegaconf import OmegaConf
 
     trainer = config.trainer
@@ -77,13 +78,26 @@ def open_sinks(factories: Sequence[tuple[str, SinkFactory]], config: Any) -> lis
     context.run_dir.mkdir(parents=True, exist_ok=True)
     sinks: list[MetricSink] = []
     try:
-        for _, factory in factories:
-            sinks.append(factory(context))
+        for name, factory in factories:
+            try:
+                sinks.append(factory(context))
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise ConfigError(
+                    "trainer.logger", f"metric sink {name!r} could not start: {error_gist(exc)}"
+                ) from exc
     except BaseException:
         for sink in sinks:
             sink.close()
         raise
     return sinks
+
+
+def error_gist(exc: BaseException) -> str:
+    """``Type: first line of the message``: a tracker's error, on the one line an ``agl: error`` has."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def table_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:

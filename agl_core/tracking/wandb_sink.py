@@ -17,7 +17,7 @@ from typing import Any
 
 from agl_core.config import ConfigError
 from agl_core.data import StepSamples
-from agl_core.tracking.sink import SinkContext, table_columns
+from agl_core.tracking.sink import SinkContext, error_gist, table_columns
 
 __all__ = ["RUN_ID_FILE", "WANDB_DIR", "WandB"]
 
@@ -37,15 +37,23 @@ class WandB:
         id_file = folder / RUN_ID_FILE
         if not id_file.is_file():
             id_file.write_text(uuid.uuid4().hex[:16] + "\n")
-        self.run: Any = wandb.init(
-            project=context.project_name,
-            name=context.experiment_name,
-            id=id_file.read_text().strip(),
-            resume="allow",
-            dir=str(context.run_dir),
-            config=dict(context.config),
-            settings=wandb.Settings(x_disable_meta=True),
-        )
+        try:
+            self.run: Any = wandb.init(
+                project=context.project_name,
+                name=context.experiment_name,
+                id=id_file.read_text().strip(),
+                resume="allow",
+                dir=str(context.run_dir),
+                config=dict(context.config),
+                settings=wandb.Settings(x_disable_meta=True),
+            )
+        except Exception as exc:
+            raise ConfigError(
+                "trainer.logger",
+                f"metric sink 'wandb' could not start a W&B run ({error_gist(exc)}); log in (wandb login, "
+                f"or WANDB_API_KEY), or set WANDB_MODE=offline to keep the run in {folder} only (wandb sync uploads it later), "
+                "or leave wandb out of trainer.logger",
+            ) from exc
 
     def log_samples(self, step: int, samples: StepSamples) -> None:
         tables = {}

@@ -45,17 +45,19 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from agl_core.backends.contract import BackendSpec, OnStep
+from agl_core.backends.contract import OnStep
 from agl_core.backends.loop import LoopSettings, run_steps
 from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.backends.torch.data_order import DataOrder
+from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
+from agl_core.backends.torch.precision import Precision
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
 from agl_core.datasets import load_dataset
-from agl_core.hookspecs import Register, hookimpl
 from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.vllm_engine import VllmEngineError
+from agl_core.serving.weights import is_adapted, save_served
 from agl_core.stages.pipeline import StepPipeline, validation_metrics
 
 if TYPE_CHECKING:
@@ -64,7 +66,7 @@ if TYPE_CHECKING:
     from agl_core.plugins import PluginManager
     from agl_core.rollouts.source import RolloutSource
 
-__all__ = ["TorchBackend", "agl_register_backends", "check_torch_config", "model_folder", "pick_device"]
+__all__ = ["TorchBackend", "build_policy", "check_torch_config", "model_folder", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +91,31 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_policy(folder: Path, device: torch.device, *, frozen: bool = False) -> torch.nn.Module:
-    """The causal LM in ``folder`` in float32 on ``device``; ``frozen``: in eval mode, without gradients."""
+def load_policy(folder: Path, device: torch.device, *, frozen: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The causal LM in ``folder`` in ``dtype`` on ``device``; ``frozen``: in eval mode, without gradients."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
     if frozen:
         model.eval().requires_grad_(False)
     return model
+
+
+def build_policy(config: DictConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The policy to train and its reference (``actor.use_kl_loss``; else ``None``) as
+    ``actor_rollout_ref.model`` says: gradient checkpointing (``enable_gradient_checkpointing``), LoRA
+    (``lora_rank`` > 0; the reference is then the policy itself with its adapters disabled), else a
+    frozen second copy for the reference."""
+    model_cfg = config.actor_rollout_ref.model
+    check_lora_keys(model_cfg)
+    model = load_policy(folder, device, dtype=dtype)
+    if model_cfg.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_enabled(model_cfg):
+        model = with_lora(model, model_cfg)
+    if not config.actor_rollout_ref.actor.use_kl_loss:
+        return model, None
+    return model, model if is_adapted(model) else load_policy(folder, device, frozen=True, dtype=dtype)
 
 
 class TorchBackend:
@@ -130,10 +149,9 @@ class TorchBackend:
         device = pick_device(config.agentlightning.torch.device)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
-        self.model = load_policy(folder, device)
-        self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
-        ref_model = load_policy(folder, device, frozen=True) if actor.use_kl_loss else None
         settings = ActorSettings.from_config(config.actor_rollout_ref)
+        self.model, ref_model = build_policy(config, folder, device, settings.precision.param_dtype)
+        self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
         self.actor_update = ActorUpdate(self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id)
         self.pipeline = StepPipeline(config, plugins, self.tokenizer)
         self.run_dir = Path(config.trainer.default_local_dir)
@@ -218,10 +236,19 @@ class TorchBackend:
                 for step, total, metrics in run_steps(self, loop):
                     if on_step is not None:
                         on_step(step, total, metrics, self.pipeline.take_samples())
+                self.export_merged()
             finally:
                 self.source.close()
         finally:
             self.engine.close()
+
+    def export_merged(self) -> None:
+        """Write the policy (a LoRA run's adapters merged in) to ``agentlightning.torch.merged_model_dir``, if set."""
+        folder = self.config.agentlightning.torch.merged_model_dir
+        if folder:
+            save_served(self.model, folder)
+            self.tokenizer.save_pretrained(folder)
+            logger.info("wrote the merged policy to %s", folder)
 
     def next_batch(self) -> list[Mapping[str, Any]]:
         return self.data.next_batch()
@@ -251,9 +278,11 @@ class TorchBackend:
         prepared = self.pipeline.prepare(batch.rollouts, step)
         metrics.update(prepared.metrics)
         if prepared.shaped is not None:
-            metrics.update(self.actor_update(prepared))
+            update = self.actor_update(prepared)
+            metrics.update(update)
             metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
+            if update["actor/n_updates"] > update.get("actor/n_skipped_nonfinite_grad", 0.0):
+                self.scheduler.step()  # the schedule advances with the optimizer only
         metrics.update(self.serve_weights(step))
         metrics["timing/update_s"] = time.perf_counter() - update_started
         metrics["training/global_step"] = float(step)
@@ -284,13 +313,10 @@ def check_torch_config(config: DictConfig) -> None:
 
     model_folder(config)
     pick_device(config.agentlightning.torch.device)
+    check_lora_keys(config.actor_rollout_ref.model)
+    Precision.from_config(config.actor_rollout_ref.actor.fsdp_config)
     lr_lambda(config.actor_rollout_ref.actor.optim, 1)
     if not config.agentlightning.agl_base_url:
         from agl_core.rollouts.agents import load_agent_class
 
         load_agent_class(config.agentlightning.local.agent_class)
-
-
-@hookimpl
-def agl_register_backends(register: Register) -> None:
-    register("torch", BackendSpec(TorchBackend, check_config=check_torch_config))

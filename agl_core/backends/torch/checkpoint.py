@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``global_step_{N}`` under the run directory (``trainer.default_local_dir``)
 holding ``model/`` (the policy and tokenizer, loadable by any Hugging Face tool or inference server)
-and ``trainer_state.pt`` (optimizer, lr scheduler, step, data position, every RNG state and, in
+or, in a LoRA run, ``adapter/`` (the PEFT adapter and tokenizer alone, loadable with PEFT or as
+``actor_rollout_ref.model.lora_adapter_path``; the base weights never change) and ``trainer_state.pt`` (optimizer, lr scheduler, step, data position, every RNG state and, in
 async mode, the rollout source's groups in flight and waiting samples, as plain data).
 ``latest_checkpointed_iteration.txt`` names the newest step, as verl's does. A checkpoint is written
 to a temporary folder and renamed into place, so a run killed while saving leaves the previous one
@@ -19,8 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from agl_core.serving.weights import is_adapted
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.pt"
+MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"  # a LoRA run's checkpoints hold the adapter only
 
 
 def rng_states() -> dict[str, Any]:
@@ -45,8 +50,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
     final = run_dir / f"global_step_{step}"
     partial = run_dir / f".global_step_{step}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial / "model")
-    tokenizer.save_pretrained(partial / "model")
+    weights = partial / (ADAPTER_DIR if is_adapted(model) else MODEL_DIR)
+    model.save_pretrained(weights)
+    tokenizer.save_pretrained(weights)
     torch.save({**state, "step": step}, partial / STATE_FILE)
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
@@ -69,15 +75,33 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Load the checkpoint's weights into ``model`` and return its trainer state."""
+    """Load the checkpoint's weights (a LoRA model's: its adapter) into ``model`` and return its trainer state."""
     from safetensors.torch import load_file
 
     path = Path(path)
+    adapted, has_adapter = is_adapted(model), (path / ADAPTER_DIR).is_dir()
+    if adapted != has_adapter:
+        held, runs = ("a LoRA adapter", "without LoRA") if has_adapter else ("a full model", "with LoRA")
+        raise ValueError(f"checkpoint {path} holds {held}, but this run trains {runs} (actor_rollout_ref.model.lora_rank)")
     weights: dict[str, torch.Tensor] = {}
-    for shard in sorted((path / "model").glob("*.safetensors")):
+    for shard in sorted((path / (ADAPTER_DIR if adapted else MODEL_DIR)).glob("*.safetensors")):
         weights.update(load_file(shard))
+    if adapted:
+        _load_adapter(path, model, weights)
+        return torch.load(path / STATE_FILE, weights_only=False)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {name for name in missing if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in name}
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint {path} does not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
     return torch.load(path / STATE_FILE, weights_only=False)
+
+
+def _load_adapter(path: Path, model: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Set a PEFT model's adapter weights from a checkpoint's, which must be exactly its own."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    expected = set(get_peft_model_state_dict(model))
+    if set(weights) != expected:
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise ValueError(f"checkpoint {path} does not fit the adapter: missing {missing}, unexpected {unexpected}")
+    set_peft_model_state_dict(model, weights)

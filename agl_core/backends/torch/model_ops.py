@@ -11,10 +11,14 @@ __all__ = ["chosen_log_probs", "low_var_kl", "response_distributions", "response
 
 
 def response_distributions(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``."""
+    """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``, in
+    float32 whatever dtype the model computes in."""
     width = tensors["responses"].shape[1]
     logits = model(
-        input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], position_ids=tensors["position_ids"]
+        input_ids=tensors["input_ids"],
+        attention_mask=tensors["attention_mask"],
+        position_ids=tensors["position_ids"],
+        use_cache=False,
     ).logits[:, -width - 1 : -1, :]
     return torch.log_softmax(logits.float(), dim=-1)
 

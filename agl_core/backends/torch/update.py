@@ -30,14 +30,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
+from agl_core.backends.torch.lora import base_policy
 from agl_core.backends.torch.micro_batching import MicroBatch, split
 from agl_core.backends.torch.model_ops import chosen_log_probs, low_var_kl, response_distributions, response_log_probs, token_entropy
+from agl_core.backends.torch.precision import Precision
 from agl_core.config import ConfigError
+from agl_core.serving.weights import is_adapted
 from agl_core.stages.pipeline import PreparedBatch
 from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean, policy_loss_spec
 from agl_core.stages.tensorize import tensorize
@@ -45,7 +49,7 @@ from agl_core.stages.tensorize import tensorize
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-__all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch", "lr_lambda", "make_optimizer"]
+__all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch", "lr_lambda", "make_optimizer", "trainable_parameters"]
 
 # The loss terms, which add up over micro-batches; the other metrics are means over trained tokens.
 ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/loss"})
@@ -74,9 +78,16 @@ def lr_lambda(optim: DictConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an update trains: all of them, or a LoRA model's adapter weights."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def make_optimizer(model: torch.nn.Module, optim: DictConfig, total_steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW as ``actor_rollout_ref.actor.optim`` says, and its lr schedule over ``total_steps``."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay))
+    """AdamW over ``model``'s trainable parameters as ``actor_rollout_ref.actor.optim`` says, and its lr
+    schedule over ``total_steps``."""
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
 
 
@@ -93,6 +104,7 @@ class ActorSettings:
     update_max_tokens: int | None = None
     old_log_prob_max_tokens: int | None = None
     ref_log_prob_max_tokens: int | None = None
+    precision: Precision = Precision()
 
     @classmethod
     def from_config(cls, actor_rollout_ref: DictConfig) -> ActorSettings:
@@ -106,6 +118,7 @@ class ActorSettings:
             update_max_tokens=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
             old_log_prob_max_tokens=int(rollout.log_prob_max_token_len_per_gpu) if rollout.log_prob_use_dynamic_bsz else None,
             ref_log_prob_max_tokens=int(ref.log_prob_max_token_len_per_gpu) if ref.log_prob_use_dynamic_bsz else None,
+            precision=Precision.from_config(actor.fsdp_config),
         )
 
 
@@ -142,7 +155,9 @@ class UpdateBatch:
 
 class ActorUpdate:
     """PPO epochs of ``loss_fn`` over a prepared batch's mini-batches, stepping ``optimizer``;
-    ``ref_model`` (the initial policy, frozen) adds the KL term when given."""
+    ``ref_model`` (the initial policy, frozen) adds the KL term when given. ``ref_model`` may be
+    ``model`` itself when that is a LoRA (PEFT) model: the reference is then its base, the adapters
+    disabled (:func:`~agl_core.backends.torch.lora.base_policy`)."""
 
     def __init__(
         self,
@@ -159,7 +174,10 @@ class ActorUpdate:
                 "actor_rollout_ref.actor.use_dynamic_bsz",
                 "the policy loss declares additive_over_micro_batches=False, so micro-batches would change its update; turn it off",
             )
+        if ref_model is model and not is_adapted(model):
+            raise ValueError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
         self.model, self.ref_model, self.optimizer = model, ref_model, optimizer
+        self.parameters = trainable_parameters(model)
         self.loss_fn, self.settings = loss_fn, settings
         self.device, self.pad_token_id = device, pad_token_id
 
@@ -199,7 +217,8 @@ class ActorUpdate:
             old_log_prob = self.log_probs(self.model, tensors, self.settings.old_log_prob_max_tokens, OLD_LOG_PROB_BUDGET_KEY)
             ref_log_prob = None
             if self.ref_model is not None:
-                ref_log_prob = self.log_probs(self.ref_model, tensors, self.settings.ref_log_prob_max_tokens, REF_LOG_PROB_BUDGET_KEY)
+                with self.reference() as ref_model:
+                    ref_log_prob = self.log_probs(ref_model, tensors, self.settings.ref_log_prob_max_tokens, REF_LOG_PROB_BUDGET_KEY)
         self.model.train()
         return UpdateBatch(
             tensors,
@@ -208,16 +227,21 @@ class ActorUpdate:
             ref_log_prob,
         )
 
-    @staticmethod
-    def log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str) -> torch.Tensor:
+    def reference(self) -> AbstractContextManager[torch.nn.Module]:
+        """The reference policy to compute log-probs with: the frozen copy, or the base of a LoRA model."""
+        assert self.ref_model is not None
+        return base_policy(self.model) if self.ref_model is self.model else nullcontext(self.ref_model)
+
+    def log_probs(self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str) -> torch.Tensor:
         """``model``'s response log-probs of a batch, ``[rows, response_len]`` (0 past each micro-batch's
         widths): in one pass, or in micro-batches of at most ``max_tokens`` padded elements (``key``'s)."""
-        if max_tokens is None:
-            return response_log_probs(model, tensors)
-        out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=tensors["responses"].device)
-        for micro in split(tensors, max_tokens, key):
-            out[micro.rows, : micro.response_length] = response_log_probs(model, micro.cut(tensors))
-        return out
+        with self.settings.precision.autocast(self.device):
+            if max_tokens is None:
+                return response_log_probs(model, tensors)
+            out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=tensors["responses"].device)
+            for micro in split(tensors, max_tokens, key):
+                out[micro.rows, : micro.response_length] = response_log_probs(model, micro.cut(tensors))
+            return out
 
     def mini_batch_step(self, mini: UpdateBatch) -> dict[str, float]:
         """One optimizer step on ``mini``, its gradients accumulated over token-budget micro-batches
@@ -239,7 +263,7 @@ class ActorUpdate:
                 metrics[name] = metrics.get(name, 0.0) + (value if name in ADDITIVE_METRICS else value * share)
             metrics["perf/n_padded_tokens"] += part.tensors["input_ids"].numel()
             metrics["perf/n_real_tokens"] += float(part.tensors["attention_mask"].sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
@@ -250,7 +274,8 @@ class ActorUpdate:
         """The policy loss on ``mini`` − the entropy bonus + the KL term (see the module docstring), and
         the metrics of every term; ``settings`` (a micro-batch's) replaces the configured loss settings."""
         settings = self.settings.loss if settings is None else settings
-        distributions = response_distributions(self.model, mini.tensors)
+        with self.settings.precision.autocast(self.device):
+            distributions = response_distributions(self.model, mini.tensors)
         log_prob = chosen_log_probs(distributions, mini.tensors["responses"])
         pg_loss, pg_metrics = self.loss_fn(mini.old_log_prob, log_prob, mini.advantages, mini.mask, settings)
         entropy = self.entropy_loss(distributions, mini.mask, settings)

@@ -1,0 +1,46 @@
+"""Every error agl defines has one root, :class:`agl_core.errors.AglError`, and keeps its built-in class."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from pathlib import Path
+
+import pytest
+
+from agl_core.config import ConfigError
+from agl_core.errors import AglError
+from agl_core.plugins import PluginError, RegistryError
+
+REPO = Path(__file__).resolve().parents[1]
+BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def errors_without_root(root: Path) -> list[str]:
+    """``path:line class`` for every class of the agl packages whose bases are all built-in
+    exceptions (an error deriving from another agl error has its root through it)."""
+    found = []
+    for package in ("agl_core", "agl_hooks", "agl_backend_verl"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                bases = {getattr(base, "id", getattr(base, "attr", None)) for base in node.bases}
+                if bases and bases <= BUILTIN_ERRORS and node.name != "AglError":
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_every_agl_error_derives_from_agl_error():
+    assert errors_without_root(REPO) == []
+
+
+def test_the_check_finds_an_error_without_root(tmp_path):
+    (tmp_path / "agl_core").mkdir()
+    (tmp_path / "agl_core" / "oops.py").write_text("class OopsError(ValueError):\n    pass\n")
+    assert errors_without_root(tmp_path) == ["agl_core/oops.py:1 OopsError"]
+
+
+@pytest.mark.parametrize(("error", "builtin"), [(ConfigError, ValueError), (RegistryError, LookupError), (PluginError, Exception)])
+def test_each_error_keeps_its_builtin_class(error, builtin):
+    assert issubclass(error, AglError) and issubclass(error, builtin)
