@@ -77,7 +77,7 @@ def register_into_verl(plugins: PluginManager | None = None) -> dict[str, list[s
 
     plugins = plugins or PluginManager()
     verl_estimators = {e.value for e in core_algos.AdvantageEstimator}
-    for entry in plugins.policy_losses:
+    for entry in plugins.policy_losses.entries():
         existing = core_algos.POLICY_LOSS_REGISTRY.get(entry.name)
         if existing is not None and not getattr(existing, "_agl_plugin", None):
             SKIPPED[f"policy loss {entry.name}"] = f"verl defines it (plugin {entry.plugin_name!r} not used by verl)"
@@ -87,7 +87,7 @@ def register_into_verl(plugins: PluginManager | None = None) -> dict[str, list[s
         core_algos.POLICY_LOSS_REGISTRY[entry.name] = fn
         if entry.name not in REGISTERED["policy_losses"]:
             REGISTERED["policy_losses"].append(entry.name)
-    for entry in plugins.advantage_estimators:
+    for entry in plugins.advantage_estimators.entries():
         existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(entry.name)
         if entry.name in verl_estimators or (existing is not None and not getattr(existing, "_agl_plugin", None)):
             SKIPPED[f"advantage estimator {entry.name}"] = f"verl defines it (plugin {entry.plugin_name!r} not used by verl)"

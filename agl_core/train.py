@@ -23,7 +23,7 @@ from agl_core.plugins import PluginManager
 from agl_core.tracking import MetricSink, SinkContext, open_sinks, sink_names
 from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE, RunLog
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "resolve_config", "run"]
+__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "resolve_config", "run"]
 
 
 class MetricsLog:
@@ -98,10 +98,7 @@ def run(
     error naming the key and the registered sinks) and opened when the backend reports its first
     step, after its own checks."""
     config, manager = resolve_config(config_path, overrides, plugins)
-    if config.data.train_files:  # a backend that reads no dataset files has none to check
-        # Every row must hold the env_map fields, unless a plugin may add them when it rewrites a request.
-        check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
-    factories = [(name, manager.metric_sinks.get(name)) for name in sink_names(config)]
+    _, factories = preflight(config, manager)
     backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
     log = MetricsLog(Path(config.trainer.default_local_dir), show_progress, opener=lambda: open_sinks(factories, config))
     try:
@@ -109,6 +106,25 @@ def run(
     finally:
         log.close()
     return Path(config.trainer.default_local_dir)
+
+
+def preflight(config: Any, manager: PluginManager) -> tuple[dict[str, int], list[tuple[str, Any]]]:
+    """What ``agl train`` checks before it builds the backend, and ``agl check`` with it: the plugins
+    the config names, the dataset
+    files (every row holds the ``agentlightning.local.env_map`` fields, unless an ``agl_on_enqueue``
+    hook may add them when it rewrites a request) and the metric sinks ``trainer.logger`` names.
+    The aggregator, estimator and loss the config selects are looked up first (an unknown name is an
+    error naming its key). Returns the rows per dataset key and the sinks' ``(name, factory)``."""
+    for registry, name in (
+        (manager.aggregators, config.agentlightning.trace_aggregator.level),
+        (manager.advantage_estimators, config.algorithm.adv_estimator),
+        (manager.policy_losses, config.actor_rollout_ref.actor.policy_loss.loss_mode),
+    ):
+        registry.entry(name)
+    counts = {}
+    if config.data.train_files:  # a backend that reads no dataset files has none to check
+        counts = check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
+    return counts, [(name, manager.metric_sinks.get(name)) for name in sink_names(config)]
 
 
 def resolve_config(
@@ -138,7 +154,7 @@ def resolve_config(
     try:
         config = _spec(manager, name).load_config(source, overrides)
     except ConfigError as exc:  # an unknown key may be one of another backend's: say which
-        others = {e.name: backend_spec(e).load_config for e in manager.backends if e.name != name}
+        others = {e.name: backend_spec(e).load_config for e in manager.backends.entries() if e.name != name}
         raise with_backend_hint(exc, source, overrides, others) from None
     manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
     manager.configure(config)  # the plugins' settings (agentlightning.plugins), validated

@@ -384,7 +384,7 @@ class PluginManager:
         """Every registered plugin with its source, the hooks it implements and the names it provides."""
         provides: dict[str, dict[str, list[str]]] = {}
         for prop in REGISTRIES:
-            for entry in self._registry(prop):
+            for entry in self._registry(prop).entries():
                 provides.setdefault(entry.plugin_name, {}).setdefault(prop, []).append(entry.name)
         infos = []
         for name, plugin in self._pm.list_name_plugin():
