@@ -192,8 +192,11 @@ def validate_verl(cfg: DictConfig) -> None:
 def check_verl_requirements(cfg: DictConfig) -> None:
     """What this backend needs beyond a valid config before it starts Ray (``agl check`` runs it too):
     the gateway's URL, verl's rollout engine and the model."""
-    if cfg.agentlightning.agl_base_url is None:
-        raise ConfigError("agentlightning.agl_base_url", "backend 'verl' runs agents through the gateway: set its URL")
+    if cfg.agentlightning.agl_base_url is None and not cfg.agentlightning.replay:
+        raise ConfigError(
+            "agentlightning.agl_base_url",
+            "backend 'verl' runs agents through the gateway: set its URL (or replay a recording)",
+        )
     if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):
         raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
     if not cfg.actor_rollout_ref.model.path:

@@ -113,7 +113,7 @@ class TaskRunner:
         from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
         from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-        from agl_core import PluginManager, gateway_source
+        from agl_core import PluginManager, ReplayRolloutSource, gateway_source
         from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
 
         OmegaConf.resolve(config)
@@ -126,7 +126,8 @@ class TaskRunner:
         model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
         manager = PluginManager.from_config(config, plugins)
         train = SampleDataset(train_samples, "train_dataset")
-        source = gateway_source(config, manager)
+        replay = config.agentlightning.replay
+        source = ReplayRolloutSource(config, model.tokenizer) if replay else gateway_source(config, manager)
         try:
             trainer = AglRayPPOTrainer(
                 config=config,

@@ -82,6 +82,7 @@ if TYPE_CHECKING:
     from agl_core.backends.loop import LoopSettings, Step, run_steps
     from agl_core.datasets import load_dataset
     from agl_core.rollouts.gateway import gateway_source
+    from agl_core.rollouts.replay import ReplayRolloutSource
     from agl_core.rollouts.source import RolloutSource
     from agl_core.stages.pipeline import StepPipeline, validation_metrics
     from agl_core.stages.tensorize import PaddedBatch, tensorize

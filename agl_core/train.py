@@ -23,7 +23,7 @@ from agl_core.plugins import PluginManager
 from agl_core.tracking import MetricSink, SinkContext, open_sinks, sink_names
 from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE, RunLog
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "resolve_config", "run"]
+__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "replay_step", "resolve_config", "run"]
 
 
 class MetricsLog:
@@ -125,6 +125,46 @@ def preflight(config: Any, manager: PluginManager) -> tuple[dict[str, int], list
     if config.data.train_files:  # a backend that reads no dataset files has none to check
         counts = check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
     return counts, [(name, manager.metric_sinks.get(name)) for name in sink_names(config)]
+
+
+def replay_step(
+    run: str | Path, step: int, overrides: Sequence[str] = (), scratch: str | Path = ".", plugins: Iterable[Any] = ()
+) -> dict[str, float]:
+    """Re-run step ``step`` of the run recorded at ``run`` (``agl replay``): its recorded rollouts
+    through the pipeline and the torch backend's update, from the run's checkpoint of the step before
+    when its directory holds one, else the initial model; return the step's metrics.
+
+    The config is the recording's (the keys the core schema knows), then ``overrides``; the dataset is
+    the step's recorded samples, written to ``scratch``. A recording of another model or tokenizer
+    than the config's is refused (:class:`~agl_core.recording.RecordingError`)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from agl_core.fields import thaw
+    from agl_core.recording import read_recording
+
+    recording = read_recording(run)
+    rollouts = recording.rollouts(step)
+    scratch = Path(scratch)
+    config_file, dataset = scratch / "config.yaml", scratch / "samples.jsonl"
+    OmegaConf.save(OmegaConf.create(recording.core_config()), config_file)
+    samples = {r.group_id: thaw(r.input) for r in rollouts}
+    dataset.write_text("".join(json.dumps(s if isinstance(s, Mapping) else {}) + "\n" for s in samples.values()))
+    replayed = [
+        f"agentlightning.replay={recording.path}",
+        "agentlightning.record_rollouts=false",
+        "agentlightning.agl_base_url=null",
+        "agentlightning.async_rollout.enabled=false",
+        "agentlightning.backend=torch",
+        f"data.train_files={dataset}",
+        "data.val_files=null",
+        f"trainer.default_local_dir={recording.path.parent}",
+    ]
+    config, manager = resolve_config(str(config_file), [*replayed, *overrides], plugins)
+    backend = _spec(manager, "torch").factory(config, manager)
+    recording.check(config, backend.tokenizer)
+    return backend.replay_step(rollouts, step)
 
 
 def resolve_config(

@@ -10,6 +10,9 @@ for the same keys, so a config that passes here is not refused later by verl.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from agl_core.config.errors import ConfigError
@@ -43,6 +46,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_micro_batch_keys(cfg)
     _validate_engine_keys(cfg)
     _validate_torch_backend_keys(cfg)
+    _validate_record_keys(cfg)
     url = agl.agl_base_url
     if url is not None and not str(url).startswith(("http://", "https://")):
         raise ConfigError("agentlightning.agl_base_url", f"must be an http(s) URL or null, got {url!r}")
@@ -107,6 +111,33 @@ def _validate_micro_batch_keys(cfg: DictConfig) -> None:
                 f"is {tokens}, less than the longest row ({prompt_key} + {response_key} = {longest}); "
                 f"raise it or turn {switch} off",
             )
+
+
+def _validate_record_keys(cfg: DictConfig) -> None:
+    """``agentlightning.record_rollouts`` is a boolean; ``agentlightning.replay`` names a recording
+    (a file, or a run directory holding ``rollouts.jsonl``), and replaces the gateway."""
+    agl = cfg.agentlightning
+    if not isinstance(agl.record_rollouts, bool):
+        raise ConfigError("agentlightning.record_rollouts", f"must be true or false, got {agl.record_rollouts!r}")
+    if agl.replay is None:
+        return
+    path = Path(os.path.expanduser(str(agl.replay)))
+    recorded = path / "rollouts.jsonl" if path.is_dir() else path
+    if not recorded.is_file():
+        raise ConfigError(
+            "agentlightning.replay", f"{path} is neither a rollout recording nor a run directory holding rollouts.jsonl"
+        )
+    own = Path(os.path.expanduser(str(cfg.trainer.default_local_dir))) / "rollouts.jsonl"
+    if agl.record_rollouts and recorded.resolve() == own.resolve():
+        raise ConfigError(
+            "agentlightning.replay",
+            f"{path} is this run's own recording: record a replayed run into another trainer.default_local_dir",
+        )
+    if agl.agl_base_url is not None or agl.async_rollout.enabled:
+        raise ConfigError(
+            "agentlightning.replay",
+            "a replayed run runs no agents: unset agentlightning.agl_base_url and async_rollout.enabled",
+        )
 
 
 def _validate_gateway_keys(cfg: DictConfig) -> None:
