@@ -129,8 +129,12 @@ def ray_runtime_env(runtime_env: Mapping[str, Any] | None = None) -> dict[str, A
 
 
 try:
-    register_into_verl()
     register_cpu_mode()
 except Exception as exc:  # verl would hide it: keep it for ensure_registered and say it loudly
     REGISTRATION_ERROR.append(exc)
-    logger.exception("registering agl's plugins and CPU mode in verl failed")
+    logger.exception("registering verl's CPU mode failed")
+try:
+    register_into_verl()
+except Exception as exc:
+    REGISTRATION_ERROR.append(exc)
+    logger.exception("registering agl's policy losses and advantage estimators in verl failed")

@@ -172,3 +172,21 @@ def test_the_replica_server_aborts_resumes_and_takes_weights_with_their_step(tin
         assert server.version == 7
     finally:
         server.close()
+
+
+def test_the_value_model_patch_loads_the_critic_with_sdpa(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_labels = 1
+    critic = patches.load_valuehead_model(str(tiny_model_dir), torch.float32, config, False)
+    assert critic.config._attn_implementation == "sdpa"
+    values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert values.shape == (1, 3, 1)  # one value per token, as verl's value head gives
+
+
+def test_the_offload_patch_builds_verls_policy_unpinned():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    policy = patches.unpinned_offload_policy(pin_memory=True)
+    assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
