@@ -87,6 +87,10 @@ if TYPE_CHECKING:
     from agl_core.stages.pipeline import StepPipeline, validation_metrics
     from agl_core.stages.tensorize import PaddedBatch, tensorize
 
+    # serving the policy to agents (what a backend's rollout replica answers with)
+    from agl_core.serving.policy_server import PolicyServer, RequestError
+    from agl_core.serving.sampling import Generation, SamplingParams
+
 __version__ = "0.1.0"
 
 
