@@ -71,8 +71,7 @@ def _train(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     """Everything ``agl train`` would check before training, then the resolved config (secrets hidden)."""
     from agl_core.config import to_yaml
-    from agl_core.datasets import check_datasets
-    from agl_core.train import resolve_config
+    from agl_core.train import preflight, resolve_config
 
     config, manager = resolve_config(args.config, _overrides(args))
     report = [f"backend: {config.agentlightning.backend}"]
@@ -83,8 +82,9 @@ def _check(args: argparse.Namespace) -> int:
     ):
         report.append(f"{registry.kind}: {value} (plugin {registry.entry(value).plugin_name})")
     rewriters = manager.implementations("agl_on_enqueue")
-    counts = check_datasets(config, check_env_map=not rewriters)
+    counts, sinks = preflight(config, manager)
     report += [f"{key}: {n} rows" for key, n in counts.items()]
+    report.append(f"metric sinks: {', '.join(name for name, _ in sinks)}")
     if config.agentlightning.local.env_map:
         report.append(
             f"agentlightning.local.env_map: not checked against the rows, since agl_on_enqueue of {', '.join(rewriters)} may rewrite them"

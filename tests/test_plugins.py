@@ -210,3 +210,24 @@ def test_builtins_are_ordinary_blockable_plugins(monkeypatch):
     monkeypatch.delenv(BLOCKED_PLUGINS_ENV)
     manager = PluginManager(load_entrypoints=False, builtins={"tests.test_plugins": "tests.test_plugins"})
     assert {i.name: i.source for i in manager.list_plugins()}["tests.test_plugins"] == "built-in"
+
+
+def test_a_registry_is_a_read_only_mapping_of_names():
+    from collections.abc import Mapping
+
+    import pytest
+
+    from agl_core.plugins import PluginManager, RegistryError
+
+    aggregators = PluginManager(load_entrypoints=False).aggregators
+    assert isinstance(aggregators, Mapping)
+    assert list(aggregators) == aggregators.names() and "trajectory" in aggregators
+    assert aggregators["trajectory"] is aggregators.get("trajectory") is dict(aggregators.items())["trajectory"]
+    assert aggregators.get("nope", None) is None
+    with pytest.raises(RegistryError, match="unknown aggregator 'trajectry' .*did you mean 'trajectory'"):
+        aggregators["trajectry"]
+    with pytest.raises(RegistryError, match="set by agentlightning.trace_aggregator.level"):
+        aggregators.get("trajectry")
+    assert [e.name for e in aggregators.entries()] == aggregators.names() and aggregators.entry("trajectory").plugin_name == "aggregators"
+    with pytest.raises(TypeError):
+        aggregators["mine"] = lambda rollouts, settings: None  # noqa: ARG005

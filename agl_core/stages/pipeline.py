@@ -46,7 +46,7 @@ def validation_metrics(rollouts: Sequence[CompletedRollout], source_metrics: Seq
     ``val/n_rollouts_w_trace``; ``val/turn_count`` (mean calls per rollout);
     ``val/mean_response_length_per_turn`` (mean over rollouts of their mean response tokens per
     call); ``val/mean_total_response_length_per_rollout`` (mean response tokens per rollout); NaN when
-    no rollout has a trace. Plus :func:`rollout_metrics` (``val/reward``, ``val/n_rollouts``),
+    no rollout has a trace. Plus ``rollout_metrics`` (``val/reward``, ``val/n_rollouts``),
     ``val/n_batches``, and the sources' counters (names whose last part starts with ``n_``) summed over
     the batches under ``val/`` instead of ``training/``: among them ``val/n_rollouts_w_reward`` (0 when
     none), which only the source knows, as a missing reward is filled before the rollouts get here.
@@ -200,6 +200,7 @@ class StepPipeline:
         return samples
 
     def prepare(self, rollouts: Sequence[CompletedRollout], step: int) -> PreparedBatch:
+        """The step's trained batch from its completed rollouts: aggregate, estimate, shape, scale."""
         metrics = rollout_metrics(rollouts, "training")
         if self.recording is not None:
             metrics.update(self.recording.write(step, rollouts))

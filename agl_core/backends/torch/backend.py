@@ -25,6 +25,9 @@ staleness of the calls it trains (``training/async/staleness_*``, from the share
 checkpoint keeps what the source carries over (its groups in flight and waiting samples); a resumed
 run restores it and hands its first step only what tops that up to ``async_train_batch_size``.
 
+The policy is built as verl's model and engine keys say (:func:`build_policy`): its dtype
+(:mod:`agl_core.backends.torch.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.torch.lora`).
+
 The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.serving.policy_server.PolicyServer`,
 in-process) or ``vllm`` (:class:`~agl_core.serving.vllm_engine.VllmEngine`). A vLLM server that dies
 mid-step fails that step's rollouts (counted) and is restarted at the weight push
@@ -32,6 +35,8 @@ mid-step fails that step's rollouts (counted) and is restarted at the weight pus
 (:mod:`agl_core.backends.torch.checkpoint`) hold model, optimizer, scheduler, step, data position, RNG states
 and (async) the rollout source's groups in flight;
 with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trainer.default_local_dir``.
+With ``agentlightning.torch.merged_model_dir`` the run ends by writing the policy there as a Hugging Face
+model folder (a LoRA run's adapters merged in).
 """
 
 from __future__ import annotations
