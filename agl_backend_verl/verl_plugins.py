@@ -3,7 +3,7 @@
 verl runs the policy loss inside its Ray workers, which look it up by name in
 ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``. This module fills that registry (and the
 advantage-estimator registry) from agl's plugin manager, so built-ins and third-party plugins
-(entry points in group ``agl``) are both there. It runs on import, and two paths import it in every
+(entry points in group ``agl``) are both there. It also registers verl's CPU mode (:mod:`agl_backend_verl.cpu`). It runs on import, and two paths import it in every
 process that imports verl:
 
 1. the entry point ``agl`` in group ``verl.plugins``, which ``import verl`` loads in verl 0.9 — so it
@@ -28,6 +28,7 @@ import torch
 
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core import AdvantageSettings, PluginManager, TrainingRow
+from agl_backend_verl.cpu import register as register_cpu_mode
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def register_into_verl(plugins: PluginManager | None = None) -> dict[str, list[s
 
     plugins = plugins or PluginManager()
     verl_estimators = {e.value for e in core_algos.AdvantageEstimator}
-    for entry in plugins.policy_losses:
+    for entry in plugins.policy_losses.entries():
         existing = core_algos.POLICY_LOSS_REGISTRY.get(entry.name)
         if existing is not None and not getattr(existing, "_agl_plugin", None):
             SKIPPED[f"policy loss {entry.name}"] = f"verl defines it (plugin {entry.plugin_name!r} not used by verl)"
@@ -87,7 +88,7 @@ def register_into_verl(plugins: PluginManager | None = None) -> dict[str, list[s
         core_algos.POLICY_LOSS_REGISTRY[entry.name] = fn
         if entry.name not in REGISTERED["policy_losses"]:
             REGISTERED["policy_losses"].append(entry.name)
-    for entry in plugins.advantage_estimators:
+    for entry in plugins.advantage_estimators.entries():
         existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(entry.name)
         if entry.name in verl_estimators or (existing is not None and not getattr(existing, "_agl_plugin", None)):
             SKIPPED[f"advantage estimator {entry.name}"] = f"verl defines it (plugin {entry.plugin_name!r} not used by verl)"
@@ -126,7 +127,12 @@ def ray_runtime_env(runtime_env: Mapping[str, Any] | None = None) -> dict[str, A
 
 
 try:
-    register_into_verl()
+    register_cpu_mode()
 except Exception as exc:  # verl would hide it: keep it for ensure_registered and say it loudly
+    REGISTRATION_ERROR.append(exc)
+    logger.exception("registering verl's CPU mode failed")
+try:
+    register_into_verl()
+except Exception as exc:
     REGISTRATION_ERROR.append(exc)
     logger.exception("registering agl's policy losses and advantage estimators in verl failed")

@@ -30,7 +30,11 @@ class CommandError(AglError):
 def _plugins(args: argparse.Namespace) -> int:
     manager = PluginManager.from_config({"agentlightning": {"hooks": args.hooks or None}})
     for info in manager.list_plugins():
-        print(f"{info.name}  [{info.source}]")
+        print(f"{info.name}  [{info.source}]" + ("  BROKEN" if info.error else ""))
+        if info.error:
+            print(f"  error: {info.error}")
+            print(f"  (agl check and agl train refuse to run; block it with AGL_BLOCKED_PLUGINS={info.name})")
+            continue
         print(f"  hooks: {', '.join(info.hooks) or '-'}")
         for kind, names in sorted(info.provides.items()):
             print(f"  {kind}: {', '.join(names)}")
@@ -67,8 +71,7 @@ def _train(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     """Everything ``agl train`` would check before training, then the resolved config (secrets hidden)."""
     from agl_core.config import to_yaml
-    from agl_core.datasets import check_datasets
-    from agl_core.train import resolve_config
+    from agl_core.train import preflight, resolve_config
 
     config, manager = resolve_config(args.config, _overrides(args))
     report = [f"backend: {config.agentlightning.backend}"]
@@ -79,8 +82,9 @@ def _check(args: argparse.Namespace) -> int:
     ):
         report.append(f"{registry.kind}: {value} (plugin {registry.entry(value).plugin_name})")
     rewriters = manager.implementations("agl_on_enqueue")
-    counts = check_datasets(config, check_env_map=not rewriters)
+    counts, sinks = preflight(config, manager)
     report += [f"{key}: {n} rows" for key, n in counts.items()]
+    report.append(f"metric sinks: {', '.join(name for name, _ in sinks)}")
     if config.agentlightning.local.env_map:
         report.append(
             f"agentlightning.local.env_map: not checked against the rows, since agl_on_enqueue of {', '.join(rewriters)} may rewrite them"
@@ -123,6 +127,19 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    """Re-run one recorded step of a run (its pipeline and the torch backend's update) and print its metrics."""
+    import tempfile
+
+    from agl_core.train import replay_step
+
+    with tempfile.TemporaryDirectory(prefix="agl-replay-") as scratch:
+        metrics = replay_step(args.run, args.step, _overrides(args), scratch)
+    for name in sorted(metrics):
+        print(f"{name}: {metrics[name]:.6g}")
+    return 0
+
+
 def package_version() -> str:
     """The installed distribution's version, else (running from a source tree) ``agl_core.__version__``."""
     try:
@@ -159,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run", help="run directory (trainer.default_local_dir) or metrics.jsonl file")
     plot.add_argument("-o", "--output", help="PNG path (default: metrics.png beside the metrics)")
     plot.set_defaults(func=_plot)
+    replay = sub.add_parser(
+        "replay",
+        help="re-run one recorded step of a run and print its metrics",
+        description="Re-run step N of a run recorded with agentlightning.record_rollouts: its rollouts through the "
+        "pipeline and the torch backend's update (from the run's checkpoint of step N-1 when there is one, else the "
+        "initial model), with the run's config and these overrides (hook files, plugins' keys, the model's path...).",
+    )
+    replay.add_argument("run", help="run directory holding rollouts.jsonl, or the recording itself")
+    replay.add_argument("--step", type=int, required=True, help="the step to re-run")
+    replay.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the recorded run's config")
+    replay.set_defaults(func=_replay)
     add_new_plugin_command(sub)
     return parser
 

@@ -8,8 +8,13 @@ implementation may accept only the ones it needs.
 Three kinds of hooks live here:
 
 * **Registry hooks** (``agl_register_*``) are called once, when the plugin manager first needs the
-  table. Each receives a ``register(name, obj)`` callback; the host owns the name table, rejects a
-  name registered twice (naming both plugins) and lists what is registered (``agl plugins``).
+  table (again after :meth:`~agl_core.plugins.PluginManager.configure` sets new settings). Each
+  receives a ``register(name, obj)`` callback; the host owns the name table, rejects a name
+  registered twice (naming both plugins) and lists what is registered (``agl plugins``).
+  Each may also take a ``settings`` argument: the run's plugin settings
+  (:class:`~agl_core.plugins.PluginSettings`, section name → typed instance, see
+  :func:`agl_plugin_settings`), so a plugin registers entries configured for this run.
+* **The settings hook** ``agl_plugin_settings`` declares the typed settings a plugin reads.
 * **The loader hook** ``agl_load_hook_file`` turns a hook file into a plugin (``agl_hooks``
   implements it; ``agl_core`` itself never imports ``agl_hooks``).
 * **Rollout lifecycle hooks** (``agl_on_*``) mirror Agent Lightning's four ``RolloutHooks`` methods,
@@ -34,8 +39,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from agl_core.data import CompletedRollout, RolloutRequest
     from agl_core.plugins.event_writer import EventWriter
+    from agl_core.plugins.settings import PluginSettings
 
 hookspec = pluggy.HookspecMarker("agl")
 hookimpl = pluggy.HookimplMarker("agl")
@@ -44,7 +52,7 @@ Register = Callable[[str, Any], None]
 
 
 @hookspec
-def agl_register_aggregators(register: Register) -> None:
+def agl_register_aggregators(register: Register, settings: PluginSettings) -> None:
     """Register trace aggregators: functions that turn completed rollouts into training rows.
 
     Called once per plugin manager. Call ``register(name, aggregate)`` for each aggregator; ``name``
@@ -62,7 +70,7 @@ def agl_register_aggregators(register: Register) -> None:
 
 
 @hookspec
-def agl_register_advantage_estimators(register: Register) -> None:
+def agl_register_advantage_estimators(register: Register, settings: PluginSettings) -> None:
     """Register advantage estimators: functions that assign credit to training rows.
 
     Called once per plugin manager. Call ``register(name, estimate)`` for each estimator; ``name`` is
@@ -83,7 +91,7 @@ def agl_register_advantage_estimators(register: Register) -> None:
 
 
 @hookspec
-def agl_register_policy_losses(register: Register) -> None:
+def agl_register_policy_losses(register: Register, settings: PluginSettings) -> None:
     """Register policy losses: the objective a backend minimises in its actor update.
 
     Called once per plugin manager, and again inside every worker process that runs an update (the
@@ -98,7 +106,7 @@ def agl_register_policy_losses(register: Register) -> None:
     ``metrics`` maps ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` to
     floats. Values at padded positions must not reach the loss or its gradient.
     ``agl_backend_verl.policy_loss.as_verl_policy_loss`` turns such a function into one for verl's
-    policy-loss registry. See :mod:`agl_core.stages.losses`.
+    policy-loss registry. See :mod:`agl_core.builtins.losses`.
 
     A loss that needs something of the step pipeline declares it by registering a
     :class:`~agl_core.stages.policy_loss.PolicyLossSpec` instead of the bare function:
@@ -109,7 +117,7 @@ def agl_register_policy_losses(register: Register) -> None:
 
 
 @hookspec
-def agl_register_backends(register: Register) -> None:
+def agl_register_backends(register: Register, settings: PluginSettings) -> None:
     """Register training backends: the engines that run a training step.
 
     Called once per plugin manager. Call ``register(name, spec)``; ``name`` is what
@@ -134,7 +142,7 @@ def agl_register_backends(register: Register) -> None:
 
 
 @hookspec
-def agl_register_metric_sinks(register: Register) -> None:
+def agl_register_metric_sinks(register: Register, settings: PluginSettings) -> None:
     """Register metric sinks: where ``agl train`` sends every step's metrics and sample tables.
 
     Called once per plugin manager. Call ``register(name, factory)``; ``name`` is what
@@ -148,6 +156,26 @@ def agl_register_metric_sinks(register: Register) -> None:
     every backend. The first step a sink is given is where the run starts (a resumed run redoes
     the steps after its checkpoint). A factory that cannot open its sink raises an error naming
     ``trainer.logger``.
+    """
+
+
+@hookspec
+def agl_plugin_settings() -> Mapping[str, type]:
+    """Declare the settings a plugin reads: return ``{section: settings_class}``.
+
+    Called whenever the manager builds the run's settings (once per config). ``settings_class`` is a
+    dataclass or an attrs class whose every field has a default, and whose field types omegaconf
+    knows (``int``, ``float``, ``str``, ``bool``, enums, ``Optional``, lists and dicts of those,
+    nested dataclasses); its ``__post_init__`` or attrs validators check values, raising
+    ``ValueError`` or ``TypeError`` (say the field's name in quotes and the error names its key).
+    Users set the values under ``agentlightning.plugins.<section>.<field>``; ``agl check`` and
+    ``agl train`` refuse an undeclared section, an unknown field, a value of the wrong type or one
+    the class refuses, with a :class:`~agl_core.config.ConfigError` naming the full key. A section
+    declared by two plugins is an error naming both.
+
+    The plugin receives the built instance as ``settings[section]`` in the ``settings`` argument
+    of the registry hooks and of :func:`agl_on_startup`; code given a
+    :class:`~agl_core.plugins.PluginManager` reads ``manager.settings[section]``.
     """
 
 
@@ -165,13 +193,14 @@ def agl_load_hook_file(path: Path) -> object | None:
 
 
 @hookspec
-def agl_on_startup(config: Any) -> None:
+def agl_on_startup(config: Any, settings: PluginSettings) -> None:
     """Initialise plugin state once per run, before the first rollout is enqueued.
 
     The backend calls it exactly once, in the process where the rollout hooks run (the verl backend:
     its Ray actor, not the ``agl train`` process). ``config`` is a copy of the validated run config
     (an omegaconf ``DictConfig``) with the gateway key replaced by ``***``: the plugin manager
-    redacts it, whoever calls. Return value is ignored.
+    redacts it, whoever calls. ``settings`` holds the plugins' typed settings, as the registry hooks
+    receive them (:func:`agl_plugin_settings`). Return value is ignored.
     """
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -19,6 +20,13 @@ class LocalHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     request_queue_size = 1024
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (an agent that stopped waiting) is no server error: logged at debug."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            logger.debug("a client of %s:%s hung up: %s", *self.server_address[:2], sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
 
 
 class JSONRequestHandler(BaseHTTPRequestHandler):
@@ -32,11 +40,15 @@ class JSONRequestHandler(BaseHTTPRequestHandler):
 
     def send_json(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except ConnectionError:  # the client gave up waiting: nobody to answer
+            self.close_connection = True
+            logger.debug("%s: the client of %s %s went away before its answer", self.server_label, self.command, self.path)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug(self.server_label + ": " + format, *args)

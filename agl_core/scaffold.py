@@ -1,9 +1,9 @@
 """``agl new-plugin NAME [--dir DIR]``: write a plugin package that passes its tests out of the box.
 
-The package (``DIR/NAME``) has a ``pyproject.toml`` with an ``agl`` entry point, one module that
-registers an aggregator, an advantage estimator and a policy loss under the plugin's name and
-implements a lifecycle hook, and tests that run agl's contract suites on each part and train two
-real steps with the harness (:mod:`agl_core.testing.harness`). The files are rendered from the
+The package (``DIR/NAME``, ``src/`` layout) has a ``pyproject.toml`` with an ``agl`` entry point,
+one module that declares typed settings, registers an aggregator, an advantage estimator and a
+policy loss under the plugin's name and implements a lifecycle hook, and tests that run agl's
+contract suites on each part and train two real steps with the harness (:mod:`agl_core.testing.harness`). The files are rendered from the
 templates in ``agl_core/plugin_template/``.
 """
 
@@ -23,7 +23,7 @@ __all__ = ["ScaffoldError", "add_command", "new_plugin"]
 FILES = {
     "pyproject.toml": "pyproject.toml.tmpl",
     "README.md": "README.md.tmpl",
-    "{package}/__init__.py": "package.py.tmpl",
+    "src/{package}/__init__.py": "package.py.tmpl",
     "tests/test_contracts.py": "test_contracts.py.tmpl",
     "tests/test_training.py": "test_training.py.tmpl",
 }

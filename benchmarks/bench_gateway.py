@@ -50,7 +50,7 @@ def run_agl(server: GatewayServer, n_rollouts: int, spread: float, seed: int) ->
             f"actor_rollout_ref.rollout.n={N_PER_GROUP}",
         ]
     )
-    source = GatewayRolloutSource(config, PluginManager(load_entrypoints=False, builtins=()))
+    source = GatewayRolloutSource(config, PluginManager(load_entrypoints=False, builtins={}))
     samples = [{"i": i} for i in range(n_rollouts // N_PER_GROUP)]
     with SimulatedController(server, random_plans(spread, seed)) as controller:
         start = time.monotonic()
@@ -64,7 +64,7 @@ def run_agl(server: GatewayServer, n_rollouts: int, spread: float, seed: int) ->
 
 def run_naive(server: GatewayServer, n_rollouts: int, spread: float, seed: int) -> dict:
     client = GatewayClient(server.url, server.key)
-    plugins = PluginManager(load_entrypoints=False, builtins=())
+    plugins = PluginManager(load_entrypoints=False, builtins={})
     groups = make_requests(
         [{"i": i} for i in range(n_rollouts // N_PER_GROUP)],
         n=N_PER_GROUP,

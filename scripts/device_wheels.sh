@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Download the wheels that scripts/device_check.py needs on the lent GPU machine and that its image
-# lacks, for Python 3.12 on manylinux x86-64, into DIR (default .device_wheels, git-ignored); fail
-# when together they exceed the 64 MiB a command on that machine may carry. See docs/gpu.md.
+# Download the wheels that scripts/device_check.py needs on a GPU machine without a package registry
+# (beyond the packages docs/gpu.md lists), for Python 3.12 on manylinux x86-64, into DIR (default
+# .device_wheels, git-ignored); fail when together they exceed the 64 MiB that may travel with the
+# source tree to such a machine. See docs/gpu.md.
 #
-#   omegaconf 2.3.1               agl's config (the image has no omegaconf)
+#   omegaconf 2.3.1               agl's config
 #   antlr4-python3-runtime 4.9.3  omegaconf's parser; only published as a source archive, so its
 #                                 pure-Python wheel is built here
 #   verl 0.9.1                    for the check's verl section, which records why verl's loss does
@@ -34,6 +35,6 @@ done
 mib=$(awk -v bytes="$total" 'BEGIN { printf "%.2f", bytes / 1048576 }')
 echo "device_wheels: $total bytes ($mib MiB) in $DIR; the limit is 64 MiB"
 if [ "$total" -gt "$LIMIT" ]; then
-    echo "device_wheels: the wheels exceed the 64 MiB a command on the GPU machine may carry" >&2
+    echo "device_wheels: the wheels exceed the 64 MiB that may travel with the source tree" >&2
     exit 1
 fi

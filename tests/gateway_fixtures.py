@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -24,6 +24,17 @@ from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.retry import RetryPolicy
 from agl_core.plugins import PluginManager
 from tests.gateway_server import MODEL_NAME, GatewayServer
+
+
+def list_rollouts(client: GatewayClient, states: Iterable[str], limit: int = 500) -> list[dict[str, Any]]:
+    """The gateway's rollouts in ``states`` (what a controller reads; the trainer never lists)."""
+    params = [("state_in", s) for s in states] + [("limit", str(limit))]
+    return client._request("GET", "/api/rollouts", kind="list", params=params).json()
+
+
+def patch_rollout(client: GatewayClient, rollout_id: str, **status: Any) -> dict[str, Any]:
+    """Move a rollout (what a controller does); 409 on an illegal transition."""
+    return client._request("PATCH", f"/api/rollouts/{rollout_id}", kind="patch", idempotent=False, json={"status": status}).json()
 
 
 def model_request_data(prompt_ids: list[Any], response_ids: list[Any], log_probs: list[Any] | None) -> dict[str, Any]:
@@ -98,10 +109,10 @@ class SimulatedController:
             self._stop.wait(self.poll_seconds)
 
     def _start_queuing(self) -> None:
-        for rollout in self.client.list_rollouts(["queuing"], limit=5000):
+        for rollout in list_rollouts(self.client, ["queuing"], limit=5000):
             rid = rollout["rollout_id"]
             plan = self.plan(rollout)
-            self.client.patch_rollout(rid, state="running", last_attempt_id="0")
+            patch_rollout(self.client, rid, state="running", last_attempt_id="0")
             self.started[rid] += 1
             self.inputs[rid] = rollout["input"]
             self.configs[rid] = rollout["config"]
@@ -118,7 +129,7 @@ class SimulatedController:
                 status: dict[str, Any] = {"state": plan.state}
                 if plan.error:
                     status["error_message"] = plan.error
-                self.client.patch_rollout(rid, **status)
+                patch_rollout(self.client, rid, **status)
                 self.finished_at[rid] = time.time()
             except GatewayError as exc:
                 self.errors.append(str(exc))

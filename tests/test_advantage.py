@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from agl_core.stages.advantage import AdvantageError, AdvantageSettings, RolloutAdvantageError
-from agl_core.stages.estimators import grpo, reinforce, reinforce_baseline, rloo, turn_grpo
+from agl_core.builtins.estimators import grpo, reinforce, reinforce_baseline, rloo, turn_grpo
 from agl_core.config import ConfigError, default_config
 from agl_core.data import DataValidationError, TrainingRow
 from agl_core.plugins import PluginManager

@@ -9,8 +9,8 @@ from hypothesis import Phase, find, settings
 from hypothesis import strategies as st
 
 from agl_core import AggregationCounts, Aggregation, Segment, hookimpl, merged_row, rollout_reward
-from agl_core.stages import levels
-from agl_core.stages.levels import trajectory
+from agl_core.builtins import aggregators
+from agl_core.builtins.aggregators import trajectory
 from agl_core.testing.aggregator_checks import check_metrics, check_tokens
 from agl_core.testing.contracts import AggregatorContract, check_aggregation, check_input_unchanged
 from agl_core.testing.lookup import contract_manager
@@ -52,7 +52,7 @@ class LastCallOnly:
 
 class TestAnAggregatorThatLeavesCallsOutOnPurpose(AggregatorContract):
     aggregator_name = "last_call_only"
-    plugins = (LastCallOnly(), levels)  # a built-in listed again is not registered twice
+    plugins = (LastCallOnly(), aggregators)  # a built-in listed again is not registered twice
     leaves_calls_out = True
 
 
@@ -187,5 +187,5 @@ def test_the_contract_manager_loads_no_entry_point_and_registers_a_plugin_once(m
 
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [Installed()])
     plugin = LastCallOnly()
-    manager = contract_manager([plugin, levels, plugin])
+    manager = contract_manager([plugin, aggregators, plugin])
     assert "last_call_only" in manager.aggregators and "trajectory" in manager.aggregators

@@ -11,7 +11,7 @@ from agl_core.stages.aggregation import (
     settings_from_config,
     write_mismatches_jsonl,
 )
-from agl_core.stages.levels import trajectory, transition
+from agl_core.builtins.aggregators import trajectory, transition
 from agl_core.config import ConfigError, load_config
 from agl_core.data import CompletedRollout, DataValidationError, Triplet
 from agl_core.plugins import PluginManager

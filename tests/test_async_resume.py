@@ -26,7 +26,7 @@ import json
 import os
 
 from agl_core import hookimpl
-from agl_core.stages.levels import trajectory
+from agl_core.builtins.aggregators import trajectory
 
 
 def recorded(rollouts, settings):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_core.stages.advantage import AdvantageSettings
-from agl_core.stages.estimators import grpo
+from agl_core.builtins.estimators import grpo
 from agl_core.stages.shaping import ShapingSettings, shape_batch
 from agl_core.config import default_config
 from agl_core.data import TrainingRow

@@ -179,7 +179,7 @@ def test_rows_missing_an_env_map_field_are_refused_before_training(policy, tmp_p
     data.write_text('{"signs": ["left"]}\n{"sign": ["right"]}\n')
     common = [CONFIG, f"actor_rollout_ref.model.path={policy}", f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}"]
     expected = (
-        "agl: error: config key data.train_files: row 2 of 2: agentlightning.local.env_map.CORRIDOR_SIGNS: "
+        f"agl: error: config key data.train_files: row 2 of 2 of {data}: agentlightning.local.env_map.CORRIDOR_SIGNS: "
         "path 'input.signs' not found in the rollout input\n"
     )
     for command in ("check", "train"):

@@ -155,3 +155,65 @@ def test_env_map_and_agent_class_errors_name_the_key():
         load_agent_class("no_such_module_xyz:Agent")
     with pytest.raises(ConfigError, match="agentlightning.local.agent_class"):
         load_agent_class(None)
+
+
+@pytest.fixture
+def slow_engine(engine, request):
+    """The policy server sleeping before every forward pass, i.e. per generated token
+    (``request.param`` seconds, 0.25 by default)."""
+    server, folder = engine
+    forward = server._model.forward
+    delay = getattr(request, "param", 0.25)
+
+    def slow_forward(*args, **kwargs):
+        FOREVER_SLOW.wait(delay)
+        return forward(*args, **kwargs)
+
+    server._model.forward = slow_forward
+    yield engine
+    server._model.forward = forward
+
+
+FOREVER_SLOW = __import__("threading").Event()  # never set: waiting on it sleeps for the timeout given
+
+
+def _engine_trouble(caplog):
+    return [r.getMessage() for r in caplog.records if "Bad file descriptor" in r.getMessage() or "policy server failed" in r.getMessage()]
+
+
+def test_a_slow_engine_makes_slow_rollouts_that_complete(slow_engine, caplog):
+    source = _source(slow_engine, "examples.corridor.agent:CorridorAgent", overrides=["agentlightning.rollout_timeout_seconds=60"])
+    try:
+        batch = source.collect(SAMPLES[:1], step=1, is_train=True)
+    finally:
+        source.close()
+    assert batch.metrics["training/rollouts/n_succeeded"] == 2 and "training/rollouts/n_failed" not in batch.metrics
+    assert "training/embedded/n_upstream_errors" not in batch.metrics
+    assert batch.metrics["timing/rollout_run_duration_s/max"] > 0.5  # three turns of at least one slow token each
+    assert not _engine_trouble(caplog)
+
+
+@pytest.mark.parametrize("slow_engine", [1.5], indirect=True)
+def test_an_engine_slower_than_the_timeout_fails_naming_the_key_once_per_cause_and_closes_cleanly(slow_engine, caplog):
+    caplog.set_level("DEBUG", logger="agl_core.local_http")
+    source = _source(
+        slow_engine,
+        "examples.corridor.agent:CorridorAgent",
+        n=3,
+        overrides=["agentlightning.rollout_timeout_seconds=1", "agentlightning.rollout_timeout_grace_seconds=0.5"],
+    )
+    try:
+        batch = source.collect(SAMPLES, step=1, is_train=True)
+    finally:
+        source.close()  # with the engine still generating for the calls given up on
+    assert batch.metrics["training/rollouts/n_failed"] == 6
+    lines = [r.getMessage() for r in caplog.records if r.name == "agl_core.rollouts.embedded"]
+    assert lines and all(line.startswith("step 1: ") for line in lines)
+    assert sum(int(line.split()[2]) for line in lines if "rollouts failed" in line) == 6  # every failure, counted by cause
+    assert len(lines) == len(set(line.split(":", 2)[2].split(" (first:")[0] for line in lines))  # one line per cause
+    timeouts = "agentlightning.rollout_timeout_seconds=1"
+    assert all(timeouts in line or "504 Gateway Timeout" in line for line in lines)
+    if batch.metrics.get("training/embedded/n_upstream_errors"):
+        assert any(f"model call(s) got no answer: the engine did not answer within {timeouts} s" in line for line in lines)
+    FOREVER_SLOW.wait(4)  # the abandoned generations finish and find their clients gone
+    assert not _engine_trouble(caplog)

@@ -9,10 +9,11 @@ from hypothesis import Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
-from agl_core import AdvantageError, Advantages, PluginManager, broadcast, group_rollouts, rollout_level
-from agl_core.stages.estimators import grpo
+from agl_core import AdvantageError, Advantages, AdvantageSettings, PluginManager, broadcast, group_rollouts, rollout_level
+from agl_core.builtins.estimators import grpo
 from agl_core.testing.contracts import AdvantageEstimatorContract
 from agl_core.testing.estimator_contract import (
+    EstimatorCase,
     check_advantages,
     check_credit,
     check_equal_rewards_give_zero,
@@ -25,10 +26,18 @@ from agl_core.testing.strategies import advantage_settings, grouped_rows
 
 class TestGrpoContract(AdvantageEstimatorContract):
     estimator_name = "grpo"
+    family = "group_relative"
+    cases = (
+        # centred rewards +-0.5 over their std (ddof 1) sqrt(0.5): +-0.70711
+        EstimatorCase({"g": [(1.0, 3), (0.0, 2)]}, {"g": [0.707106, -0.707106]}),
+        EstimatorCase({"g": [(1.0, 3), (0.0, 2), (0.5, 1)]}, {"g": [0.5, -0.5, 0.0]}, AdvantageSettings(norm_adv_by_std=False)),
+    )
 
 
 class TestRlooContract(AdvantageEstimatorContract):
     estimator_name = "rloo"
+    family = "leave_one_out"
+    cases = (EstimatorCase({"g": [(1.0, 3), (0.0, 2), (0.5, 1)]}, {"g": [0.75, -0.75, 0.0]}),)
 
 
 class TestReinforceContract(AdvantageEstimatorContract):

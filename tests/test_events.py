@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_core.data import RolloutRequest
-from agl_core.rollouts.events import METRICS, completed_rollout, completed_rollout_from_record, events_by_attempt, parse_events
+from agl_core.rollouts.events import (
+    METRICS,
+    completed_rollout,
+    completed_rollout_from_record,
+    decode_events,
+    events_by_attempt,
+    parse_events,
+)
 
 SCENARIOS = [
     "multiturn_4",
@@ -276,3 +289,46 @@ def test_arbitrary_garbage_never_raises_and_is_accounted_for(gateway_traces, rew
     per_call = sum(t.reward is not None for t in parsed.triplets)
     became_final = "call_index" not in data and refused == 0 and parsed.final_reward == data.get("value")
     assert refused + per_call + became_final == 1
+
+
+# Parses every recorded scenario from its body's bytes with msgspec importable or not, and prints the
+# pickled (triplets, final reward, counts) of each.
+_PARSE_BODIES = """
+import pickle, sys
+if sys.argv[1] == "hidden":
+    sys.modules["msgspec"] = None  # import msgspec -> ImportError
+from agl_core.rollouts import events
+assert (events.msgspec is None) == (sys.argv[1] == "hidden")
+bodies = pickle.load(sys.stdin.buffer)
+parsed = [events.parse_events(events.decode_events(b, only_parsed_fields=True)) for b in bodies]
+sys.stdout.buffer.write(pickle.dumps([(p.triplets, p.final_reward, p.counts) for p in parsed]))
+"""
+
+
+def test_the_same_triplets_come_out_with_or_without_msgspec(gateway_traces):
+    bodies = [json.dumps(gateway_traces[name]["events"]).encode() for name in SCENARIOS]
+    runs = {}
+    for msgspec in ("importable", "hidden"):
+        done = subprocess.run(
+            [sys.executable, "-c", _PARSE_BODIES, msgspec],
+            input=pickle.dumps(bodies),
+            capture_output=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        )
+        runs[msgspec] = pickle.loads(done.stdout)
+    assert runs["importable"] == runs["hidden"]
+    assert [len(t) for t, _, _ in runs["hidden"]] == [len(parse_events(gateway_traces[n]["events"]).triplets) for n in SCENARIOS]
+
+
+def test_decoding_only_the_parsed_fields_skips_the_rest(gateway_traces):
+    body = json.dumps(gateway_traces["multiturn_4"]["events"]).encode()
+    full, parsed = decode_events(body), decode_events(body, only_parsed_fields=True)
+    call = parsed[0]["data"]
+    assert "request" in full[0]["data"] and "request" not in call and "rollout_id" not in parsed[0]
+    assert set(call["response"]["choices"][0]["logprobs"]["content"][0]) == {"logprob"}
+    assert parse_events(parsed) == parse_events(full)
+    # What msgspec refuses and the standard library accepts is decoded by the latter.
+    assert math.isnan(decode_events(b'[{"event_type": "reward", "data": {"value": NaN}}]', only_parsed_fields=True)[0]["data"]["value"])
+    with pytest.raises(ValueError):
+        decode_events(b'[{"event_type": ')

@@ -4,6 +4,7 @@ its record's times) is either used, or skipped and counted; the parser never rai
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agl_core.data import CompletedRollout, RolloutRequest, Triplet
-from agl_core.rollouts.events import METRICS, completed_rollout_from_record, parse_events
+from agl_core.rollouts.events import METRICS, completed_rollout_from_record, decode_events, parse_events
 from agl_core.stages.vocabulary import OUT_OF_VOCAB_METRIC, within_vocabulary
 
 SCENARIOS = ["multiturn_4", "completions_api", "upstream_error_then_ok", "several_rewards_last_wins"]
@@ -151,3 +152,26 @@ def test_calls_outside_the_vocabulary_are_removed_and_counted():
     assert removed == 2
     assert kept[0].triplets == (ok, ok) and kept[1] is clean
     assert within_vocabulary([clean], vocab_size=33) == ([_rollout()], 1)
+
+
+def _same(rollout: CompletedRollout) -> str:
+    """A rollout as comparable text (NaN, which a metadata value may hold, is equal to itself here)."""
+    return json.dumps(rollout.to_dict(), sort_keys=True, default=repr)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), scenario=st.sampled_from(SCENARIOS), n_changes=st.integers(0, 4))
+def test_decoding_only_the_parsed_fields_reads_what_a_full_decode_reads(gateway_traces, data, scenario, n_changes):
+    """Whatever an events body holds, decoding only the fields the parser reads gives the rollout and
+    the counts that the standard library's full decode gives (bodies of another shape, or that
+    msgspec refuses, are decoded in full)."""
+    recorded = gateway_traces[scenario]
+    events = copy.deepcopy(recorded["events"])
+    for _ in range(n_changes):
+        path = data.draw(st.sampled_from(list(_paths(events))), label="event path")
+        _replace(events, path, data.draw(json_values, label="value"))
+    body = json.dumps(events).encode()
+    record, request = recorded["rollout"]["rollout"], _request(recorded["rollout"]["rollout"])
+    full, full_counts = completed_rollout_from_record(request, record, json.loads(body), reward_fillna_value=0.0)
+    fast, fast_counts = completed_rollout_from_record(request, record, decode_events(body, only_parsed_fields=True), reward_fillna_value=0.0)
+    assert _same(fast) == _same(full) and fast_counts == full_counts

@@ -79,7 +79,7 @@ def test_objects_built_without_a_second_check_are_what_the_constructors_build(ga
     from agl_core.data import RolloutRequest, Triplet, TrainingRow
     from agl_core.rollouts.events import completed_rollout_from_record
     from agl_core.stages.aggregation import AggregationSettings
-    from agl_core.stages.levels import trajectory, transition
+    from agl_core.builtins.aggregators import trajectory, transition
 
     rollouts = []
     for name, scenario in sorted(gateway_traces.items()):

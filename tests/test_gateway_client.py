@@ -10,7 +10,7 @@ from agl_core.data import RolloutRequest
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.retry import RetryPolicy
 from tests.fault_proxy import FaultProxy
-from tests.gateway_fixtures import gateway, good_call  # noqa: F401  (fixture)
+from tests.gateway_fixtures import gateway, good_call, list_rollouts, patch_rollout  # noqa: F401  (fixture)
 from tests.gateway_server import MODEL_NAME
 
 pytestmark = pytest.mark.gateway
@@ -42,19 +42,24 @@ def test_rollout_lifecycle_round_trip(client):
     assert created[0]["metadata"]["group_id"] == "grp" and created[0]["metadata"]["step"] == 3
     assert created[0]["config"]["timeout_seconds"] == 9
     # Re-posting a known id returns the stored rollout untouched: creation is idempotent.
-    client.patch_rollout("c1", state="running", last_attempt_id="0")
+    patch_rollout(client, "c1", state="running", last_attempt_id="0")
     again = client.create_rollouts([request("c1")])
     assert again[0]["status"]["state"] == "running"
-    assert {r["rollout_id"] for r in client.list_rollouts(["running"])} >= {"c1"}
+    assert {r["rollout_id"] for r in list_rollouts(client, ["running"])} >= {"c1"}
     before = client.terminal_page(0)["total_terminal"]
     client.append_event("c1", "0", *good_call())
     client.append_event("c1", "0", "reward", {"value": 0.5})
-    client.patch_rollout("c1", state="succeeded")
+    patch_rollout(client, "c1", state="succeeded")
     page = client.terminal_page(before)
     assert [i["rollout_id"] for i in page["items"]] == ["c1"] and page["next_after"] == before + 1
     assert client.terminal_page(page["next_after"])["items"] == []
     raw = client.get_events("c1")
     assert [e["event_type"] for e in raw] == ["model_request", "reward"]
+    parsed_fields = client.get_events("c1", only_parsed_fields=True)
+    assert parsed_fields[0]["data"]["response"]["choices"][0]["token_ids"] == [4, 5]
+    assert "request" in raw[0]["data"] and "request" not in parsed_fields[0]["data"]
+    with pytest.raises(ValueError, match="only_parsed_fields"):
+        client.get_events("c1", triplet=True, only_parsed_fields=True)
     triplet = client.get_events("c1", triplet=True)
     assert triplet[0]["data"]["response_token_ids"] == [4, 5]
     assert client.get_events("c1", event_type="reward")[0]["data"] == {"value": 0.5}
@@ -83,10 +88,10 @@ def test_client_errors_are_not_retried_and_say_what_failed(client):
     client.create_rollouts([request("c4xx")])
     sent = sum(client.requests_sent.values())
     with pytest.raises(GatewayError) as err:
-        client.patch_rollout("c4xx", state="succeeded")  # queuing -> succeeded is illegal
+        patch_rollout(client, "c4xx", state="succeeded")  # queuing -> succeeded is illegal
     assert err.value.status == 409 and "cannot transition" in err.value.message
     with pytest.raises(GatewayError) as err:
-        client.patch_rollout("c4xx", state="exploded")
+        patch_rollout(client, "c4xx", state="exploded")
     assert err.value.status == 422
     assert sum(client.requests_sent.values()) == sent + 2
     assert not client.retries
@@ -114,7 +119,7 @@ def test_5xx_and_resets_are_retried_for_idempotent_calls(gateway, proxy):
     c.create_rollouts([request("retry-create")])
     assert c.retries["create"] == 2
     # The create was applied by the gateway before the reset, and retried: still one rollout.
-    assert [r["rollout_id"] for r in c.list_rollouts(["queuing"]) if r["rollout_id"] == "retry-create"] == [
+    assert [r["rollout_id"] for r in list_rollouts(c, ["queuing"]) if r["rollout_id"] == "retry-create"] == [
         "retry-create"
     ]
 

@@ -20,6 +20,7 @@ from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     gateway,
     gateway_config,
     good_call,
+    list_rollouts,
     model_request_data,
     plugin_manager,
 )
@@ -127,7 +128,7 @@ def test_agent_that_never_finishes_is_failed_by_the_trainer(gateway):
     assert all(e.startswith("trainer-side timeout") for e in errors) and len(errors) == 2
     assert batch.metrics["training/hooks/n_unflushed_events"] == 2  # deleted rollouts cannot take events
     with GatewayClient(gateway.url, gateway.key) as c:
-        held = {r["rollout_id"] for r in c.list_rollouts(["queuing", "running"], 5000)}
+        held = {r["rollout_id"] for r in list_rollouts(c, ["queuing", "running"], 5000)}
     assert not held & set(source.pending)  # timed-out rollouts were deleted from the gateway
     source.close()
 

@@ -16,7 +16,7 @@ from agl_core.data import RolloutRequest
 from agl_core.rollouts.gateway_client import GatewayClient
 from agl_core.rollouts.gateway import gateway_source
 from agl_core.rollouts.gateway_async import AsyncGatewayRolloutSource
-from agl_core.rollouts.gateway_sync import GatewayRolloutSource
+from agl_core.rollouts.gateway_sync import READ_WORKERS, GatewayRolloutSource
 from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     Plan,
     SimulatedController,
@@ -24,6 +24,7 @@ from tests.gateway_fixtures import (  # noqa: F401  (fixture)
     gateway,
     gateway_config,
     good_call,
+    list_rollouts,
     plugin_manager,
 )
 from tests.gateway_server import MODEL_NAME
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.gateway
 def leftover(server, rollout_ids) -> list[str]:
     """Which of ``rollout_ids`` the gateway still holds (finished rollouts must be deleted)."""
     with GatewayClient(server.url, server.key) as c:
-        held = {r["rollout_id"] for r in c.list_rollouts(["queuing", "running", "succeeded", "failed"], 5000)}
+        held = {r["rollout_id"] for r in list_rollouts(c, ["queuing", "running", "succeeded", "failed"], 5000)}
     return sorted(held & set(rollout_ids))
 
 
@@ -122,6 +123,7 @@ def test_hook_events_are_flushed_and_reread(gateway):
         @hookimpl
         def agl_on_succeeded(self, rollout, events, writer):
             assert list(events) == ["0"] and events["0"][0]["event_type"] == "model_request"
+            assert "request" in events["0"][0]["data"]  # hooks get the events in full
             writer.add_event(rollout.rollout_id, rollout.attempt_id, "reward", {"value": 0.75})
 
     source = gateway_source(gateway_config(gateway), plugin_manager(Judge()))
@@ -233,4 +235,22 @@ def test_drain_is_bounded_while_calls_stay_in_flight(gateway):
     source.client.delete_models()
     source.client.delete_rollout("drain")
     upstream.shutdown()
+    source.close()
+
+
+def test_reads_stay_a_few_rollouts_ahead_of_the_one_being_finished(gateway, monkeypatch):
+    """Rollouts that finish together are read concurrently, but never more than READ_WORKERS ahead
+    of the rollout being parsed, so a step holds a few decoded bodies, not its batch's."""
+    log: list[str] = []
+    source = gateway_source(gateway_config(gateway, "actor_rollout_ref.rollout.n=4"), plugin_manager())
+    read, finish = source._read_terminal, source._finish
+    monkeypatch.setattr(source, "_read_terminal", lambda rid, state: (log.append("read"), read(rid, state))[1])
+    monkeypatch.setattr(source, "_finish", lambda *args, **kwargs: (log.append("finish"), finish(*args, **kwargs))[1])
+    with SimulatedController(gateway, always(Plan(delay=0.5))):  # all 32 finish within one poll or two
+        batch = source.collect([{"q": i} for i in range(8)], step=0, is_train=True)
+    assert len(batch.rollouts) == 32 and log.count("read") == 32
+    finishes = [at for at, entry in enumerate(log) if entry == "finish"]
+    ahead = [log[:at].count("read") - finished for finished, at in enumerate(finishes)]
+    assert max(ahead) <= 1 + READ_WORKERS  # the one being finished and those read ahead of it
+    assert max(ahead) > 1  # and they were read concurrently
     source.close()

@@ -163,7 +163,7 @@ def test_hook_wrappers_are_refused_naming_plugin_and_hook(opts, kind, hook):
     pm = PluginManager(load_entrypoints=False, builtins={})
     with pytest.raises(PluginError, match=rf"plugin 'wrapping': {hook} is a hook wrapper \({kind}\)"):
         pm.register(plugin, name="wrapping")
-    assert not pm.is_registered("wrapping"), "a refused plugin is not left half-registered"
+    assert pm.get_plugin("wrapping") is None, "a refused plugin is not left half-registered"
 
 
 def test_a_wrapper_on_the_hook_pluggy_calls_works_as_pluggy_documents(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -11,6 +12,7 @@ from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins.event_writer import EventWriter
 from agl_core import hookimpl
 from agl_core.plugins import PluginError, PluginManager
+from agl_hooks import rollout_hooks, schemas
 from agl_hooks.loader import HookFileError, load_hook_file
 
 AGL_V1_HOOK_FILE = """
@@ -116,9 +118,16 @@ def test_v1_and_module_hook_files_load_and_fire_in_order(tmp_path):
     assert manager.pop_metrics()["training/n_hook_failures"] == 0
 
 
-def test_agentlightning_alias_does_not_leak(tmp_path):
+@pytest.fixture
+def standins(monkeypatch):
+    """agl's stand-ins for v1.0's models, as where Agent Lightning is not installed (in either environment)."""
+    monkeypatch.setattr(rollout_hooks, "v1_models", lambda: schemas)
+
+
+def test_agentlightning_alias_does_not_leak(tmp_path, standins):
+    before = {name: sys.modules.get(name) for name in ("agentlightning", "agentlightning.hooks", "agentlightning.schemas")}
     manager_with(write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE))
-    assert "agentlightning.hooks" not in sys.modules
+    assert {name: sys.modules.get(name) for name in before} == before
 
 
 def test_a_raising_hook_does_not_stop_the_others(tmp_path, caplog):
@@ -281,8 +290,8 @@ def test_hooks_from_config_accept_a_path_or_a_list(tmp_path):
     mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
     one = PluginManager.from_config({"agentlightning": {"hooks": str(v1)}}, load_entrypoints=False, builtins={})
     both = PluginManager.from_config({"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins={})
-    assert one.is_registered(f"hookfile:{v1.resolve()}") and not one.is_registered(f"hookfile:{mod.resolve()}")
-    assert both.is_registered(f"hookfile:{mod.resolve()}")
+    assert one.get_plugin(f"hookfile:{v1.resolve()}") is not None and one.get_plugin(f"hookfile:{mod.resolve()}") is None
+    assert both.get_plugin(f"hookfile:{mod.resolve()}") is not None
 
 
 class _JsonHookFiles:
@@ -363,7 +372,7 @@ class Models(RolloutHooks):
 """
 
 
-def test_v1_hooks_read_and_write_what_v1_models_offer(tmp_path):
+def test_v1_hooks_read_and_write_what_v1_models_offer(tmp_path, standins):
     path = write(tmp_path, "models.py", V1_MODEL_ACCESS_HOOK_FILE)
     manager = manager_with(path)
     seen = module_of(manager, path).SEEN
@@ -484,6 +493,82 @@ def test_only_the_methods_a_v1_class_overrides_are_hook_implementations(tmp_path
     manager = manager_with(path)
     assert manager.implementations("agl_on_succeeded") and not manager.implementations("agl_on_enqueue")
     assert not manager.implementations("agl_on_startup") and not manager.implementations("agl_on_failed")
+
+
+def test_override_detection_compares_with_the_base_that_defines_each_hook():
+    """A class deriving from Agent Lightning's own ``RolloutHooks`` (here a class of that name and
+    module, so the check runs without Agent Lightning too) overrides only what it defines."""
+    al_base = type("RolloutHooks", (), {m: getattr(rollout_hooks.RolloutHooks, m) for m in rollout_hooks.HOOK_METHODS})
+    al_base.__module__ = "agentlightning.hooks"
+    middle = type("Middle", (al_base,), {"on_failed": lambda self, rollout, store: None})
+    leaf = type("Leaf", (middle,), {"on_succeeded": lambda self, rollout, events, store: None})
+    assert rollout_hooks.overridden_methods(leaf) == ("on_succeeded", "on_failed")
+    assert rollout_hooks.overridden_methods(al_base) == ()
+    plugin = rollout_hooks.RolloutHooksPlugin(leaf())
+    assert plugin.agl_on_enqueue is None and plugin.agl_on_startup is None and plugin.agl_on_succeeded is not None
+
+
+# A v1.0 hook file as Agent Lightning's own users write it: pydantic behaviour of its models included.
+AL_PYDANTIC_HOOK_FILE = """
+import json
+
+from agentlightning.hooks import RolloutHooks
+from agentlightning.schemas import Event, Rollout, RolloutConfig, RolloutCreate, RolloutMetadata
+
+SEEN = []
+
+
+class Pydantic(RolloutHooks):
+    def on_enqueue(self, request):
+        assert isinstance(request, RolloutCreate) and isinstance(request.config, RolloutConfig)
+        SEEN.append(("enqueue", json.loads(request.model_dump_json())["config"]["timeout_seconds"]))
+        again = RolloutCreate.model_validate(request.model_dump())
+        return again.model_copy(update={"metadata": RolloutMetadata(batch_idx=7, team="blue")})
+
+    def on_succeeded(self, rollout, events, store):
+        assert isinstance(rollout, Rollout) and isinstance(rollout.metadata, RolloutMetadata)
+        assert all(isinstance(e, Event) for evs in events.values() for e in evs)
+        dumped = json.loads(rollout.model_dump_json())
+        SEEN.append(("succeeded", dumped["status"]["state"], dumped["metadata"], [e.event_type for e in events["a0"]]))
+        store.add_event(rollout.rollout_id, rollout.status.last_attempt_id, "judge", {"dump": rollout.metadata.model_dump()})
+
+    def on_failed(self, rollout, store):
+        SEEN.append(("failed", Rollout.model_validate_json(rollout.model_dump_json()).status.error_message))
+"""
+
+
+def test_with_agent_lightning_installed_hooks_get_its_pydantic_models(tmp_path):
+    pytest.importorskip("agentlightning", reason="needs Agent Lightning installed (Python >= 3.12: the .ci/run py312 lane)")
+    import agentlightning.hooks
+
+    path = write(tmp_path, "pydantic_hooks.py", AL_PYDANTIC_HOOK_FILE)
+    manager = manager_with(path)
+    plugin = manager.get_plugin(f"hookfile:{path.resolve()}")
+    assert isinstance(plugin.hooks, agentlightning.hooks.RolloutHooks)
+    assert not manager.implementations("agl_on_startup"), "a method the class does not override is no hook"
+    seen = module_of(manager, path).SEEN
+    config = {"timeout_seconds": 1800, "local": {"agent_class": "pkg:Agent", "env_map": {"Q": "input.q"}}, "k8s": {"job_template": None}}
+    out = manager.enqueue(RolloutRequest(rollout_id="r1", group_id="g1", input={"q": 1}, config=config, metadata={"batch_idx": 0}))
+    assert seen == [("enqueue", 1800)]
+    assert out.config == config and dict(out.metadata) == {"batch_idx": 7, "team": "blue"}
+    assert out.rollout_id == "r1" and out.input == {"q": 1}
+
+    done = CompletedRollout(rollout_id="r1", group_id="g1", state="succeeded", attempt_id="a0", metadata=out.metadata, queued_at=5.0)
+    writer = EventWriter()
+    manager.on_succeeded(done, {"a0": [{"event_type": "model_request", "data": {}, "timestamp": 1.0}]}, writer)
+    assert seen[1] == ("succeeded", "succeeded", {"batch_idx": 7, "sample_idx_in_batch": None, "team": "blue"}, ["model_request"])
+    assert [(e.event_type, e.data) for e in writer.pending] == [("judge", {"dump": {"batch_idx": 7, "sample_idx_in_batch": None, "team": "blue"}})]
+    manager.on_failed(CompletedRollout(rollout_id="r2", group_id="g1", state="failed", error="agent crashed"), EventWriter())
+    assert seen[2] == ("failed", "agent crashed")
+    assert manager.pop_metrics()["training/n_hook_failures"] == 0
+
+
+def test_without_agent_lightning_hooks_get_agl_standins():
+    if rollout_hooks.v1_models() is not schemas:
+        pytest.skip("Agent Lightning is installed here: hooks get its own models (the test above)")
+    view = rollout_hooks.rollout_view(CompletedRollout(rollout_id="r1", group_id="g1", state="failed", metadata={"k": 1}))
+    assert isinstance(view, schemas.Rollout) and view.metadata["k"] == 1 and view.status.created_at == 0.0
+    assert json.loads(view.model_dump_json())["status"] == {**view.status.model_dump(), "state": "failed"}
 
 
 def test_helpers_beside_hooks_are_not_taken_for_misspelt_hooks(tmp_path):

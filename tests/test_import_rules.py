@@ -20,7 +20,7 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 # The package root (the public API) is its own part; a name imported from it counts as an import of
 # the module that defines the name.
 API = "agl_core"
-BASE = {"agl_core.data", "agl_core.errors", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
+BASE = {"agl_core._moved", "agl_core.data", "agl_core.errors", "agl_core.fields", "agl_core.config", "agl_core.hookspecs", "agl_core.recording",
         "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
 ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.
@@ -30,9 +30,11 @@ SOURCE_FAMILIES = {
         "agl_core.rollouts.gateway_sync",
         "agl_core.rollouts.gateway_async",
         "agl_core.rollouts.gateway_client",
+        "agl_core.rollouts.gateway_error",
         "agl_core.rollouts.retry",
     ),
     "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),
+    "replay": ("agl_core.rollouts.replay",),
 }
 SHARED_ROLLOUT_MODULES = ("agl_core.rollouts", "agl_core.rollouts.source", "agl_core.rollouts.events", "agl_core.rollouts.finish")
 
@@ -47,6 +49,7 @@ ALLOWED = {
     "backends": {"base", "plugins", "stages", "rollouts", "serving"},
     "backend:torch": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
     "tracking": {"base"},
+    "builtins": {"base", "plugins", "stages", "tracking", "backends", "backend:torch"},
     "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "tracking", "entry"},
     "entry": {"base", "plugins", "backends", "tracking", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
@@ -69,7 +72,7 @@ def part_of(module: str) -> str:
     parts = module.split(".")
     if parts[1] == "backends" and len(parts) > 2 and parts[2] in {"torch"}:
         return "backend:torch"
-    if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "tracking", "testing"}:
+    if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "tracking", "testing", "builtins"}:
         return parts[1]
     raise AssertionError(f"{module} is in no part of the package map: add it to tests/test_import_rules.py and docs/architecture.md")
 

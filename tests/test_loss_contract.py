@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
 from agl_core import PluginManager, PolicyLossSpec, masked_sum, policy_loss_spec
-from agl_core.stages.losses import per_rollout_mean, token_mean
+from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_core.testing.contracts import PolicyLossContract
 from agl_core.testing.loss_contract import (
     check_clip_bounds,

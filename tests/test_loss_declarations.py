@@ -8,7 +8,7 @@ import torch
 from agl_core import hookimpl
 from agl_core.config import load_config
 from agl_core.plugins import PluginManager, RegistryError
-from agl_core.stages.losses import per_rollout_mean, token_mean
+from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_core.stages.pipeline import StepPipeline
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, policy_loss_spec

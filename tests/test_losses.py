@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_core.config import default_config
-from agl_core.stages.losses import per_rollout_mean, token_mean
+from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core.stages.policy_loss import LossSettings, ppo_token_losses
 from agl_core.plugins import PluginManager

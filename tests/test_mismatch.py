@@ -4,7 +4,7 @@ import pytest
 import transformers
 
 from agl_core.stages.aggregation import AggregationSettings
-from agl_core.stages.levels import trajectory, transition
+from agl_core.builtins.aggregators import trajectory, transition
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.stages.mismatch import classify_break
 from agl_core.testing.strategies import TOY_TOKENIZER

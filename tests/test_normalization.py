@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_core.config import ConfigError, load_config
-from agl_core.stages.normalization import normalize_advantages, rollout_scales
+from agl_core.stages.normalization import rollout_scales
 
 
 @st.composite
@@ -95,18 +95,15 @@ def _upstream_reference(advantages, mask, ids):
 
 @settings(max_examples=40, deadline=None)
 @given(batch=rollouts(), seed=st.integers(0, 1000), m=st.integers(1, 4))
-def test_normalize_advantages_on_padded_tensors(batch, seed, m):
+def test_upstream_scales_on_padded_tensors_are_agent_lightnings(batch, seed, m):
     ids, tokens = batch
     length = int(tokens.max()) + 2
     mask = torch.zeros(len(ids), length, dtype=torch.bool)
     for i, n in enumerate(tokens):
         mask[i, :n] = True
     adv = torch.randn(len(ids), length, generator=torch.Generator().manual_seed(seed)) * mask
-    torch.testing.assert_close(
-        normalize_advantages(adv, mask, ids, mode="upstream", n_mini_batches=m), _upstream_reference(adv, mask, ids)
-    )
-    scales = torch.as_tensor(rollout_scales(ids, tokens, mode="rollouts", n_mini_batches=m), dtype=adv.dtype)
-    torch.testing.assert_close(normalize_advantages(adv, mask, ids, mode="rollouts", n_mini_batches=m), adv * scales[:, None])
+    scales = rollout_scales(ids, mask.sum(dim=-1).numpy(), mode="upstream", n_mini_batches=m)
+    torch.testing.assert_close(adv * torch.as_tensor(scales, dtype=adv.dtype)[:, None], _upstream_reference(adv, mask, ids))
 
 
 def test_bad_inputs_are_refused():
@@ -118,8 +115,6 @@ def test_bad_inputs_are_refused():
         rollout_scales(["a", "b"], [1, 0], mode="rollouts", n_mini_batches=1)
     with pytest.raises(ValueError, match="2 rollout ids for 1 rows"):
         rollout_scales(["a", "b"], [1], mode="rollouts", n_mini_batches=1)
-    with pytest.raises(ValueError, match="differ"):
-        normalize_advantages(torch.zeros(2, 3), torch.ones(2, 4), ["a", "b"], mode="rollouts", n_mini_batches=1)
 
 
 def test_config_key_defaults_to_rollouts_and_is_validated():

@@ -95,7 +95,7 @@ def test_installed_distribution_is_discovered_and_usable(installed_distribution,
     monkeypatch.delenv(DISABLE_AUTOLOAD_ENV, raising=False)
     monkeypatch.delenv(BLOCKED_PLUGINS_ENV, raising=False)
     manager = PluginManager()
-    assert manager.is_registered("shout")
+    assert manager.get_plugin("shout") is not None
     assert manager.aggregators.get("shout")([], None) == "shouted"
     assert manager.aggregators.entry("shout").plugin_name == "shout"
     assert manager.policy_losses.get("half")(None, None, None, None, None)[0] == 0.5
@@ -121,13 +121,13 @@ def test_blocking_by_env_removes_the_plugin(installed_distribution, monkeypatch)
     monkeypatch.delenv(DISABLE_AUTOLOAD_ENV, raising=False)
     monkeypatch.setenv(BLOCKED_PLUGINS_ENV, "other, shout")
     manager = PluginManager()
-    assert not manager.is_registered("shout")
+    assert manager.get_plugin("shout") is None
     assert "shout" not in manager.aggregators
 
 
 def test_autoload_can_be_disabled_by_env(installed_distribution, monkeypatch):
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
-    assert not PluginManager().is_registered("shout")
+    assert PluginManager().get_plugin("shout") is None
 
 
 class _Registers:
@@ -206,7 +206,28 @@ def test_tryfirst_runs_before_registration_order():
 def test_builtins_are_ordinary_blockable_plugins(monkeypatch):
     monkeypatch.setenv(BLOCKED_PLUGINS_ENV, "tests.test_plugins")
     manager = PluginManager(load_entrypoints=False, builtins={"tests.test_plugins": "tests.test_plugins"})
-    assert not manager.is_registered("tests.test_plugins")
+    assert manager.get_plugin("tests.test_plugins") is None
     monkeypatch.delenv(BLOCKED_PLUGINS_ENV)
     manager = PluginManager(load_entrypoints=False, builtins={"tests.test_plugins": "tests.test_plugins"})
     assert {i.name: i.source for i in manager.list_plugins()}["tests.test_plugins"] == "built-in"
+
+
+def test_a_registry_is_a_read_only_mapping_of_names():
+    from collections.abc import Mapping
+
+    import pytest
+
+    from agl_core.plugins import PluginManager, RegistryError
+
+    aggregators = PluginManager(load_entrypoints=False).aggregators
+    assert isinstance(aggregators, Mapping)
+    assert list(aggregators) == aggregators.names() and "trajectory" in aggregators
+    assert aggregators["trajectory"] is aggregators.get("trajectory") is dict(aggregators.items())["trajectory"]
+    assert aggregators.get("nope", None) is None
+    with pytest.raises(RegistryError, match="unknown aggregator 'trajectry' .*did you mean 'trajectory'"):
+        aggregators["trajectry"]
+    with pytest.raises(RegistryError, match="set by agentlightning.trace_aggregator.level"):
+        aggregators.get("trajectry")
+    assert [e.name for e in aggregators.entries()] == aggregators.names() and aggregators.entry("trajectory").plugin_name == "aggregators"
+    with pytest.raises(TypeError):
+        aggregators["mine"] = lambda rollouts, settings: None  # noqa: ARG005

@@ -57,3 +57,38 @@ def test_built_from_the_gateway_config_keys():
     assert RetryPolicy.from_config(cfg) == RetryPolicy(max_retries=3, backoff_seconds=0.25, backoff_max_seconds=2.0)
     with pytest.raises(ValueError, match="max_retries"):
         RetryPolicy(max_retries=-1)
+
+
+def test_run_retries_until_success_counting_each_retry():
+    outcomes = iter([error(503), error(None), {"ok": True}])
+    retried = []
+
+    def attempt():
+        outcome = next(outcomes)
+        if isinstance(outcome, GatewayError):
+            raise outcome
+        return outcome
+
+    assert RetryPolicy(backoff_seconds=0.0).run(attempt, on_retry=lambda: retried.append(1)) == {"ok": True}
+    assert len(retried) == 2
+
+
+@pytest.mark.parametrize(
+    ("failure", "idempotent", "attempts", "transient"),
+    [
+        (error(503), True, 3, True),  # the attempts ran out on a transient failure
+        (error(500), False, 1, True),  # not retried (it may have been applied), yet transient
+        (error(404), True, 1, False),  # final at once
+        (error(None, ambiguous=True), False, 1, True),
+    ],
+)
+def test_run_marks_the_error_it_gives_up_on_transient_or_final(failure, idempotent, attempts, transient):
+    calls = []
+
+    def attempt():
+        calls.append(1)
+        raise failure
+
+    with pytest.raises(GatewayError) as raised:
+        RetryPolicy(max_retries=2, backoff_seconds=0.0).run(attempt, idempotent=idempotent)
+    assert raised.value is failure and len(calls) == attempts and raised.value.transient is transient

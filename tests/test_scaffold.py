@@ -19,16 +19,16 @@ def test_the_package_has_an_entry_point_one_stub_per_registry_and_tests(tmp_path
     root = tmp_path / "my-judge"
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
         "README.md",
-        "my_judge/__init__.py",
         "pyproject.toml",
+        "src/my_judge/__init__.py",
         "tests/test_contracts.py",
         "tests/test_training.py",
     ]
     project = (root / "pyproject.toml").read_text()
     assert 'name = "my-judge"' in project
     assert '[project.entry-points.agl]\nmy_judge = "my_judge"\n' in project
-    source = (root / "my_judge" / "__init__.py").read_text()
-    for hook in ("agl_register_aggregators", "agl_register_advantage_estimators", "agl_register_policy_losses", "agl_on_succeeded"):
+    source = (root / "src" / "my_judge" / "__init__.py").read_text()
+    for hook in ("agl_plugin_settings", "agl_register_aggregators", "agl_register_advantage_estimators", "agl_register_policy_losses", "agl_on_succeeded"):
         assert f"def {hook}(" in source
     for path in root.rglob("*.py"):
         assert private_imports(path.read_text()) == [], path
@@ -55,7 +55,7 @@ def test_an_existing_folder_is_never_overwritten(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_generated_package_passes_its_tests_out_of_the_box(tmp_path):
     root = new_plugin("smoke-plugin", tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x"], cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from agl_core.stages.levels import trajectory
+from agl_core.builtins.aggregators import trajectory
 from agl_core.data import DataValidationError, TrainingRow
 from agl_core.stages.tensorize import pad_responses, padded_width, tensorize
 from agl_core.testing.strategies import aggregation_settings, rollout_batches

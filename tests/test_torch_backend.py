@@ -320,3 +320,11 @@ def test_entropy_coeff_is_validated_by_name(policy, tmp_path):
 
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.entropy_coeff"):
         _config(policy, tmp_path, "actor_rollout_ref.actor.entropy_coeff=-0.1")
+
+
+def test_the_lr_schedule_steps_only_with_the_optimizer(running, recwarn):
+    started = running("agentlightning.local.agent_class=tests.test_embedded:FailingAgent")
+    backend = started.backend
+    metrics = backend.train_step(backend.next_batch())  # every rollout fails: nothing to update on
+    assert "actor/n_updates" not in metrics and backend.scheduler.last_epoch == 0
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]

@@ -13,9 +13,45 @@ pytest.importorskip("verl")
 
 from verl import DataProto  # noqa: E402
 
-from agl_backend_verl.dataproto import rows_from_dataproto, to_dataproto, to_padded_batch  # noqa: E402
+from agl_backend_verl.dataproto import to_dataproto, to_padded_batch  # noqa: E402
 from agl_core.data import TrainingRow  # noqa: E402
 from agl_core.stages.tensorize import tensorize  # noqa: E402
+
+
+def rows_from_dataproto(data: DataProto) -> list[TrainingRow]:
+    """The training rows a ``DataProto`` of :func:`to_dataproto` holds (padding removed).
+
+    The reward is the row's summed ``token_level_scores`` (float32, as it is trained on); log-probs
+    come back only when the batch has ``rollout_log_probs``. Per-call details that are not tensors
+    (``response_turns``, ``turn_rewards``) are not carried by a ``DataProto``.
+    """
+    batch = to_padded_batch(data)
+    tensors = batch.tensors
+    prompt_width = tensors["prompts"].shape[1]
+    attention = tensors["attention_mask"].bool().cpu().numpy()
+    prompts = tensors["prompts"].cpu().numpy()
+    responses = tensors["responses"].cpu().numpy()
+    response_mask = tensors["response_mask"].cpu().numpy()
+    rewards = tensors["token_level_scores"].float().sum(dim=-1).cpu().numpy()
+    log_probs = tensors.get("rollout_log_probs")
+    log_probs = None if log_probs is None else log_probs.float().cpu().numpy()
+    rows = []
+    for i in range(len(batch)):
+        in_prompt = attention[i, :prompt_width]
+        in_response = attention[i, prompt_width:]
+        rows.append(
+            TrainingRow(
+                prompt_ids=prompts[i][in_prompt],
+                response_ids=responses[i][in_response],
+                response_mask=response_mask[i][in_response],
+                log_probs=None if log_probs is None else log_probs[i][in_response],
+                reward=float(rewards[i]),
+                rollout_id=str(batch.non_tensors["rollout_ids"][i]),
+                group_id=str(batch.non_tensors["group_ids"][i]),
+                turn_index=int(batch.non_tensors["turn_indices"][i]),
+            )
+        )
+    return rows
 
 
 @st.composite

@@ -97,7 +97,7 @@ remote_verl_loss = ray.remote(num_cpus=1)(verl_loss)
 
 
 def driver_value():
-    from agl_core.stages.losses import per_rollout_mean
+    from agl_core.builtins.losses import per_rollout_mean
     from agl_core.stages.policy_loss import LossSettings
 
     old, new, advantages, mask = loss_inputs()

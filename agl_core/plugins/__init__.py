@@ -14,6 +14,7 @@ from agl_core.plugins.manager import (
     PluginManager,
 )
 from agl_core.plugins.registry import Registry, RegistryEntry, RegistryError
+from agl_core.plugins.settings import SETTINGS_KEY, PluginSettings
 
 __all__ = [
     "BLOCKED_PLUGINS_ENV",
@@ -25,7 +26,9 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "PluginManager",
+    "PluginSettings",
     "Registry",
     "RegistryEntry",
     "RegistryError",
+    "SETTINGS_KEY",
 ]

@@ -16,8 +16,9 @@ Callers never touch pluggy: they use the registry properties and the ``on_*``/``
 The manager calls each implementation of agl's registry and lifecycle hooks on its own, so that one
 plugin's failure cannot stop the others, and each lifecycle call is bounded in time
 (``agentlightning.hook_timeout_seconds``: a call that overruns is abandoned, logged with its plugin's
-name and counted as a failure; that plugin's hook is skipped until the call returns). pluggy's hook wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap
-a whole chain of calls, which this does not make: they are refused when the plugin registers.
+name and counted as a failure; that plugin's hook is skipped until the call returns). pluggy's hook
+wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap a whole chain of calls, which this does not
+make: they are refused when the plugin registers.
 """
 
 from __future__ import annotations
@@ -40,20 +41,21 @@ from agl_core.errors import AglError
 from agl_core.plugins.calls import HookCalls, env_flag, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
+from agl_core.plugins.settings import SETTINGS_KEY, PluginSettings, SettingsDeclaration, build_settings, check_settings_class
 from agl_core.suggestions import suggest
 
 ENTRYPOINT_GROUP = "agl"
 DISABLE_AUTOLOAD_ENV = "AGL_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "AGL_BLOCKED_PLUGINS"
 
-# The built-in plugins: registration name -> module. The names are stable (they are what
-# ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
+# The built-in plugins (agl_core/builtins/): registration name -> module. The names are stable (they
+# are what ``AGL_BLOCKED_PLUGINS`` and ``agl plugins`` use); the modules may move.
 DEFAULT_PLUGINS: dict[str, str] = {
-    "aggregators": "agl_core.stages.levels",
-    "estimators": "agl_core.stages.estimators",
-    "losses": "agl_core.stages.losses",
-    "torch": "agl_core.backends.torch",
-    "sinks": "agl_core.tracking.builtins",
+    "aggregators": "agl_core.builtins.aggregators",
+    "estimators": "agl_core.builtins.estimators",
+    "losses": "agl_core.builtins.losses",
+    "torch": "agl_core.builtins.backends",
+    "sinks": "agl_core.builtins.sinks",
 }
 
 # registry property -> (hook name, kind, config key selecting an entry)
@@ -88,6 +90,8 @@ class PluginInfo:
     source: str
     hooks: tuple[str, ...]
     provides: dict[str, tuple[str, ...]]
+    #: why the plugin could not be loaded (an entry point that fails to import); None when it works.
+    error: str | None = None
 
 
 class PluginManager:
@@ -106,6 +110,9 @@ class PluginManager:
         self._pm.add_hookspecs(hookspecs)
         self._sources: dict[str, str] = {}
         self._registries: dict[str, Registry] = {}
+        self._settings_section: Any = None  # the config's agentlightning.plugins, once configured
+        self._settings: PluginSettings | None = None
+        self._broken: dict[str, PluginInfo] = {}  # entry points that failed to import, by name
         for name in [*blocked_from_env(), *blocked]:
             self._pm.set_blocked(name)
         for name, module_name in (DEFAULT_PLUGINS if builtins is None else builtins).items():
@@ -138,7 +145,16 @@ class PluginManager:
             manager.load_hook_files([hooks] if isinstance(hooks, str) else list(hooks))
         for plugin in plugins:
             manager.register(plugin)
+        manager.configure(config)
         return manager
+
+    def configure(self, config: Any) -> None:
+        """Take the plugin settings of ``config`` (``agentlightning.plugins``), validated now: a
+        :class:`~agl_core.config.ConfigError` names the first wrong key."""
+        self._settings_section = _select(config, SETTINGS_KEY)
+        self._settings = None
+        self._registries.clear()
+        self.settings  # noqa: B018 (validates)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -152,13 +168,27 @@ class PluginManager:
                 continue
             if not third_party and not _is_own(ep):
                 continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             try:
                 plugin = ep.load()
-            except Exception as exc:
-                dist = ep.dist.name if ep.dist else "unknown distribution"
-                raise PluginError(f"entry point {ep.name!r} ({ep.value}) of {dist} failed to import: {exc}") from exc
-            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            except Exception as exc:  # listed as broken; check and train refuse it (refuse_broken)
+                error = f"{type(exc).__name__}: {exc}"
+                self._broken[ep.name] = PluginInfo(ep.name, f"entry point {ep.value} ({dist})", (), {}, error)
+                continue
             self.register(plugin, name=ep.name, source=f"entry point ({dist})")
+
+    def broken(self) -> list[PluginInfo]:
+        """The entry points that failed to import (``error`` says why), by name."""
+        return [self._broken[name] for name in sorted(self._broken)]
+
+    def refuse_broken(self) -> None:
+        """Raise :class:`PluginError` naming the first entry point that failed to import and how to
+        block it: a run must not go on without a plugin its environment installs."""
+        for info in self.broken():
+            raise PluginError(
+                f"plugin {info.name!r} ({info.source}) failed to import: {info.error}; fix or uninstall it, "
+                f"or block it with {BLOCKED_PLUGINS_ENV}={info.name}"
+            )
 
     def load_hook_files(self, paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         """Load user hook files as plugins through ``agl_load_hook_file``; return their names."""
@@ -199,6 +229,7 @@ class PluginManager:
         self._refuse_wrappers(plugin, registered)
         self._sources[registered] = source
         self._registries.clear()
+        self._settings = None
         return registered
 
     def _refuse_wrappers(self, plugin: Any, name: str) -> None:
@@ -216,6 +247,7 @@ class PluginManager:
         self._pm.unregister(name=name)
         self._sources.pop(name, None)
         self._registries.clear()
+        self._settings = None
 
     def check_pending(self) -> None:
         """Fail loudly if a plugin implements a hook that no spec defines (a misspelt name)."""
@@ -228,9 +260,6 @@ class PluginManager:
         """The plugin object registered under ``name`` (``None`` if there is none)."""
         return self._pm.get_plugin(name)
 
-    def is_registered(self, name: str) -> bool:
-        return self._pm.get_plugin(name) is not None
-
     def implementations(self, hook_name: str) -> list[str]:
         """The plugins implementing ``hook_name``, in the order they are called."""
         return [impl.plugin_name for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())]
@@ -239,6 +268,36 @@ class PluginManager:
         registration order: what a backend that runs the hooks in another process must ship there."""
         return [self._pm.get_plugin(name) for name, source in self._sources.items() if source == "code"]
 
+    # -- settings -----------------------------------------------------------------------------
+
+    def settings_declarations(self) -> dict[str, SettingsDeclaration]:
+        """Every settings section the plugins declare (``agl_plugin_settings``), by section name."""
+        declared: dict[str, SettingsDeclaration] = {}
+        for impl in in_plugin_order(self._pm.hook.agl_plugin_settings.get_hookimpls()):
+            classes = impl.function()
+            if not isinstance(classes, Mapping):
+                raise PluginError(f"plugin {impl.plugin_name!r}: agl_plugin_settings must return {{section: settings class}}, got {classes!r}")
+            for section, cls in classes.items():
+                try:
+                    check_settings_class(section, cls, impl.plugin_name)
+                except TypeError as exc:
+                    raise PluginError(str(exc)) from None
+                if section in declared:
+                    raise PluginError(
+                        f"settings {section!r} are declared by both plugin {declared[section].plugin_name!r} and plugin "
+                        f"{impl.plugin_name!r}; block one of them ({BLOCKED_PLUGINS_ENV}) or rename a section"
+                    )
+                declared[section] = SettingsDeclaration(section, cls, impl.plugin_name)
+        return declared
+
+    @property
+    def settings(self) -> PluginSettings:
+        """The plugins' settings (section -> typed instance): the configured values over each class's
+        defaults. Registry hooks and ``agl_on_startup`` receive it as their ``settings`` argument."""
+        if self._settings is None:
+            self._settings = build_settings(self.settings_declarations(), self._settings_section)
+        return self._settings
+
     # -- registries ---------------------------------------------------------------------------
 
     def _registry(self, prop: str) -> Registry:
@@ -246,7 +305,11 @@ class PluginManager:
             hook_name, kind, config_key = REGISTRIES[prop]
             registry = Registry(kind, config_key)
             for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls()):
-                impl.function(lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p))
+                args = {
+                    "register": lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p),
+                    "settings": self.settings if "settings" in impl.argnames else None,
+                }
+                impl.function(*[args[name] for name in impl.argnames])
             self._registries[prop] = registry
         return self._registries[prop]
 
@@ -275,7 +338,7 @@ class PluginManager:
     def on_startup(self, config: Any) -> None:
         """Call every ``agl_on_startup`` with a copy of ``config`` whose secrets are redacted: no
         plugin ever sees the gateway key, whoever calls this."""
-        self._call_each("agl_on_startup", "startup", config=redacted(config))
+        self._call_each("agl_on_startup", "startup", config=redacted(config), settings=self.settings)
 
     def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
         impls = in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())
@@ -284,7 +347,7 @@ class PluginManager:
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
         """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result.
 
-        A hook may not change a request's ids or its place in the batch (:data:`FIXED_REQUEST_FIELDS`):
+        A hook may not change a request's ids or its place in the batch (``FIXED_REQUEST_FIELDS``):
         such a change is undone, the rest of the result kept, and counted."""
         for impl in in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
             subject = f"rollout {request.rollout_id}"
@@ -311,7 +374,8 @@ class PluginManager:
         self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
 
     def pop_metrics(self) -> dict[str, float]:
-        """The lifecycle hooks' failure, timeout and skip counts since the last call (see :class:`~agl_core.plugins.calls.HookCalls`)."""
+        """The lifecycle hooks' failure, timeout and skip counts since the last call (see
+        :class:`~agl_core.plugins.calls.HookCalls`)."""
         return self.calls.pop_metrics()
 
     # -- introspection ------------------------------------------------------------------------
@@ -320,7 +384,7 @@ class PluginManager:
         """Every registered plugin with its source, the hooks it implements and the names it provides."""
         provides: dict[str, dict[str, list[str]]] = {}
         for prop in REGISTRIES:
-            for entry in self._registry(prop):
+            for entry in self._registry(prop).entries():
                 provides.setdefault(entry.plugin_name, {}).setdefault(prop, []).append(entry.name)
         infos = []
         for name, plugin in self._pm.list_name_plugin():
@@ -335,7 +399,7 @@ class PluginManager:
                     provides={k: tuple(v) for k, v in provides.get(name, {}).items()},
                 )
             )
-        return infos
+        return infos + self.broken()
 
 
 KNOWN_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("agl_"))

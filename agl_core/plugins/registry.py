@@ -2,13 +2,17 @@
 
 The host owns the table: a plugin only calls ``register(name, obj)``. A name registered twice, or an
 entry that cannot be called, is an error naming the plugin; looking up an unknown name is an error
-listing what is registered. What an entry declares beside its function (a policy loss's
+listing what is registered. A :class:`Registry` is a read-only mapping of name -> registered object
+(``registry["trajectory"]``, ``"trajectory" in registry``, ``list(registry)``, ``registry.items()``);
+``registry.get(name)`` without a default raises :class:`RegistryError` like ``registry[name]``
+(a name a config selects must exist), with a default it returns the default;
+:meth:`Registry.entry` / :meth:`Registry.entries` add the plugin that registered each name. What an entry declares beside its function (a policy loss's
 :class:`~agl_core.stages.policy_loss.PolicyLossSpec`) travels in the entry object itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -34,8 +38,12 @@ class RegistryEntry:
     plugin_name: str
 
 
-class Registry:
-    """The entries of one kind (``aggregator``, ``advantage estimator``...), keyed by name."""
+_NO_DEFAULT: Any = object()
+
+
+class Registry(Mapping[str, Any]):
+    """The entries of one kind (``aggregator``, ``advantage estimator``...): a read-only mapping of
+    name -> registered object, in name order. Only the plugin manager adds to it."""
 
     def __init__(self, kind: str, config_key: str):
         self.kind = kind
@@ -55,7 +63,14 @@ class Registry:
             )
         self._entries[name] = RegistryEntry(name, obj, plugin_name)
 
-    def get(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> Any:
+        return self.entry(name).obj
+
+    def get(self, name: str, default: Any = _NO_DEFAULT) -> Any:
+        """The object registered as ``name``; without ``default``, an unknown name is a
+        :class:`RegistryError` naming the config key and the registered names."""
+        if default is not _NO_DEFAULT and name not in self._entries:
+            return default
         return self.entry(name).obj
 
     def entry(self, name: str) -> RegistryEntry:
@@ -73,8 +88,15 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
-    def __iter__(self) -> Iterator[RegistryEntry]:
-        return iter(sorted(self._entries.values(), key=lambda e: e.name))
+    def entries(self) -> list[RegistryEntry]:
+        """Every entry (name, object, plugin), in name order."""
+        return [self._entries[name] for name in self.names()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __repr__(self) -> str:
+        return f"<Registry of {self.kind}s: {', '.join(self.names()) or 'none'}>"
 
     def __len__(self) -> int:
         return len(self._entries)

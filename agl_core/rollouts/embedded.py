@@ -45,6 +45,9 @@ __all__ = ["ATTEMPT_ID", "EmbeddedRolloutSource"]
 logger = logging.getLogger(__name__)
 
 ATTEMPT_ID = "0"  # each rollout runs once
+# How long closing waits for the model calls still in flight (rollouts already given up on) before
+# closing the engine's connections under them.
+CLOSE_WAIT_SECONDS = 5.0
 
 
 class EmbeddedRolloutSource(RolloutSource):
@@ -61,6 +64,10 @@ class EmbeddedRolloutSource(RolloutSource):
         self.reward_fillna_value = float(agl.reward_fillna_value)
         self.failed_rollout_policy: FailedRolloutPolicy = agl.failed_rollout_policy
         self.deadline_seconds = float(agl.rollout_timeout_seconds) + float(agl.rollout_timeout_grace_seconds)
+        self.deadline_text = (
+            f"no result within {self.deadline_seconds:g} s (agentlightning.rollout_timeout_seconds={agl.rollout_timeout_seconds} "
+            f"+ agentlightning.rollout_timeout_grace_seconds={agl.rollout_timeout_grace_seconds:g})"
+        )
         workers = int(agl.embedded.max_workers)
         self.recorder = Recorder(
             key=agl.agl_key or secrets.token_hex(16),
@@ -73,6 +80,7 @@ class EmbeddedRolloutSource(RolloutSource):
             max_connections=workers,
             seed=int(config.trainer.seed),
             top_p=float(config.actor_rollout_ref.rollout.top_p),
+            call_timeout_s=float(agl.rollout_timeout_seconds),
         )
         self.server = LocalHTTPServer(("127.0.0.1", 0), recorder_handler(self.recorder))
         self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -120,13 +128,11 @@ class EmbeddedRolloutSource(RolloutSource):
         if future in not_done:
             future.cancel()
             counts["training/rollouts/n_timed_out"] += 1
-            return "failed", f"no result within {self.deadline_seconds:.0f} s (rollout timeout + grace)"
+            return "failed", self.deadline_text
         raised = future.exception()
         if raised is None:
             return "succeeded", None
-        error = f"agent raised {type(raised).__name__}: {raised}"
-        logger.warning("rollout %s failed: %s", rid, error)
-        return "failed", error
+        return "failed", f"agent raised {type(raised).__name__}: {raised}"
 
     def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
         groups = make_requests(
@@ -138,6 +144,7 @@ class EmbeddedRolloutSource(RolloutSource):
         futures, errors = self._start(requests, step=step, is_train=is_train)
         _, not_done = wait_futures(futures.values(), timeout=self.deadline_seconds)
         rollouts = []
+        causes: dict[str, list[str]] = {}  # error -> the rollouts that failed with it
         for request in requests:
             rid = request.rollout_id
             events = self.recorder.close(rid)
@@ -145,6 +152,8 @@ class EmbeddedRolloutSource(RolloutSource):
                 state, error = self._outcome(rid, futures[rid], not_done, counts)
             else:
                 state, error = "failed", errors[rid]
+            if error is not None:  # grouped by cause: the first line, without the rollout's own id
+                causes.setdefault(error.splitlines()[0].replace(rid, "{rollout_id}"), []).append(rid)
             rollout = self._finish(request, events, state, error, queued_at, counts)
             counts[f"training/rollouts/n_{rollout.state}"] += 1
             kept, policy_counts = apply_failed_policy([rollout], self.failed_rollout_policy, self.reward_fillna_value)
@@ -153,10 +162,18 @@ class EmbeddedRolloutSource(RolloutSource):
         with self.recorder.lock:
             counts.update(self.recorder.counts)
             self.recorder.counts.clear()
+        self._log_failures(step, len(requests), causes)
         metrics = {k: float(v) for k, v in counts.items()}
         metrics.update(timing_metrics(rollouts))
         metrics.update(self.plugins.pop_metrics())
         return RolloutBatch(rollouts, metrics)
+
+    def _log_failures(self, step: int, n_rollouts: int, causes: Mapping[str, Sequence[str]]) -> None:
+        """One line per cause of this step's failed model calls and rollouts, with their count."""
+        for cause, n_calls in self.recorder.pop_failures().items():
+            logger.warning("step %d: %d model call(s) got no answer: %s", step, n_calls, cause)
+        for cause, rids in causes.items():
+            logger.warning("step %d: %d of %d rollouts failed: %s (first: rollout %s)", step, len(rids), n_rollouts, cause, rids[0])
 
     def _finish(
         self, request: RolloutRequest, events: list[dict[str, Any]], state: str, error: str | None, queued_at: float, counts: Counter[str]
@@ -194,6 +211,6 @@ class EmbeddedRolloutSource(RolloutSource):
         self._closed = True
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.server.shutdown()
+        self.recorder.shutdown(CLOSE_WAIT_SECONDS)
         self.server.server_close()
-        self.recorder.client.close()
         uninstall_thread_environ()

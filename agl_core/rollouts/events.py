@@ -29,20 +29,35 @@ Rules (Agent Lightning v1.0 semantics, with every anomaly counted instead of dro
 
 Counts come back as a :class:`collections.Counter` keyed by metric name, so a source can add the
 counters of a batch and report them.
+
+:func:`decode_events` turns an events body (the HTTP response's bytes) into that list. Most of a raw
+body is what the parser never reads (the request's messages, per-token records with their text,
+bytes and alternatives, usage); decoded in full, each of those becomes Python objects, and the
+containers among them keep the garbage collector busy, which costs several times more than the
+parse itself. ``only_parsed_fields=True`` decodes, with msgspec, only the fields read here (typed
+dicts that skip every other field without building it); a body that does not fit that shape is
+decoded in full, so the parser meets and counts whatever is odd in it exactly as before. Without
+msgspec, the standard library's ``json`` decodes everything.
 """
 
 from __future__ import annotations
 
+import json
 import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import attrs
 import numpy as np
 
 from agl_core.data import CompletedRollout, DataValidationError, RolloutRequest, Triplet
 from agl_core.fields import FrozenDict, freeze, from_checked, json_token_ids, log_probs, reward_value, timestamp
+
+try:
+    import msgspec
+except ImportError:  # the standard library's json decodes everything
+    msgspec = None
 
 __all__ = [
     "METRICS",
@@ -51,6 +66,7 @@ __all__ = [
     "apply_failed_policy",
     "completed_rollout",
     "completed_rollout_from_record",
+    "decode_events",
     "events_by_attempt",
     "parse_events",
     "timing_metrics",
@@ -84,6 +100,79 @@ class ParsedEvents:
     triplets: tuple[Triplet, ...]
     final_reward: float | None
     counts: Counter[str]
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+# The fields of an event that this module reads (every one optional, of any JSON type where the
+# parser checks the type itself). Keep in step with _triplet_from_call, parse_events, last_attempt_id
+# and completed_rollout: a field read there but missing here would be read as absent.
+
+
+class _TokenLogProb(TypedDict, total=False):
+    logprob: Any
+
+
+class _LogProbs(TypedDict, total=False):
+    content: list[_TokenLogProb]
+    token_logprobs: Any
+
+
+class _Choice(TypedDict, total=False):
+    token_ids: Any
+    prompt_token_ids: Any
+    logprobs: _LogProbs | None
+
+
+class _Response(TypedDict, total=False):
+    prompt_token_ids: Any
+    choices: list[_Choice]
+    error: Any
+
+
+class _Data(TypedDict, total=False):
+    http_status: Any
+    status: Any
+    response: _Response | None
+    server: Any
+    model_version: Any
+    finish_reason: Any
+    value: Any
+    call_index: Any
+
+
+class _Event(TypedDict, total=False):
+    event_type: Any
+    attempt_id: Any
+    timestamp: Any
+    data: _Data
+
+
+if msgspec is not None:
+    _decode_any = msgspec.json.Decoder().decode
+    _decode_parsed_fields = msgspec.json.Decoder(list[_Event]).decode
+
+
+def decode_events(body: bytes, *, only_parsed_fields: bool = False) -> Any:
+    """An events body (JSON bytes) decoded, in full or, with ``only_parsed_fields``, only the fields
+    this module reads (see the module's docstring); what JSON does not allow is a ``ValueError``.
+
+    msgspec refuses a few things the standard library accepts (``NaN``, numbers beyond float range,
+    lone surrogates): such a body is decoded by the standard library, as it always was.
+    """
+    if msgspec is None:
+        return json.loads(body)
+    if only_parsed_fields:
+        try:
+            return _decode_parsed_fields(body)
+        except msgspec.DecodeError:  # not of that shape, or not for msgspec: decoded in full
+            pass
+    try:
+        return _decode_any(body)
+    except msgspec.DecodeError:
+        return json.loads(body)
+
+
+# -- parsing ----------------------------------------------------------------------------------------
 
 
 def _count(counts: Counter[str], name: str) -> None:

@@ -14,47 +14,23 @@ The key is sent as a bearer token and never appears in an error, a log line or `
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
 from omegaconf import DictConfig
 
 from agl_core.data import RolloutRequest
-from agl_core.errors import AglError
+from agl_core.rollouts.events import decode_events
 from agl_core.fields import thaw
+from agl_core.rollouts.gateway_error import GatewayError
 from agl_core.rollouts.retry import RetryPolicy
 
-logger = logging.getLogger(__name__)
+__all__ = ["GatewayClient", "GatewayError", "rollout_payload"]
 
 T = TypeVar("T")
-
-
-class GatewayError(AglError):
-    """A gateway call failed for good.
-
-    ``status`` is the HTTP status (``None`` when no answer came: timeout, connection error),
-    ``endpoint`` the method and path, ``message`` the server's ``detail`` or the transport error.
-    ``ambiguous`` is true when the request may have been applied although no answer confirmed it.
-    """
-
-    hint = "is the gateway running at agentlightning.agl_base_url, with agentlightning.agl_key?"
-
-    def __init__(self, endpoint: str, status: int | None, message: str, *, ambiguous: bool = False):
-        self.endpoint = endpoint
-        self.status = status
-        self.message = message
-        self.ambiguous = ambiguous
-        answer = f"HTTP {status}" if status is not None else "no answer"
-        super().__init__(f"gateway {endpoint}: {answer}: {message}")
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
 
 
 def _server_message(response: httpx.Response) -> str:
@@ -146,20 +122,12 @@ class GatewayClient:
         return response
 
     def _retrying(self, kind: str, attempt: Callable[[], T], *, idempotent: bool) -> T:
-        """Call ``attempt`` until it succeeds, the policy calls its failure final, or the attempts run out."""
-        retries = 0
-        while True:
-            try:
-                return attempt()
-            except GatewayError as error:
-                if retries >= self.retry.max_retries or not self.retry.is_retryable(error, idempotent=idempotent):
-                    raise
-                delay = self.retry.backoff(retries)
-                retries += 1
-                with self._count_lock:
-                    self.retries[kind] += 1
-                logger.warning("%s; retry %d/%d in %.2fs", error, retries, self.retry.max_retries, delay)
-                time.sleep(delay)
+        """``attempt`` run by the retry policy's loop, each retry counted under ``kind``."""
+        return self.retry.run(attempt, idempotent=idempotent, on_retry=lambda: self._count_retry(kind))
+
+    def _count_retry(self, kind: str) -> None:
+        with self._count_lock:
+            self.retries[kind] += 1
 
     def _request(
         self, method: str, path: str, *, kind: str, idempotent: bool = True, **kwargs: Any
@@ -183,10 +151,6 @@ class GatewayClient:
         """``{"rollout": {...}, "attempts": [...]}``; a :class:`GatewayError` with status 404 if unknown."""
         return self._request("GET", f"/api/rollouts/{rollout_id}", kind="get").json()
 
-    def list_rollouts(self, states: Iterable[str], limit: int = 500) -> list[dict[str, Any]]:
-        params = [("state_in", s) for s in states] + [("limit", str(limit))]
-        return self._request("GET", "/api/rollouts", kind="list", params=params).json()
-
     def terminal_page(self, after: int, limit: int = 1000) -> dict[str, Any]:
         """Rollouts that became terminal after cursor ``after``, in completion order."""
         params = {"after": after, "limit": limit}
@@ -195,22 +159,26 @@ class GatewayClient:
     def delete_rollout(self, rollout_id: str) -> None:
         self._request("DELETE", f"/api/rollouts/{rollout_id}", kind="delete")
 
-    def patch_rollout(self, rollout_id: str, **status: Any) -> dict[str, Any]:
-        """Move a rollout (what a controller does); 409 on an illegal transition."""
-        return self._request(
-            "PATCH", f"/api/rollouts/{rollout_id}", kind="patch", idempotent=False, json={"status": status}
-        ).json()
-
     # -- events -------------------------------------------------------------------------------
 
-    def get_events(self, rollout_id: str, *, event_type: str | None = None, triplet: bool = False) -> list[dict[str, Any]]:
-        """The last attempt's events, raw (default) or in the gateway's ``format=triplet`` view."""
+    def get_events(
+        self, rollout_id: str, *, event_type: str | None = None, triplet: bool = False, only_parsed_fields: bool = False
+    ) -> list[dict[str, Any]]:
+        """The last attempt's events, raw (default) or in the gateway's ``format=triplet`` view.
+
+        The body is decoded from its bytes by :func:`~agl_core.rollouts.events.decode_events`;
+        ``only_parsed_fields`` keeps only what the events parser reads (for raw events), which is
+        several times faster on the large bodies of long rollouts.
+        """
+        if triplet and only_parsed_fields:
+            raise ValueError("only_parsed_fields reads raw events, not the format=triplet view")
         params = {"include_routed_experts": "false"}
         if event_type is not None:
             params["event_type"] = event_type
         if triplet:
             params["format"] = "triplet"
-        return self._request("GET", f"/api/rollouts/{rollout_id}/events", kind="events", params=params).json()
+        response = self._request("GET", f"/api/rollouts/{rollout_id}/events", kind="events", params=params)
+        return decode_events(response.content, only_parsed_fields=only_parsed_fields)
 
     def append_event(
         self, rollout_id: str, attempt_id: str, event_type: str, data: Mapping[str, Any], *, position: int | None = None

@@ -15,15 +15,23 @@ models are registered again. The gateway being unreachable is survived until tho
 Each rollout is finished by :func:`~agl_core.rollouts.finish.finish_rollout` as it is read: what its
 lifecycle hooks write is appended to the gateway (retried as the client's retry policy allows), and
 the rollout's events are re-read when anything was written.
+
+Reading is off the step's critical path: rollouts are read, decoded and parsed at the poll that sees
+them terminal, while the others still run, so what is left when the last one finishes is that one's
+read. The reads run concurrently, at most ``READ_WORKERS`` ahead of the rollout being finished, and
+a decoded body is dropped once parsed: a step holds a few rollouts' bodies, never its batch's.
+Events are decoded with only the fields the parser reads, unless an ``agl_on_succeeded`` hook is
+registered (hooks get the events in full).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 import attrs
@@ -156,7 +164,7 @@ class GatewayRolloutSource(RolloutSource):
             elif self.pending and time.monotonic() - self.last_progress > self.gateway.liveness_check_seconds:
                 self._check_liveness()
         except GatewayError as exc:
-            if not exc.not_found and not self.client.retry.is_retryable(exc):
+            if not exc.not_found and not exc.transient:
                 raise
             self.counts["training/gateway/n_poll_errors"] += 1
             logger.warning("gateway poll failed, will retry until the rollouts' deadlines: %s", exc)
@@ -221,13 +229,30 @@ class GatewayRolloutSource(RolloutSource):
 
     # -- finishing ----------------------------------------------------------------------------
 
+    def _events(self, rid: str, *, for_hooks: bool) -> list[dict[str, Any]]:
+        """The rollout's events: in full when ``agl_on_succeeded`` hooks will read them, else only
+        the fields the events parser reads."""
+        hooks_read = for_hooks and bool(self.plugins.implementations("agl_on_succeeded"))
+        return self.client.get_events(rid, only_parsed_fields=not hooks_read)
+
     def _read_terminal(self, rid: str, state: str) -> tuple[list[dict[str, Any]], str | None] | GatewayError:
         try:
-            events = self.client.get_events(rid)
+            events = self._events(rid, for_hooks=state == "succeeded")
             error = self.client.get_rollout(rid)["rollout"]["status"].get("error_message") if state == "failed" else None
         except GatewayError as exc:
             return exc
         return events, error
+
+    def _reads(self, ready: list[tuple[str, str]]) -> Iterator[tuple[str, str, Any]]:
+        """``(rid, state, read)`` for each of ``ready`` in order, read concurrently with at most
+        ``READ_WORKERS`` reads ahead of the one being consumed, so few decoded bodies are held."""
+        queued = iter(ready)
+        ahead = deque((rid, state, self._pool.submit(self._read_terminal, rid, state)) for rid, state in islice(queued, READ_WORKERS))
+        while ahead:
+            rid, state, future = ahead.popleft()
+            if (following := next(queued, None)) is not None:
+                ahead.append((*following, self._pool.submit(self._read_terminal, *following)))
+            yield rid, state, future.result()
 
     def _finish_terminal(self) -> int:
         """Read the rollouts the cursor reported (concurrently), run their hooks in order, delete them.
@@ -235,13 +260,12 @@ class GatewayRolloutSource(RolloutSource):
         A read that fails stays in ``self.terminal`` and is retried at the next poll; a 404 means the
         gateway lost the rollout."""
         ready = [(rid, state) for rid, state in self.terminal.items() if rid in self.pending]
-        reads = list(self._pool.map(lambda item: self._read_terminal(*item), ready))
         finished = []
-        for (rid, state), read in zip(ready, reads):
+        for rid, state, read in self._reads(ready):
             if isinstance(read, GatewayError):
                 if read.not_found:
                     self._handle_lost([rid])
-                elif not self.client.retry.is_retryable(read):
+                elif not read.transient:
                     raise read
                 else:
                     self.counts["training/gateway/n_event_read_errors"] += 1
@@ -288,7 +312,7 @@ class GatewayRolloutSource(RolloutSource):
         events: list[dict[str, Any]] = []
         if read_events:
             try:
-                events = self.client.get_events(rid)
+                events = self._events(rid, for_hooks=False)
             except GatewayError:
                 self.counts["training/gateway/n_event_read_errors"] += 1
         self._finish(rid, "failed", events, error, held=False)

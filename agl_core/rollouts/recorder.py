@@ -6,6 +6,13 @@ gateway does with its ``default_proxy.{train,val}.temperature``) and records a `
 event of the gateway's shape; the events route takes the agents' ``reward`` (and other) events and
 returns a rollout's events in the gateway's raw format. Only open rollouts are served.
 
+A model call waits for the engine as long as its rollout may run (``agentlightning.rollout_timeout_seconds``):
+a slow engine makes slow rollouts. A call that outlasts it is answered 504 with an error naming that
+key and its value. Every call that fails to get an answer is counted by cause
+(:meth:`Recorder.pop_failures`), for the source to log once per cause with its count. When the
+source closes, it waits a moment for the calls in flight (those of rollouts already given up on)
+before closing the connections to the engine, and what still fails then is not an engine failure.
+
 A model call that names no ``seed`` is given one, derived from ``trainer.seed``, the step, the
 rollout's place in the batch and the call's place in the rollout. Thread scheduling then cannot
 change what is sampled, so a seeded run repeats (up to the float noise of batching different prompts
@@ -54,6 +61,7 @@ class Recorder:
         max_connections: int,
         seed: int,
         top_p: float = 1.0,
+        call_timeout_s: float = 1800.0,
     ):
         self.key = key
         self.upstream = upstream
@@ -66,13 +74,18 @@ class Recorder:
         self.places: dict[str, tuple[int, int, int]] = {}  # rollout id -> (step, is_train, index in batch)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()  # cause -> model calls that got no answer from the engine
+        self.call_timeout_s = call_timeout_s
+        self._in_flight = 0
+        self._idle = threading.Condition(self.lock)
+        self._closing = False
         # At most one call per agent thread is in flight, so no request waits for a connection, and none
         # is trimmed: httpcore 1.0 can close a connection it has just handed to another thread when it
         # drops surplus or expired keep-alive connections (encode/httpcore#1110).
         limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=None
         )
-        self.client = httpx.Client(timeout=None, limits=limits)
+        self.client = httpx.Client(timeout=httpx.Timeout(call_timeout_s), limits=limits)
 
     def record(self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any]) -> bool:
         with self.lock:
@@ -117,13 +130,18 @@ class Recorder:
         endpoint = self.upstream
         version = self.version
         started = time.perf_counter()
+        with self.lock:
+            if self._closing:
+                return 503, {"detail": "the run is ending; no more model calls are served"}
+            self._in_flight += 1
         try:
             response = self.client.post(f"{endpoint.rstrip('/')}/{path}", json=prepared)
         except httpx.HTTPError as exc:
+            return self._failed(rollout_id, exc)
+        finally:
             with self.lock:
-                self.counts["training/embedded/n_upstream_errors"] += 1
-            logger.warning("model call of rollout %s failed to reach the engine: %s", rollout_id, exc)
-            return 502, {"detail": "Upstream model server request failed"}
+                self._in_flight -= 1
+                self._idle.notify_all()
         try:
             payload = response.json()
         except ValueError:
@@ -150,6 +168,42 @@ class Recorder:
             },
         )
         return response.status_code, payload
+
+
+    def _failed(self, rollout_id: str, exc: httpx.HTTPError) -> tuple[int, Any]:
+        """The answer to a model call that got none from the engine, counted by cause (not while closing)."""
+        with self.lock:
+            closing = self._closing
+        if closing:
+            logger.debug("model call of rollout %s ended by the source closing: %s", rollout_id, exc)
+            return 503, {"detail": "the run is ending; no more model calls are served"}
+        if isinstance(exc, httpx.TimeoutException):
+            status, cause = 504, (
+                f"the engine did not answer within agentlightning.rollout_timeout_seconds={self.call_timeout_s:g} s "
+                f"({type(exc).__name__})"
+            )
+        else:
+            status, cause = 502, f"the engine could not be reached: {type(exc).__name__}: {exc}"
+        with self.lock:
+            self.counts["training/embedded/n_upstream_errors"] += 1
+            self.failures[cause] += 1
+        return status, {"detail": cause}
+
+    def pop_failures(self) -> Counter[str]:
+        """Model calls that got no answer since the last call, by cause."""
+        with self.lock:
+            failures, self.failures = self.failures, Counter()
+        return failures
+
+    def shutdown(self, wait_s: float) -> None:
+        """Refuse new model calls, wait up to ``wait_s`` for those in flight, then close the engine's
+        connections (closing them under a call still reading would fail it with EBADF)."""
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            self._closing = True
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+        self.client.close()
 
 
 def recorder_handler(recorder: Recorder) -> type[JSONRequestHandler]:

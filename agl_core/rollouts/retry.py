@@ -1,24 +1,31 @@
-"""When a gateway call is sent again, and how long to wait first.
+"""When a gateway call is sent again, how long to wait first, and the one loop that does it.
 
 One :class:`RetryPolicy` per gateway client, built from ``agentlightning.gateway.{max_retries,
-retry_backoff_seconds, retry_backoff_max_seconds}``. The client's retry loop is the only one: the
-gateway sources ask the same policy whether a failure that reached them is transient
-(:meth:`RetryPolicy.is_retryable`) and never wrap a retrying call in a retry loop of their own.
+retry_backoff_seconds, retry_backoff_max_seconds}``. Every gateway call goes through
+:meth:`RetryPolicy.run`; the error it finally raises says whether the failure was transient
+(``GatewayError.transient``), which is all a gateway source reads: no source asks the policy, or
+wraps a call in a retry loop of its own.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 import httpx
 from omegaconf import DictConfig
 
-if TYPE_CHECKING:
-    from agl_core.rollouts.gateway_client import GatewayError
+from agl_core.rollouts.gateway_error import GatewayError
 
 __all__ = ["RetryPolicy"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -57,3 +64,22 @@ class RetryPolicy:
         if error.status is None:
             return idempotent or not error.ambiguous
         return error.status in (self.retryable_status if idempotent else self.not_applied_status)
+
+    def run(self, attempt: Callable[[], T], *, idempotent: bool = True, on_retry: Callable[[], None] | None = None) -> T:
+        """Call ``attempt`` until it succeeds, its failure is final, or the attempts run out; call
+        ``on_retry`` before each retry. The :class:`GatewayError` raised in the end has ``transient``
+        set: whether an idempotent call failing so would have been retried."""
+        retries = 0
+        while True:
+            try:
+                return attempt()
+            except GatewayError as error:
+                if retries >= self.max_retries or not self.is_retryable(error, idempotent=idempotent):
+                    error.transient = self.is_retryable(error)
+                    raise
+                delay = self.backoff(retries)
+                retries += 1
+                if on_retry is not None:
+                    on_retry()
+                logger.warning("%s; retry %d/%d in %.2fs", error, retries, self.max_retries, delay)
+                time.sleep(delay)

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from agl_core.config import row_length_keys
 from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
-from agl_core.fields import from_checked
+from agl_core.fields import from_checked, is_int
 
 __all__ = [
     "CALLS_LEFT_OUT_METRIC",
@@ -49,12 +49,12 @@ CALLS_LEFT_OUT_METRIC = "training/n_calls_left_out"
 
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value, minimum=1):
         raise ValueError(f"AggregationSettings.{attribute.name} must be a positive int, got {value!r}")
 
 
 def _non_negative_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value, minimum=0):
         raise ValueError(f"AggregationSettings.{attribute.name} must be a non-negative int, got {value!r}")
 
 
@@ -189,7 +189,13 @@ _EMPTY_IDS = np.zeros(0, dtype=np.int64)
 
 
 class AggregationCounts:
-    """The counts behind the aggregation metrics, accumulated over a batch."""
+    """The counts behind the aggregation metrics, accumulated over a batch.
+
+    A custom merge loop reports the same merge diagnostics as ``trajectory`` with
+    :meth:`merge_break` (a call that could not be merged into the previous one's row, by kind) and
+    :meth:`unmerged_rollout` (a rollout left in more than one row); :meth:`metrics` then reports
+    every count made, whatever its ``trajectory`` flag.
+    """
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
@@ -205,8 +211,21 @@ class AggregationCounts:
         """Count calls left out of every row on purpose (``training/n_calls_left_out``)."""
         self.counts[CALLS_LEFT_OUT_METRIC] += n_calls
 
-    def metrics(self, *, trajectory: bool) -> dict[str, float]:
-        """The metrics; ``trajectory`` adds the merge counts (meaningless for one row per call)."""
+    def merge_break(self, kind: str) -> None:
+        """Count a break between two calls of a rollout (``training/n_trace_merge_mismatch_rows`` and
+        ``training/trace_merge_mismatch/<kind>``); ``kind`` is one of :data:`MISMATCH_KINDS`."""
+        if kind not in MISMATCH_KINDS:
+            raise ValueError(f"merge break kind {kind!r} is not one of {', '.join(MISMATCH_KINDS)}")
+        self.counts["training/n_trace_merge_mismatch_rows"] += 1
+        self.counts[f"training/trace_merge_mismatch/{kind}"] += 1
+
+    def unmerged_rollout(self) -> None:
+        """Count a rollout whose calls ended up in more than one row (``training/n_unmerged_rollouts``)."""
+        self.counts["training/n_unmerged_rollouts"] += 1
+
+    def metrics(self, *, trajectory: bool = False) -> dict[str, float]:
+        """The metrics: every count made, and with ``trajectory`` the merge counts as 0 too when none
+        was made (a merging aggregator reports them every step)."""
         names = [
             "training/n_rollouts_w_trace",
             "training/n_turns",

@@ -72,8 +72,7 @@ class MismatchLog:
         """Count the break before call ``turn_index`` of ``rollout``; return its kind."""
         kind, texts = _classify(previous, prompt_ids, self.settings.tokenizer)
         context = np.concatenate([previous.prompt_ids, previous.response_ids])
-        self.counts.counts["training/n_trace_merge_mismatch_rows"] += 1
-        self.counts.counts[f"training/trace_merge_mismatch/{kind}"] += 1
+        self.counts.merge_break(kind)
         if len(self.sample) < self.settings.mismatch_sample_size:
             self.sample.append(self._describe(rollout, turn_index, kind, context, prompt_ids, texts))
         return kind

@@ -1,6 +1,7 @@
 """Per-rollout normalisation: the advantage scaling that turns ``per_rollout_mean`` into a mean over rollouts.
 
-Applied once to the trained batch, after batch shaping and before the update. Row ``i`` belongs to
+Applied once to the trained batch, after batch shaping and before the update (the step pipeline
+multiplies each row's advantages by its scale, :class:`~agl_core.stages.pipeline.PreparedBatch`). Row ``i`` belongs to
 rollout ``r(i)``; ``T_r`` is the number of trained tokens (``response_mask`` = 1) over all rows of
 rollout ``r`` in the batch, ``N`` the number of rows, ``R`` the number of rollouts and ``M`` the number
 of PPO mini-batches (optimizer steps per epoch) the batch is cut into. Each row's advantages are
@@ -22,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from agl_core.config import LOSS_NORMALIZATION_MODES
+from agl_core.fields import is_int
 
-__all__ = ["LOSS_NORMALIZATION_MODES", "rollout_scales", "normalize_advantages"]
+__all__ = ["LOSS_NORMALIZATION_MODES", "rollout_scales"]
 
 
 def rollout_scales(
@@ -42,7 +43,7 @@ def rollout_scales(
             f"unknown loss normalization {mode!r} (agentlightning.loss_normalization); "
             f"expected one of {', '.join(LOSS_NORMALIZATION_MODES)}"
         )
-    if isinstance(n_mini_batches, bool) or not isinstance(n_mini_batches, int) or n_mini_batches <= 0:
+    if not is_int(n_mini_batches, minimum=1):
         raise ValueError(f"n_mini_batches must be a positive integer, got {n_mini_batches!r}")
     tokens = np.asarray(row_trained_tokens, dtype=np.float64)
     if tokens.shape != (len(rollout_ids),):
@@ -57,20 +58,4 @@ def rollout_scales(
     if mode == "upstream":
         return 1.0 / (rollout_tokens * len(rollout_ids))
     return n_mini_batches / (rollout_tokens * len(per_rollout))
-
-
-def normalize_advantages(
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    rollout_ids: Sequence[str],
-    *,
-    mode: str,
-    n_mini_batches: int,
-) -> torch.Tensor:
-    """``advantages[i] * scale_i`` for padded ``[batch, response_len]`` tensors (a new tensor)."""
-    if advantages.shape != response_mask.shape:
-        raise ValueError(f"advantages {tuple(advantages.shape)} and response_mask {tuple(response_mask.shape)} differ")
-    row_tokens = response_mask.bool().sum(dim=-1).cpu().numpy()
-    scales = rollout_scales(rollout_ids, row_tokens, mode=mode, n_mini_batches=n_mini_batches)
-    return advantages * torch.as_tensor(scales, dtype=advantages.dtype, device=advantages.device).unsqueeze(-1)
 

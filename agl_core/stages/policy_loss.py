@@ -22,8 +22,8 @@ and differ only in how they reduce it over the trained tokens ``T`` of the (micr
   data-parallel ranks) or, when unset, the trained tokens of these tensors. This is verl's
   ``vanilla`` loss with ``token-mean`` aggregation.
 * ``per_rollout_mean``: ``loss = sum_T l * dp_size``. The advantages must already be scaled per
-  rollout by :func:`agl_core.stages.normalization.normalize_advantages`, which makes this sum a mean over
-  rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
+  rollout (:func:`agl_core.stages.normalization.rollout_scales`, applied by the step pipeline), which
+  makes this sum a mean over rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
 
 Mapping onto verl 0.9.1: verl's policy-loss registry (``verl.trainer.ppo.core_algos.
 register_policy_loss(name)``, looked up by ``get_policy_loss_fn(actor.policy_loss.loss_mode)``)
@@ -118,8 +118,9 @@ class LossSettings:
     """The actor settings a loss reads (``actor_rollout_ref.actor.*``, verl's names and defaults).
 
     ``clip_ratio_low`` / ``clip_ratio_high`` default to ``clip_ratio``; ``clip_ratio_c`` (> 1) is the
-    dual-clip bound for negative advantages (the config schema checks the values). ``dp_size`` is the data-parallel world size and
-    ``batch_num_tokens`` the trained tokens of the whole mini-batch across ranks (``token_mean``).
+    dual-clip bound for negative advantages (the config schema checks the values). ``dp_size`` is the
+    data-parallel world size and ``batch_num_tokens`` the trained tokens of the whole mini-batch
+    across ranks (``token_mean``).
     """
 
     clip_ratio: float = 0.2

@@ -30,7 +30,13 @@ The invariants, for every rollout of a batch (:mod:`agl_core.testing.aggregator_
 - the metrics count what the rows show; a call in no row is in a skipped row
   (``training/n_skipped_empty_rows``) or, for an aggregator that sets ``leaves_calls_out = True``,
   counted in ``training/n_calls_left_out`` (:meth:`~agl_core.stages.aggregation.AggregationCounts.leave_out`);
-- the input is not mutated (nor reordered); the output is deterministic.
+- the input is not mutated (nor reordered); the output is deterministic;
+- for an aggregator that trains only some calls on purpose (a window of the last K, the last
+  call...), ``trained_calls(rollout, settings)`` declares which: exactly those calls are in rows
+  (a call with an empty response may be in none).
+
+Reference mode: ``reference`` is a slow, obviously-correct aggregator (same signature); its rows
+(sorted by rollout and first call) and metrics are compared with the plugin's on every batch.
 
 The suites for advantage estimators (:class:`AdvantageEstimatorContract`, in
 :mod:`agl_core.testing.estimator_contract`) and policy losses (:class:`PolicyLossContract`, in
@@ -61,17 +67,24 @@ from agl_core.testing.aggregator_checks import (
     check_tokens,
 )
 from agl_core.testing.estimator_contract import AdvantageEstimatorContract
-from agl_core.testing.lookup import registered
+from agl_core.testing.hook_contract import HookContract
+from agl_core.testing.lookup import PluginContract
 from agl_core.testing.loss_contract import PolicyLossContract
+from agl_core.testing.reference import mapping_diff
+from agl_core.testing.sink_contract import MetricSinkContract
 from agl_core.testing.snapshots import describe_change, snapshot
 from agl_core.testing.strategies import CONTRACT_SETTINGS, TOY_TOKENIZER, aggregation_settings, rollout_batches
 
 __all__ = [
     "AdvantageEstimatorContract",
     "AggregatorContract",
+    "HookContract",
+    "MetricSinkContract",
     "PolicyLossContract",
     "check_aggregation",
     "check_input_unchanged",
+    "check_matches_reference",
+    "check_trained_calls",
 ]
 
 _given_batch = given(batch=rollout_batches(), agg_settings=aggregation_settings())
@@ -84,22 +97,62 @@ def check_input_unchanged(before: list[Any], after: list[Any], plugin: str) -> N
         raise AssertionError(f"{plugin} changed its input: {change}")
 
 
-class AggregatorContract:
+def check_trained_calls(
+    rollouts: Sequence[CompletedRollout], result: Aggregation, agg_settings: AggregationSettings, trained_calls: Any
+) -> None:
+    """Exactly the calls ``trained_calls(rollout, settings)`` declares are in rows (a call with an
+    empty response may be in none: its row had nothing to train)."""
+    in_rows: dict[str, set[int]] = {r.rollout_id: set() for r in rollouts}
+    for row in result.rows:
+        in_rows.setdefault(row.rollout_id, set()).update(range(row.turn_index, row.turn_index + len(row.turn_rewards)))
+    for rollout in rollouts:
+        declared = set(trained_calls(rollout, agg_settings))
+        got = in_rows[rollout.rollout_id]
+        extra = sorted(got - declared)
+        missing = sorted(j for j in declared - got if len(rollout.triplets[j].response_ids))
+        if extra or missing:
+            raise AssertionError(
+                f"rollout {rollout.rollout_id!r} ({len(rollout.triplets)} calls): the rows train calls {sorted(got)}, the "
+                f"declaration (trained_calls) says {sorted(declared)}"
+                + (f"; calls {extra} should be in no row" if extra else "")
+                + (f"; calls {missing} should be trained" if missing else "")
+            )
+
+
+def _row_order(result: Aggregation) -> list[Any]:
+    return sorted(result.rows, key=lambda row: (row.rollout_id, row.turn_index))
+
+
+def check_matches_reference(batch: Sequence[CompletedRollout], result: Aggregation, want: Aggregation) -> None:
+    """The rows (by rollout and first call) and the metrics equal the reference aggregator's."""
+    got_rows, want_rows = snapshot(_row_order(result)), snapshot(_row_order(want))
+    change = describe_change(want_rows, got_rows, "rows", "rollout_id")
+    if change:
+        raise AssertionError(f"the rows differ from the reference's ('was' is the reference, 'now' the plugin): {change}")
+    diff = mapping_diff(result.metrics, want.metrics, keys=sorted(want.metrics))
+    if diff:
+        raise AssertionError(f"the metrics differ from the reference's:\n{diff}")
+
+
+class AggregatorContract(PluginContract):
     """Base test class: subclass it, set ``aggregator_name`` (and ``plugins``), and pytest runs the contract."""
 
+    registry, name_attribute = "aggregators", "aggregator_name"
     aggregator_name: ClassVar[str] = ""
-    #: plugin objects to register in code beside the built-ins (entry points are never loaded).
-    plugins: ClassVar[tuple[Any, ...]] = ()
     #: False for an aggregator that merges across retokenization: rows then match the last
     #: merged call on decoded text (with the tokenizer of the settings) rather than on ids.
     exact_token_context: ClassVar[bool] = True
     #: True for an aggregator that leaves some calls out of every row on purpose (e.g. trains only
     #: the last call); it counts them with ``AggregationCounts.leave_out``.
     leaves_calls_out: ClassVar[bool] = False
+    #: for an aggregator that trains only some calls: ``trained_calls(rollout, settings)`` -> the
+    #: indices of the calls it must train (e.g. the last K).
+    trained_calls: ClassVar[Any] = None
+    #: a slow, obviously-correct aggregator to compare with on every generated batch.
+    reference: ClassVar[Any] = None
 
     def aggregate(self, rollouts: Sequence[CompletedRollout], agg_settings: AggregationSettings) -> Aggregation:
-        aggregate = registered(type(self), "aggregators", self.aggregator_name, "aggregator_name")
-        result = aggregate(rollouts, agg_settings)
+        result = self.plugin_under_test()(rollouts, agg_settings)
         if not isinstance(result, Aggregation):
             raise AssertionError(f"aggregator {self.aggregator_name!r} returned {type(result).__name__}, not an Aggregation")
         return result
@@ -139,6 +192,20 @@ class AggregatorContract:
         assert first.rows == second.rows, "two runs on the same input gave different rows"
         assert first.metrics == second.metrics, "two runs on the same input gave different metrics"
         assert first.mismatches == second.mismatches, "two runs on the same input gave different mismatches"
+
+    @_given_batch
+    @CONTRACT_SETTINGS
+    def test_exactly_the_declared_calls_are_trained(self, batch, agg_settings):
+        if type(self).trained_calls is None:
+            pytest.skip("the aggregator declares no trained_calls (it trains every call)")
+        check_trained_calls(batch, self.aggregate(batch, agg_settings), agg_settings, type(self).trained_calls)
+
+    @_given_batch
+    @CONTRACT_SETTINGS
+    def test_matches_the_reference(self, batch, agg_settings):
+        if type(self).reference is None:
+            pytest.skip("no reference aggregator given (reference = None)")
+        check_matches_reference(batch, self.aggregate(batch, agg_settings), type(self).reference(batch, agg_settings))
 
     def test_refuses_a_rollout_without_final_reward(self):
         """A missing reward must be filled before aggregation, never trained on as something else."""

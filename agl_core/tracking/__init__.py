@@ -2,7 +2,7 @@
 
 The sinks of a run are named by ``trainer.logger`` (verl's key, e.g. ``[console, tensorboard,
 wandb]``) and registered by plugins through ``agl_register_metric_sinks``; the built-ins are in
-``agl_core.tracking.builtins``. They run in the ``agl train`` process: a backend hands each step's
+``agl_core.builtins.sinks``. They run in the ``agl train`` process: a backend hands each step's
 metrics and samples to ``on_step`` (the verl backend streams them there from its Ray actor).
 
 May import only the base modules (``data``, ``config``, the helpers).

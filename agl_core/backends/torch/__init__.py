@@ -3,6 +3,6 @@
 May import every ``agl_core`` stage, source and serving module; never another backend, never verl.
 """
 
-from agl_core.backends.torch.backend import TorchBackend, agl_register_backends
+from agl_core.backends.torch.backend import TorchBackend
 
-__all__ = ["TorchBackend", "agl_register_backends"]
+__all__ = ["TorchBackend"]

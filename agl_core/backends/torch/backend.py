@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from agl_core.backends.contract import BackendSpec, OnStep
+from agl_core.backends.contract import OnStep
 from agl_core.backends.loop import LoopSettings, run_steps
 from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from agl_core.backends.torch.data_order import DataOrder
@@ -60,7 +60,6 @@ from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_opti
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
 from agl_core.datasets import load_dataset
-from agl_core.hookspecs import Register, hookimpl
 from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.vllm_engine import VllmEngineError
 from agl_core.serving.weights import is_adapted, save_served
@@ -72,7 +71,7 @@ if TYPE_CHECKING:
     from agl_core.plugins import PluginManager
     from agl_core.rollouts.source import RolloutSource
 
-__all__ = ["TorchBackend", "agl_register_backends", "build_policy", "check_torch_config", "model_folder", "pick_device"]
+__all__ = ["TorchBackend", "build_policy", "check_torch_config", "model_folder", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +177,10 @@ class TorchBackend:
         return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))
 
     def make_source(self) -> RolloutSource:
+        if self.config.agentlightning.replay:
+            from agl_core.rollouts.replay import ReplayRolloutSource
+
+            return ReplayRolloutSource(self.config, self.tokenizer)
         if self.config.agentlightning.agl_base_url:
             from agl_core.rollouts.gateway import gateway_source
 
@@ -281,17 +284,40 @@ class TorchBackend:
         metrics["timing/gen_s"] = time.perf_counter() - started
         metrics.update(self.source.before_weight_update())  # async: pause the gateway, drain in-flight calls
         update_started = time.perf_counter()
-        prepared = self.pipeline.prepare(batch.rollouts, step)
-        metrics.update(prepared.metrics)
-        if prepared.shaped is not None:
-            metrics.update(self.actor_update(prepared))
-            metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
+        metrics.update(self.learn(batch.rollouts, step))
         metrics.update(self.serve_weights(step))
         metrics["timing/update_s"] = time.perf_counter() - update_started
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
+
+    def learn(self, rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
+        """The shared pipeline on ``rollouts``, the actor update and the lr schedule's step: step
+        ``step`` from the rollouts on."""
+        prepared = self.pipeline.prepare(rollouts, step)
+        metrics = dict(prepared.metrics)
+        if prepared.shaped is not None:
+            update = self.actor_update(prepared)
+            metrics.update(update)
+            metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+            if update["actor/n_updates"] > update.get("actor/n_skipped_nonfinite_grad", 0.0):
+                self.scheduler.step()  # the schedule advances with the optimizer only
+        return metrics
+
+    def replay_step(self, rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
+        """Re-run step ``step`` of this run on its recorded ``rollouts`` (``agl replay``): from the
+        checkpoint of step ``step - 1`` in the run directory when there is one, else the initial
+        model; no engine or rollout source is started."""
+        checkpoint = self.run_dir / f"global_step_{step - 1}"
+        if step > 1 and checkpoint.is_dir():
+            state = load_checkpoint(checkpoint, self.model)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            logger.info("replaying step %d from %s", step, checkpoint)
+        else:
+            logger.info("replaying step %d from the initial model (no checkpoint %s)", step, checkpoint)
+        self.step = step
+        return self.learn(rollouts, step)
 
     def serve_weights(self, version: int) -> dict[str, float]:
         """Push the weights and register the engine with ``version``. A vLLM server that died (its
@@ -320,12 +346,7 @@ def check_torch_config(config: DictConfig) -> None:
     check_lora_keys(config.actor_rollout_ref.model)
     Precision.from_config(config.actor_rollout_ref.actor.fsdp_config)
     lr_lambda(config.actor_rollout_ref.actor.optim, 1)
-    if not config.agentlightning.agl_base_url:
+    if not config.agentlightning.agl_base_url and not config.agentlightning.replay:
         from agl_core.rollouts.agents import load_agent_class
 
         load_agent_class(config.agentlightning.local.agent_class)
-
-
-@hookimpl
-def agl_register_backends(register: Register) -> None:
-    register("torch", BackendSpec(TorchBackend, check_config=check_torch_config))

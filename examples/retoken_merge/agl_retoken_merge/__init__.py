@@ -4,10 +4,14 @@ When the next prompt does not start with the previous context id for id, decode 
 their common prefix: if the new prompt has a token boundary where the context's text ends, the
 context's own ids stand in for the new prompt's ids up to there, and the rest of the prompt is the
 observation. Everything else (limits, counting, break classification) is agl's trajectory logic.
+
+Its one setting, ``agentlightning.plugins.retoken_merge.lookahead_tokens`` (:class:`RetokenMergeSettings`),
+bounds how many tokens past the first long-enough end are tried.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -24,16 +28,25 @@ from agl_core import (
     hookimpl,
 )
 
-__all__ = ["realigned_start", "retoken_merge"]
+__all__ = ["RetokenMergeSettings", "realigned_start", "retoken_merge"]
 
 REALIGNED_METRIC = "training/n_realigned_merges"
+
+
+@attrs.frozen
+class RetokenMergeSettings:
+    """``agentlightning.plugins.retoken_merge``: how far re-alignment searches."""
+
+    #: tokens tried past the first end whose text is long enough: a multi-byte character may need
+    #: several byte-level tokens to complete.
+    lookahead_tokens: int = attrs.field(default=4, validator=attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0)))
 
 
 def _decode(tokenizer, ids: np.ndarray) -> str:
     return tokenizer.decode(ids.tolist())
 
 
-def realigned_start(context: np.ndarray, prompt_ids: np.ndarray, tokenizer) -> int | None:
+def realigned_start(context: np.ndarray, prompt_ids: np.ndarray, tokenizer, lookahead_tokens: int = 4) -> int | None:
     """The index in ``prompt_ids`` where the text of ``context`` ends, if a token boundary is there."""
     common = common_prefix_length(context, prompt_ids)
     tail = _decode(tokenizer, context[common:])
@@ -54,13 +67,13 @@ def realigned_start(context: np.ndarray, prompt_ids: np.ndarray, tokenizer) -> i
             high = middle
         else:
             low = middle + 1
-    for end in range(low, min(low + 4, len(prompt_ids)) + 1):
+    for end in range(low, min(low + lookahead_tokens, len(prompt_ids)) + 1):
         if _decode(tokenizer, prompt_ids[common:end]) == tail:
             return end
     return None
 
 
-def retoken_merge(rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
+def retoken_merge(rollouts: Sequence[CompletedRollout], settings: AggregationSettings, lookahead_tokens: int = 4) -> Aggregation:
     """Trajectory aggregation that re-aligns retokenized context on decoded text."""
     realigned = 0
 
@@ -70,7 +83,7 @@ def retoken_merge(rollouts: Sequence[CompletedRollout], settings: AggregationSet
         if start is not None or settings.tokenizer is None:
             return start
         context = np.concatenate([previous.prompt_ids, previous.response_ids])
-        start = realigned_start(context, prompt_ids, settings.tokenizer)
+        start = realigned_start(context, prompt_ids, settings.tokenizer, lookahead_tokens)
         if start is not None:
             realigned += 1
         return start
@@ -80,5 +93,11 @@ def retoken_merge(rollouts: Sequence[CompletedRollout], settings: AggregationSet
 
 
 @hookimpl
-def agl_register_aggregators(register):
-    register("retoken_merge", retoken_merge)
+def agl_plugin_settings():
+    return {"retoken_merge": RetokenMergeSettings}
+
+
+@hookimpl
+def agl_register_aggregators(register, settings):
+    ours = settings["retoken_merge"]
+    register("retoken_merge", functools.partial(retoken_merge, lookahead_tokens=ours.lookahead_tokens))

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agl_core import hookimpl
-from agl_core.data import CompletedRollout
-from agl_core.stages.aggregation import Aggregation, AggregationSettings
-from agl_core.stages.levels import aggregate_trajectories
+from agl_core import Aggregation, AggregationSettings, CompletedRollout, aggregate_trajectories, hookimpl
 
 __all__ = ["one_row_per_call"]
 

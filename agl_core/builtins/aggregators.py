@@ -84,7 +84,7 @@ def aggregate_trajectories(
                 segments.append(Segment(index, call, call.prompt_ids[start:]))
         close(rollout, segments)
         if n_rows > 1:
-            counts.counts["training/n_unmerged_rollouts"] += 1
+            counts.unmerged_rollout()
     return Aggregation(rows, counts.metrics(trajectory=True), log.sample)
 
 

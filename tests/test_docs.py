@@ -1,0 +1,59 @@
+"""The manual cites only files the sdist ships: every repository path a page names exists and is in
+the packages or in MANIFEST.in."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from agl_core.scaffold import FILES as PLUGIN_TEMPLATE_FILES
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
+CITED = re.compile(r"`((?:\.ci|tests|scripts|examples|benchmarks|docs|agl_core|agl_hooks|agl_backend_verl)/[^`\s]*)`")
+
+
+def shipped(manifest: str) -> tuple[set[str], set[str]]:
+    """The folders MANIFEST.in grafts and the files it includes."""
+    folders, files = set(), set()
+    for line in manifest.splitlines():
+        words = line.split()
+        if words[:1] == ["graft"]:
+            folders.update(words[1:])
+        elif words[:1] == ["include"]:
+            files.update(words[1:])
+    return folders, files
+
+
+def uncited_or_unshipped(root: Path) -> list[str]:
+    folders, files = shipped((root / "MANIFEST.in").read_text())
+    written_by_new_plugin = {path for path in PLUGIN_TEMPLATE_FILES if "{" not in path}
+    problems = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for path in CITED.findall(page.read_text()):
+            path = path.rstrip("/.,:;")
+            if path in written_by_new_plugin:
+                continue
+            where = f"{page.relative_to(root)} cites {path}"
+            if not (root / path).exists():
+                problems.append(f"{where}, which does not exist")
+            elif path.split("/")[0] not in PACKAGES and path.split("/")[0] not in folders and path not in files:
+                problems.append(f"{where}, which the sdist does not ship (MANIFEST.in)")
+    return problems
+
+
+def test_every_path_the_manual_cites_exists_and_ships_in_the_sdist():
+    assert uncited_or_unshipped(REPO) == []
+
+
+def test_an_unshipped_or_missing_citation_is_reported(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "x.py").write_text("")
+    (tmp_path / "MANIFEST.in").write_text("graft docs\n")
+    (tmp_path / "README.md").write_text("see `scripts/gone.sh`\n")
+    (tmp_path / "docs" / "a.md").write_text("see `docs/a.md`, `tests/test_training.py` and `benchmarks/x.py`\n")
+    assert uncited_or_unshipped(tmp_path) == [
+        "README.md cites scripts/gone.sh, which does not exist",
+        "docs/a.md cites benchmarks/x.py, which the sdist does not ship (MANIFEST.in)",
+    ]
