@@ -14,7 +14,10 @@ TRAIN_REFUSES = [
     ("algorithm.adv_estimator=grpp", "unknown advantage estimator 'grpp' (set by algorithm.adv_estimator)"),
     ("agentlightning.trace_aggregator.level=trajectry", "unknown aggregator 'trajectry'"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=token_man", "unknown policy loss 'token_man'"),
-    ("agentlightning.plugins.nobody.key=1", "config key agentlightning.plugins.nobody: no plugin declares these settings"),
+    (
+        "agentlightning.plugins.nobody.key=1",
+        "config key agentlightning.plugins.nobody: no plugin declares these settings",
+    ),
     ("data.train_files=/nonexistent/train.jsonl", "config key data.train_files: dataset file not found"),
     ("agentlightning.hook_timeout_seconds=often", "config key agentlightning.hook_timeout_seconds"),
 ]

@@ -20,21 +20,23 @@ from hypothesis import Phase, settings
 # The contracts' settings objects are made when agl_core.testing is imported and take the profile
 # loaded then: the gallery's profile (no shrinking: the first failure is enough) comes first.
 EXAMPLES = int(os.environ.get("AGL_GALLERY_EXAMPLES", "30"))
-settings.register_profile("agl-gallery", max_examples=EXAMPLES, database=None, deadline=None, phases=[Phase.explicit, Phase.generate])
+settings.register_profile(
+    "agl-gallery", max_examples=EXAMPLES, database=None, deadline=None, phases=[Phase.explicit, Phase.generate]
+)
 if __name__ == "__main__":
     settings.load_profile("agl-gallery")
 
-from agl_core import AdvantageSettings, hookimpl
-from agl_core.testing.contracts import (
+from agl_core import AdvantageSettings, hookimpl  # noqa: E402 (after the profile)
+from agl_core.testing.contracts import (  # noqa: E402 (after the profile)
     AdvantageEstimatorContract,
     AggregatorContract,
     HookContract,
     MetricSinkContract,
     PolicyLossContract,
 )
-from agl_core.testing.estimator_contract import EstimatorCase
-from agl_core.testing.lookup import contract_manager
-from tests.plugin_gallery import plugins as g
+from agl_core.testing.estimator_contract import EstimatorCase  # noqa: E402 (after the profile)
+from agl_core.testing.lookup import contract_manager  # noqa: E402 (after the profile)
+from tests.plugin_gallery import plugins as g  # noqa: E402 (after the profile)
 
 # Tests that need what only a reference gives (the others run on declarations alone).
 REFERENCE_TESTS = frozenset(
@@ -115,7 +117,11 @@ KINDS: dict[str, tuple[type, Any, dict[str, Any], Callable[[Any], dict[str, Any]
         MetricSinkContract,
         g.CsvSink,
         g.SINK_BUGS,
-        lambda cls: {"sink_name": "csv", "plugins": (registering("agl_register_metric_sinks", "csv", cls),), "read_back": read_csv},
+        lambda cls: {
+            "sink_name": "csv",
+            "plugins": (registering("agl_register_metric_sinks", "csv", cls),),
+            "read_back": read_csv,
+        },
     ),
     "lifecycle hook (tagging)": (
         HookContract,
@@ -161,7 +167,11 @@ def run_contract(base: type, attributes: dict[str, Any], label: str, stop_at_fir
 
 
 def caught_by(outcomes: dict[str, str], with_reference: bool) -> list[str]:
-    return [name for name, outcome in outcomes.items() if outcome not in ("pass", "skip") and (with_reference or name not in REFERENCE_TESTS)]
+    return [
+        name
+        for name, outcome in outcomes.items()
+        if outcome not in ("pass", "skip") and (with_reference or name not in REFERENCE_TESTS)
+    ]
 
 
 def run_gallery(kinds: Sequence[str] | None = None, progress: bool = False) -> dict[str, Any]:
@@ -176,12 +186,19 @@ def run_gallery(kinds: Sequence[str] | None = None, progress: bool = False) -> d
         for i, (bug, variant) in enumerate(bugs.items()):
             report[kind]["bugs"][bug] = run_contract(base, attributes(variant), f"bug{i}", stop_at_first=True)
             if progress:
-                print(f"{kind}: {bug}: {caught_by(report[kind]['bugs'][bug], True) or 'missed'}", file=sys.stderr, flush=True)
+                print(
+                    f"{kind}: {bug}: {caught_by(report[kind]['bugs'][bug], True) or 'missed'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return report
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = ["| contract | planted bugs | caught, declarations only | caught, with a reference |", "| --- | --- | --- | --- |"]
+    lines = [
+        "| contract | planted bugs | caught, declarations only | caught, with a reference |",
+        "| --- | --- | --- | --- |",
+    ]
     totals = [0, 0, 0]
     for kind, entry in report.items():
         bugs = entry["bugs"]
@@ -198,16 +215,23 @@ def details(report: dict[str, Any]) -> str:
     lines = []
     for kind, entry in report.items():
         failing = [name for name, outcome in entry["correct"].items() if outcome not in ("pass", "skip")]
-        lines.append(f"\n{kind}: the correct plugin {'passes every test' if not failing else 'FAILS ' + ', '.join(failing)}")
+        lines.append(
+            f"\n{kind}: the correct plugin {'passes every test' if not failing else 'FAILS ' + ', '.join(failing)}"
+        )
         for bug, outcomes in entry["bugs"].items():
             without, with_ref = caught_by(outcomes, False), caught_by(outcomes, True)
             where = ", ".join(name.removeprefix("test_") for name in with_ref) or "no test failed"
-            lines.append(f"  - {bug}: {'caught' if without else ('caught with the reference' if with_ref else 'missed')} ({where})")
+            lines.append(
+                f"  - {bug}: "
+                f"{'caught' if without else ('caught with the reference' if with_ref else 'missed')} ({where})"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="AGL_GALLERY_EXAMPLES sets the examples per property (30)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="AGL_GALLERY_EXAMPLES sets the examples per property (30)"
+    )
     parser.add_argument("--kind", action="append", choices=list(KINDS), help="only this plugin kind (repeatable)")
     args = parser.parse_args(argv)
     report = run_gallery(args.kind, progress=True)

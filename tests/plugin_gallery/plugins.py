@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from agl_core import (
+    Advantages,
     Aggregation,
     AggregationCounts,
-    Advantages,
     Segment,
     broadcast,
     group_rollouts,
@@ -125,7 +125,9 @@ def loo_length(
                     value[rid] = shaped[rid] - total / len(pool)
                 else:
                     value[rid] = shaped[rid] - (total - shaped[rid]) / divide_by(len(pool))
-        return Advantages(per_row=tuple(broadcast(row, value[row.rollout_id]) for row in rows), metrics=indexed.metrics())
+        return Advantages(
+            per_row=tuple(broadcast(row, value[row.rollout_id]) for row in rows), metrics=indexed.metrics()
+        )
 
     return estimate
 
@@ -197,7 +199,11 @@ def gspo(clamp=20.0, use_dp=True, mean_ratio=True, swap_bounds=False, pessimisti
         n_tokens = mask.sum() if settings.batch_num_tokens is None else settings.batch_num_tokens
         value = (per_row * n_row).sum() / n_tokens * (settings.dp_size if use_dp else 1)
         clipfrac = float(((ratio < 1 - low) | (ratio > 1 + high)).double().mean())
-        return value, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": float(-log_ratio.detach().mean()), "actor/pg_clipfrac_lower": 0.0}
+        return value, {
+            "actor/pg_clipfrac": clipfrac,
+            "actor/ppo_kl": float(-log_ratio.detach().mean()),
+            "actor/pg_clipfrac_lower": 0.0,
+        }
 
     return loss
 
@@ -213,11 +219,17 @@ def gspo_reference(old_log_prob, log_prob, advantages, response_mask, settings, 
         objective = torch.minimum(ratio * a, ratio.clamp(1 - settings.low, 1 + settings.high) * a)
         total = total - objective * n
     n_tokens = int(response_mask.sum()) if settings.batch_num_tokens is None else settings.batch_num_tokens
-    return total / n_tokens * settings.dp_size, {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
+    return total / n_tokens * settings.dp_size, {
+        "actor/pg_clipfrac": 0.0,
+        "actor/ppo_kl": 0.0,
+        "actor/pg_clipfrac_lower": 0.0,
+    }
 
 
 def _row_normalised(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
-    value, metrics = gspo()(old_log_prob, log_prob, advantages, response_mask, attrs.evolve(settings, batch_num_tokens=None))
+    value, metrics = gspo()(
+        old_log_prob, log_prob, advantages, response_mask, attrs.evolve(settings, batch_num_tokens=None)
+    )
     return value, metrics
 
 
@@ -291,7 +303,10 @@ def read_csv_sink(context):
     if not path.is_file():
         return []
     with path.open(newline="") as f:
-        return [(int(row.pop("step")), {k: float(v) for k, v in row.items() if v not in ("", None)}) for row in csv.DictReader(f)]
+        return [
+            (int(row.pop("step")), {k: float(v) for k, v in row.items() if v not in ("", None)})
+            for row in csv.DictReader(f)
+        ]
 
 
 def _sink(**flags):
@@ -354,18 +369,27 @@ class _SetInMetadata(Tagging):
 
 class _AppendsToEvents(Tagging):
     def agl_on_succeeded(self, rollout, events, writer):
-        events.setdefault(rollout.attempt_id or "0", []).append({"event_type": CALLS_EVENT, "data": {"calls": len(rollout.triplets)}})
+        events.setdefault(rollout.attempt_id or "0", []).append(
+            {"event_type": CALLS_EVENT, "data": {"calls": len(rollout.triplets)}}
+        )
 
 
 class _LastCallCrashes(Tagging):
     def agl_on_succeeded(self, rollout, events, writer):
         last = rollout.triplets[-1]
-        writer.add_event(rollout.rollout_id, rollout.attempt_id or "0", CALLS_EVENT, {"calls": len(rollout.triplets), "last": len(last.response_ids)})
+        writer.add_event(
+            rollout.rollout_id,
+            rollout.attempt_id or "0",
+            CALLS_EVENT,
+            {"calls": len(rollout.triplets), "last": len(last.response_ids)},
+        )
 
 
 class _ErrorNoneCrashes(Tagging):
     def agl_on_failed(self, rollout, writer):
-        writer.add_event(rollout.rollout_id, rollout.attempt_id or "0", "tagging.failed", {"reason": rollout.error.split(":")[0]})
+        writer.add_event(
+            rollout.rollout_id, rollout.attempt_id or "0", "tagging.failed", {"reason": rollout.error.split(":")[0]}
+        )
 
 
 class _SplitInverted(Tagging):
