@@ -2,7 +2,7 @@
 
 The base is composed without Hydra from the flattened ``_generated_ppo_trainer.yaml`` verl ships (the
 same values Hydra's compose of ``ppo_trainer`` yields), plus the typed ``agentlightning`` section of
-:class:`agl_core.config.AgentLightningConfig`, plus :data:`OVERLAY` (Agent Lightning v1.0's values).
+:class:`agl_core.config.AgentLightningConfig`, plus :func:`overlay` (Agent Lightning v1.0's values).
 :func:`load_verl_config` then merges the user's YAML and ``key=value`` overrides over it through
 :func:`agl_core.config.merge_config` and validates once: unknown keys (struct mode), the types of verl's
 keys (a value must have the type of verl's default), then the core's ranges and cross-key rules
@@ -28,25 +28,35 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from agl_backend_verl.moved_keys import with_moved_key_hint
+from agl_backend_verl.verl_version import VERL_INSTALL, check_verl_version
 from agl_core import AgentLightningConfig, ConfigError, default_config, merge_config, validate_config
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
 
-# Agent Lightning v1.0's values over verl's defaults (its verl config), plus agl's choices for verl.
-OVERLAY: dict[str, Any] = {
-    "algorithm": {
-        ROLLOUT_LEVEL_KEY: True,
-        # verl's default (gae) gives per-token advantages, which cannot be computed once per rollout.
-        "adv_estimator": "grpo",
-    },
+# Keys whose core-schema value (Agent Lightning v1.0's, or agl's) applies over verl's default: verl's
+# gae estimator gives per-token advantages, which cannot be computed once per rollout; trainer.seed is
+# the core schema's one trainer key that verl's trainer section lacks.
+FROM_CORE = (
+    f"algorithm.{ROLLOUT_LEVEL_KEY}",
+    "algorithm.adv_estimator",
+    "actor_rollout_ref.actor.policy_loss.loss_mode",
+    "trainer.seed",
+)
+# Agent Lightning v1.0's values (its verl config) for verl keys the core schema does not hold.
+AGENT_LIGHTNING_VERL_VALUES: dict[str, Any] = {
     "data": {"filter_overlong_prompts": False},
-    "actor_rollout_ref": {
-        "actor": {"calculate_entropy": True, "policy_loss": {"loss_mode": "per_rollout_mean"}},
-        "rollout": {"mode": "async"},
-    },
-    # The core schema's one trainer key that verl's trainer section lacks.
-    "trainer": {"seed": 0},
+    "actor_rollout_ref": {"actor": {"calculate_entropy": True}, "rollout": {"mode": "async"}},
 }
+
+
+def overlay() -> DictConfig:
+    """What goes over verl's defaults: :data:`AGENT_LIGHTNING_VERL_VALUES` and the core defaults of
+    :data:`FROM_CORE` (read from the core schema, so they are stated once)."""
+    core = default_config()
+    values = OmegaConf.create(AGENT_LIGHTNING_VERL_VALUES)
+    for key in FROM_CORE:
+        OmegaConf.update(values, key, OmegaConf.select(core, key), force_add=True)
+    return values
 
 # The Hydra config the base holds: a user file's ``defaults`` may name it (verl's run configs do).
 COMPOSED = ("ppo_trainer",)
@@ -58,10 +68,12 @@ UNSUPPORTED_ESTIMATORS = {
 
 
 def generated_defaults_path() -> str:
-    """Path of the flattened ``ppo_trainer`` defaults inside the installed verl (without importing verl)."""
+    """Path of the flattened ``ppo_trainer`` defaults inside the installed verl (without importing verl),
+    once the installed verl is one this backend supports."""
     spec = importlib.util.find_spec("verl")
     if spec is None or spec.origin is None:
-        raise ConfigError("agentlightning.backend", "backend 'verl' needs verl installed (pip install verl==0.9.1)")
+        raise ConfigError("agentlightning.backend", f"backend 'verl' needs verl installed ({VERL_INSTALL})")
+    check_verl_version()
     return os.path.join(os.path.dirname(spec.origin), "trainer", "config", "_generated_ppo_trainer.yaml")
 
 
@@ -73,7 +85,7 @@ def _verl_defaults() -> DictConfig:
 
 
 def verl_base() -> DictConfig:
-    """verl's defaults + the typed ``agentlightning`` section + :data:`OVERLAY`, in struct mode.
+    """verl's defaults + the typed ``agentlightning`` section + :func:`overlay`, in struct mode.
 
     Free-form mappings left empty by default (verl's ``override_config``, ``engine_kwargs``...; agl's
     ``agentlightning.local.env_map``) stay open, so users can fill them as they would with Hydra's
@@ -81,10 +93,10 @@ def verl_base() -> DictConfig:
     """
     agl = OmegaConf.structured(AgentLightningConfig)
     agl.backend = "verl"
-    cfg = OmegaConf.merge(_verl_defaults(), {"agentlightning": agl}, OVERLAY)
+    cfg = OmegaConf.merge(_verl_defaults(), {"agentlightning": agl}, overlay())
     assert isinstance(cfg, DictConfig)
     OmegaConf.set_struct(cfg, True)
-    for key, node in _walk(cfg):
+    for _key, node in _walk(cfg):
         if isinstance(node, DictConfig) and len(node) == 0:
             OmegaConf.set_struct(node, False)
     return cfg
@@ -180,8 +192,11 @@ def validate_verl(cfg: DictConfig) -> None:
 def check_verl_requirements(cfg: DictConfig) -> None:
     """What this backend needs beyond a valid config before it starts Ray (``agl check`` runs it too):
     the gateway's URL, verl's rollout engine and the model."""
-    if cfg.agentlightning.agl_base_url is None:
-        raise ConfigError("agentlightning.agl_base_url", "backend 'verl' runs agents through the gateway: set its URL")
+    if cfg.agentlightning.agl_base_url is None and not cfg.agentlightning.replay:
+        raise ConfigError(
+            "agentlightning.agl_base_url",
+            "backend 'verl' runs agents through the gateway: set its URL (or replay a recording)",
+        )
     if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):
         raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
     if not cfg.actor_rollout_ref.model.path:

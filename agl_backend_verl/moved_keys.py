@@ -52,8 +52,10 @@ def with_moved_key_hint(error: ConfigError) -> ConfigError:
     old = _entry(error.key, MOVED)
     if old is not None:
         new, when = MOVED[old]
-        return ConfigError(error.key, f"{message}; moved to {new + error.key[len(old):]} ({when}): set it there")
+        return ConfigError(error.key, f"{message}; moved to {new + error.key[len(old) :]} ({when}): set it there")
     old = _entry(error.key, REMOVED)
     if old is not None:
-        return ConfigError(error.key, f"{message}; a key of verl {REMOVED[old]}, which verl 0.9 removed without a replacement")
+        return ConfigError(
+            error.key, f"{message}; a key of verl {REMOVED[old]}, which verl 0.9 removed without a replacement"
+        )
     return error

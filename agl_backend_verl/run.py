@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agl_core import ConfigError, OnStep, PluginError, PluginManager
 from agl_backend_verl.config import check_verl_requirements
+from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.trainer import SampleDataset, StepReport
 from agl_backend_verl.verl_plugins import ray_runtime_env
 
@@ -35,7 +36,11 @@ def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
     ray_init = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {}
     assert isinstance(ray_init, dict)
     runtime_env = {**get_ppo_ray_runtime_env(config), **(ray_init.pop("runtime_env", None) or {})}
-    return {"runtime_env": ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None}}
+    kwargs = {"runtime_env": ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None}}
+    if cpu_mode.is_cpu(config):
+        kwargs["runtime_env"]["env_vars"].update(cpu_mode.runtime_env_vars())
+        kwargs = cpu_mode.ray_init_kwargs(config, kwargs)
+    return kwargs
 
 
 def init_ray(config: DictConfig) -> None:
@@ -62,14 +67,18 @@ def shippable(plugins: Sequence[Any]) -> list[Any]:
 
 def check_gpus(config: DictConfig) -> None:
     """verl's actor pool takes ``trainer.nnodes × trainer.n_gpus_per_node`` GPUs of the Ray cluster;
-    say so plainly before any worker is built (verl itself would fail inside its Ray actor)."""
+    say so plainly before any worker is built (verl itself would fail inside its Ray actor). In CPU
+    mode (``trainer.device=cpu``) the ranks are CPU slots instead (:mod:`agl_backend_verl.cpu.mode`)."""
+    if cpu_mode.is_cpu(config):
+        cpu_mode.check_ray_resources(config, ray.cluster_resources())
+        return
     needed = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
     available = ray.cluster_resources().get("GPU", 0)
     if available < needed:
         raise ConfigError(
             "trainer.n_gpus_per_node",
             f"backend 'verl' trains on GPUs: it needs trainer.nnodes x trainer.n_gpus_per_node = {needed} "
-            f"in the Ray cluster, which has {available:g} (verl cannot train on CPU)",
+            f"in the Ray cluster, which has {available:g} (or train on CPU: trainer.device=cpu, see docs/verl-backend.md)",
         )
 
 
@@ -90,6 +99,10 @@ def run_ppo(
     train = SampleDataset(train_dataset, "train_dataset")
     val = SampleDataset(val_dataset, "val_dataset")
     check_verl_requirements(config)
+    if cpu_mode.is_cpu(config):
+        from verl.trainer.ppo.utils import need_critic
+
+        cpu_mode.check_cpu_config(config, use_critic=need_critic(config))
     init_ray(config)
     check_gpus(config)
     for step, total, metrics, samples in actor_steps(RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins):
@@ -109,44 +122,74 @@ class TaskRunner:
 
     def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[StepReport]:
         """Train, yielding ``(step, total_steps, metrics, samples)`` after each step."""
-        from verl.trainer.main_ppo_v0 import BaseTaskRunner
-        from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
-        from verl.utils.config import omega_conf_to_dataclass, validate_config
-
-        from agl_core import PluginManager, gateway_source
-        from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
 
         OmegaConf.resolve(config)
-        workers = BaseTaskRunner()
-        _, worker_group_cls = workers.add_actor_rollout_worker(config)
-        workers.add_critic_worker(config)
-        workers.add_reward_model_resource_pool(config)
-        workers.add_teacher_model_resource_pool(config)
-        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-        model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
         manager = PluginManager.from_config(config, plugins)
-        train = SampleDataset(train_samples, "train_dataset")
-        source = gateway_source(config, manager)
+        source = rollout_source(config, manager)
         try:
-            trainer = AglRayPPOTrainer(
-                config=config,
-                tokenizer=model.tokenizer,
-                processor=model.processor,
-                role_worker_mapping=workers.role_worker_mapping,
-                resource_pool_manager=workers.init_resource_pool_mgr(config),
-                ray_worker_group_cls=worker_group_cls,
-                train_dataset=train,
-                val_dataset=SampleDataset(val_samples, "val_dataset"),
-                collate_fn=collate_samples,
-                train_sampler=create_rl_sampler(config.data, train),
-                plugins=manager,
-                rollout_source=source,
-            )
+            trainer = build_trainer(config, train_samples, val_samples, manager, source)
             trainer.init_workers()
             manager.on_startup(config)  # redacted by the manager
             yield from trainer.steps()
         finally:
             source.close()
+
+
+def rollout_source(config: DictConfig, manager: PluginManager) -> Any:
+    """The run's rollout source: the gateway's, or a recording's with ``agentlightning.replay``."""
+    from agl_core import ReplayRolloutSource, gateway_source
+
+    if config.agentlightning.replay:
+        from verl.utils.config import omega_conf_to_dataclass
+
+        return ReplayRolloutSource(config, omega_conf_to_dataclass(config.actor_rollout_ref.model).tokenizer)
+    return gateway_source(config, manager)
+
+
+def build_trainer(config: DictConfig, train_samples: list, val_samples: list, manager: PluginManager, source: Any) -> Any:
+    """The :class:`~agl_backend_verl.trainer.AglRayPPOTrainer` for a resolved ``config``, with verl's
+    worker classes and resource pools set up as verl's own task runner sets them (workers not started)."""
+    from verl.trainer.main_ppo_v0 import BaseTaskRunner
+    from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
+
+    cpu = cpu_mode.is_cpu(config)
+    if cpu:
+        cpu_mode.use_fp32(config)
+    workers = BaseTaskRunner()
+    _, worker_group_cls = workers.add_actor_rollout_worker(config)
+    workers.add_critic_worker(config)
+    workers.add_reward_model_resource_pool(config)
+    workers.add_teacher_model_resource_pool(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+    train = SampleDataset(train_samples, "train_dataset")
+    return AglRayPPOTrainer(
+        config=config,
+        tokenizer=model.tokenizer,
+        processor=model.processor,
+        role_worker_mapping=workers.role_worker_mapping,
+        resource_pool_manager=resource_pool_manager(workers, config, cpu),
+        ray_worker_group_cls=worker_group_cls,
+        train_dataset=train,
+        val_dataset=SampleDataset(val_samples, "val_dataset"),
+        collate_fn=collate_samples,
+        train_sampler=create_rl_sampler(config.data, train),
+        plugins=manager,
+        rollout_source=source,
+    )
+
+
+def resource_pool_manager(workers: Any, config: DictConfig, cpu: bool) -> Any:
+    """verl's resource pools for the run, checked against CPU rank slots in CPU mode."""
+    manager = workers.init_resource_pool_mgr(config)
+    if not cpu:
+        return manager
+    from agl_backend_verl.cpu.resources import CpuResourcePoolManager
+
+    return CpuResourcePoolManager.like(manager)
 
 
 RemoteTaskRunner = ray.remote(num_cpus=1)(TaskRunner)

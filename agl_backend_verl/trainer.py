@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch.utils.data import Dataset
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -47,6 +49,9 @@ from agl_backend_verl.verl_plugins import ensure_registered
 from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 
 logger = logging.getLogger(__name__)
+
+SOURCE_STATE = "agl_rollout_source.pt"
+"""The rollout source's state (async: groups in flight, waiting samples) in verl's step folder."""
 
 StepReport = tuple[int, int, dict[str, float], StepSamples]
 """``(step, total_steps, metrics, samples)``: what the trainer yields, and its Ray actor streams."""
@@ -140,6 +145,8 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.calls.push_weights(self.global_steps)
         self._register_replicas(self.global_steps)
         settings = LoopSettings.from_config(self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only))
+        carried = self._restore_source()
+        settings = attrs.evolve(settings, fill=max(0, settings.fill - carried))  # the fill counts what is carried
         for step in run_steps(self, settings):
             yield self._report(step)
 
@@ -148,8 +155,23 @@ class AglRayPPOTrainer(RayPPOTrainer):
         log both there, as for every backend."""
         return (*step, self.pipeline.take_samples())
 
+    def _source_state_path(self) -> Path:
+        """Where the checkpoint of step ``global_steps`` keeps the rollout source's state, in verl's folder."""
+        return Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}" / SOURCE_STATE
+
     def save(self) -> None:
+        """verl's checkpoint of the step, plus the rollouts the source carries into the next step (async)."""
         self.calls.save_checkpoint()
+        in_flight = self.source.state()
+        if in_flight is not None:
+            torch.save(in_flight, self._source_state_path())
+
+    def _restore_source(self) -> int:
+        """After verl resumed at a checkpoint: give the source what it carried then; the samples it carries."""
+        path = self._source_state_path()
+        if self.global_steps == 0 or not path.is_file():
+            return 0
+        return self.source.restore(torch.load(path, weights_only=False))
 
     def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Train step ``global_steps + 1`` and advance ``global_steps``: rollouts for ``samples``,
@@ -192,6 +214,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
         batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
         if self.config.trainer.balance_batch:
             self.calls.balance_batch(batch, metrics)
+        scored = time.perf_counter()
         old, old_metrics = self.calls.old_log_probs(batch)
         batch = batch.union(old)
         metrics.update(old_metrics)
@@ -199,9 +222,13 @@ class AglRayPPOTrainer(RayPPOTrainer):
             batch = batch.union(self.calls.ref_log_probs(batch))
         if self.use_critic:
             batch = batch.union(self.calls.values(batch))
+        updated = time.perf_counter()
+        metrics["timing/log_prob_s"] = updated - scored  # old, reference and critic values, as the torch backend times them
+        if self.use_critic:
             metrics.update(reduce_metrics(self.calls.update_critic(batch)))
         if self.config.trainer.critic_warmup <= self.global_steps:
             metrics.update(reduce_metrics(self.calls.update_actor(batch)))
+        metrics["timing/actor_update_s"] = time.perf_counter() - updated
         metrics["timing/update_s"] = time.perf_counter() - started
         return metrics
 

@@ -3,7 +3,7 @@
 verl runs the policy loss inside its Ray workers, which look it up by name in
 ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``. This module fills that registry (and the
 advantage-estimator registry) from agl's plugin manager, so built-ins and third-party plugins
-(entry points in group ``agl``) are both there. It runs on import, and two paths import it in every
+(entry points in group ``agl``) are both there. It also registers verl's CPU mode (:mod:`agl_backend_verl.cpu`). It runs on import, and two paths import it in every
 process that imports verl:
 
 1. the entry point ``agl`` in group ``verl.plugins``, which ``import verl`` loads in verl 0.9 — so it
@@ -28,6 +28,7 @@ import torch
 
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core import AdvantageSettings, PluginManager, TrainingRow
+from agl_backend_verl.cpu import register as register_cpu_mode
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,12 @@ def ray_runtime_env(runtime_env: Mapping[str, Any] | None = None) -> dict[str, A
 
 
 try:
-    register_into_verl()
+    register_cpu_mode()
 except Exception as exc:  # verl would hide it: keep it for ensure_registered and say it loudly
+    REGISTRATION_ERROR.append(exc)
+    logger.exception("registering verl's CPU mode failed")
+try:
+    register_into_verl()
+except Exception as exc:
     REGISTRATION_ERROR.append(exc)
     logger.exception("registering agl's policy losses and advantage estimators in verl failed")

@@ -26,7 +26,7 @@ _serve_moved_modules()  # old module paths stay importable, with a warning, for 
 
 if TYPE_CHECKING:
     # the plugin system and the data model
-    from agl_core.config import AgentLightningConfig, ConfigError, default_config, load_config, merge_config
+    from agl_core.config import AgentLightningConfig, ConfigError, ConfigFile, default_config, load_config, merge_config
     from agl_core.config.checks import validate as validate_config
     from agl_core.data import (
         CompletedRollout,
@@ -82,9 +82,14 @@ if TYPE_CHECKING:
     from agl_core.backends.loop import LoopSettings, Step, run_steps
     from agl_core.datasets import load_dataset
     from agl_core.rollouts.gateway import gateway_source
+    from agl_core.rollouts.replay import ReplayRolloutSource
     from agl_core.rollouts.source import RolloutSource
     from agl_core.stages.pipeline import StepPipeline, validation_metrics
     from agl_core.stages.tensorize import PaddedBatch, tensorize
+
+    # serving the policy to agents (what a backend's rollout replica answers with)
+    from agl_core.serving.policy_server import PolicyServer, RequestError
+    from agl_core.serving.sampling import Generation, SamplingParams
 
 __version__ = "0.1.0"
 

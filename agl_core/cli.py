@@ -127,6 +127,19 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    """Re-run one recorded step of a run (its pipeline and the torch backend's update) and print its metrics."""
+    import tempfile
+
+    from agl_core.train import replay_step
+
+    with tempfile.TemporaryDirectory(prefix="agl-replay-") as scratch:
+        metrics = replay_step(args.run, args.step, _overrides(args), scratch)
+    for name in sorted(metrics):
+        print(f"{name}: {metrics[name]:.6g}")
+    return 0
+
+
 def package_version() -> str:
     """The installed distribution's version, else (running from a source tree) ``agl_core.__version__``."""
     try:
@@ -163,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run", help="run directory (trainer.default_local_dir) or metrics.jsonl file")
     plot.add_argument("-o", "--output", help="PNG path (default: metrics.png beside the metrics)")
     plot.set_defaults(func=_plot)
+    replay = sub.add_parser(
+        "replay",
+        help="re-run one recorded step of a run and print its metrics",
+        description="Re-run step N of a run recorded with agentlightning.record_rollouts: its rollouts through the "
+        "pipeline and the torch backend's update (from the run's checkpoint of step N-1 when there is one, else the "
+        "initial model), with the run's config and these overrides (hook files, plugins' keys, the model's path...).",
+    )
+    replay.add_argument("run", help="run directory holding rollouts.jsonl, or the recording itself")
+    replay.add_argument("--step", type=int, required=True, help="the step to re-run")
+    replay.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the recorded run's config")
+    replay.set_defaults(func=_replay)
     add_new_plugin_command(sub)
     return parser
 

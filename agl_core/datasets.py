@@ -199,7 +199,9 @@ def env_from_map(task_input: Any, env_map: Mapping[str, str]) -> dict[str, str]:
                 elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
                     value = value[int(part)]
                 else:
-                    raise KeyError(f"agentlightning.local.env_map.{name}: path {path!r} not found in the rollout input", name)
+                    raise KeyError(
+                        f"agentlightning.local.env_map.{name}: path {path!r} not found in the rollout input", name
+                    )
         env[name] = value if isinstance(value, str) else json.dumps(_plain(value))
     return env
 
@@ -233,7 +235,8 @@ def check_datasets(config: Any, check_env_map: bool = True) -> dict[str, int]:
                     except KeyError as exc:
                         parts = env_map[exc.args[1]].split(".")
                         column = f" (column {parts[1]!r})" if isinstance(rows, ParquetRows) and len(parts) > 1 else ""
-                        raise ConfigError(key, f"row {start + offset + 1} of {len(rows)} of {file}{column}: {exc.args[0]}") from None
+                        raise ConfigError(
+                            key, f"row {start + offset + 1} of {len(rows)} of {file}{column}: {exc.args[0]}"
+                        ) from None
             counts[key] += len(rows)
     return counts
-

@@ -27,6 +27,8 @@ __all__ = [
     "freeze_mapping",
     "from_checked",
     "hardened",
+    "is_int",
+    "is_number",
     "json_token_ids",
     "log_probs",
     "non_empty_str",
@@ -38,6 +40,19 @@ __all__ = [
     "timestamp",
     "token_ids",
 ]
+
+
+def is_int(value: object, minimum: int | None = None) -> bool:
+    """Whether ``value`` is an integer (numpy's too), not a bool, and at least ``minimum`` when given:
+    the one test of every count, size and id that agl checks (``minimum=1``: a positive int)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return False
+    return minimum is None or value >= minimum
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an int or a float (numpy's too), not a bool (NaN and infinities included)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 class DataValidationError(AglError, ValueError):
@@ -147,7 +162,7 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 def _ids_item_by_item(field: str, value: Sequence[Any]) -> np.ndarray:
     for i, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not is_int(v):
             raise DataValidationError(f"{field}[{i}]", f"token id must be an int, got {_brief(v)}")
         if not _INT64_MIN <= v <= _INT64_MAX:
             raise DataValidationError(f"{field}[{i}]", f"token id must be non-negative and below 2**63, got {_brief(v)}")
@@ -245,7 +260,7 @@ def log_probs(field: str, value: Any, length: int) -> np.ndarray:
         raise DataValidationError(field, f"expected a sequence of floats, got {type(value).__name__}")
     elif not isinstance(value, np.ndarray):
         for i, v in enumerate(value):
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+            if not is_number(v):
                 raise DataValidationError(f"{field}[{i}]", f"log-prob must be a number, got {_brief(v)}")
     try:
         with np.errstate(over="ignore"):  # a float64 beyond float32 range becomes inf, refused below
@@ -268,7 +283,7 @@ def log_probs(field: str, value: Any, length: int) -> np.ndarray:
 
 def reward_value(field: str, value: Any) -> float:
     """A finite float reward; booleans and non-numbers are refused rather than coerced."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not is_number(value):
         raise DataValidationError(field, f"reward must be a number, got {_brief(value)}")
     if not _fits_float(value) or not math.isfinite(value):
         raise DataValidationError(field, f"reward must be finite, got {_brief(value)}")
@@ -302,7 +317,7 @@ def non_empty_str(field: str):
 
 def non_negative_int(field: str):
     def check(_instance: Any, _attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int(value, minimum=0):
             raise DataValidationError(field, f"must be a non-negative int, got {value!r}")
 
     return check

@@ -8,8 +8,9 @@ implementation may accept only the ones it needs.
 Three kinds of hooks live here:
 
 * **Registry hooks** (``agl_register_*``) are called once, when the plugin manager first needs the
-  table (again after :meth:`~agl_core.plugins.PluginManager.configure` sets new settings). Each receives a ``register(name, obj)`` callback; the host owns the name table, rejects a
-  name registered twice (naming both plugins) and lists what is registered (``agl plugins``).
+  table (again after :meth:`~agl_core.plugins.PluginManager.configure` sets new settings). Each
+  receives a ``register(name, obj)`` callback; the host owns the name table, rejects a name
+  registered twice (naming both plugins) and lists what is registered (``agl plugins``).
   Each may also take a ``settings`` argument: the run's plugin settings
   (:class:`~agl_core.plugins.PluginSettings`, section name → typed instance, see
   :func:`agl_plugin_settings`), so a plugin registers entries configured for this run.

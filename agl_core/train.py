@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from agl_core.backends.contract import BackendSpec, backend_spec
+from agl_core.config import ConfigFile
 from agl_core.data import StepSamples
 from agl_core.datasets import check_datasets
 from agl_core.plugins import PluginManager
 from agl_core.tracking import MetricSink, SinkContext, open_sinks, sink_names
 from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE, RunLog
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "resolve_config", "run"]
+__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "replay_step", "resolve_config", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,21 +137,63 @@ def preflight(config: Any, manager: PluginManager) -> tuple[dict[str, int], list
     return counts, [(name, manager.metric_sinks.get(name)) for name in sink_names(config)]
 
 
+def replay_step(
+    run: str | Path, step: int, overrides: Sequence[str] = (), scratch: str | Path = ".", plugins: Iterable[Any] = ()
+) -> dict[str, float]:
+    """Re-run step ``step`` of the run recorded at ``run`` (``agl replay``): its recorded rollouts
+    through the pipeline and the torch backend's update, from the run's checkpoint of the step before
+    when its directory holds one, else the initial model; return the step's metrics.
+
+    The config is the recording's (the keys the core schema knows), then ``overrides``; the dataset is
+    the step's recorded samples, written to ``scratch``. A recording of another model or tokenizer
+    than the config's is refused (:class:`~agl_core.recording.RecordingError`)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from agl_core.fields import thaw
+    from agl_core.recording import read_recording
+
+    recording = read_recording(run)
+    rollouts = recording.rollouts(step)
+    scratch = Path(scratch)
+    config_file, dataset = scratch / "config.yaml", scratch / "samples.jsonl"
+    OmegaConf.save(OmegaConf.create(recording.core_config()), config_file)
+    samples = {r.group_id: thaw(r.input) for r in rollouts}
+    dataset.write_text("".join(json.dumps(s if isinstance(s, Mapping) else {}) + "\n" for s in samples.values()))
+    replayed = [
+        f"agentlightning.replay={recording.path}",
+        "agentlightning.record_rollouts=false",
+        "agentlightning.agl_base_url=null",
+        "agentlightning.async_rollout.enabled=false",
+        "agentlightning.backend=torch",
+        f"data.train_files={dataset}",
+        "data.val_files=null",
+        f"trainer.default_local_dir={recording.path.parent}",
+    ]
+    config, manager = resolve_config(str(config_file), [*replayed, *overrides], plugins)
+    backend = _spec(manager, "torch").factory(config, manager)
+    recording.check(config, backend.tokenizer)
+    return backend.replay_step(rollouts, step)
+
+
 def resolve_config(
     config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = ()
 ) -> tuple[Any, PluginManager]:
     """The run's validated config and its plugin manager.
 
-    The backend is read first (``agentlightning.backend`` from the overrides, else the YAML, else the
-    schema's default), so that the run is validated by that backend's
-    ``load_config`` (:class:`~agl_core.backends.contract.BackendSpec`) (verl: verl's full config; by default
-    the core schema's :func:`~agl_core.config.load_config`).
+    The file is read once (:class:`~agl_core.config.ConfigFile`). The backend is read first
+    (``agentlightning.backend`` from the overrides, else the YAML, else the schema's default), so that
+    the run is validated by that backend's ``load_config``
+    (:class:`~agl_core.backends.contract.BackendSpec`) (verl: verl's full config; by default the core
+    schema's :func:`~agl_core.config.load_config`).
     """
     from omegaconf import OmegaConf
 
-    from agl_core.config import ConfigError, default_config, with_backend_hint
+    from agl_core.config import ConfigError, default_config, read_config_file, with_backend_hint
 
-    raw = _unvalidated(config_path, overrides)
+    source = None if config_path is None else read_config_file(config_path)
+    raw = _unvalidated(source, overrides)
     hooks = OmegaConf.select(raw, "agentlightning.hooks", default=None, throw_on_resolution_failure=False)
     if not isinstance(hooks, str) and not (OmegaConf.is_list(hooks) and all(isinstance(h, str) for h in hooks)):
         hooks = None  # malformed: validation names the key
@@ -159,10 +202,10 @@ def resolve_config(
     name = OmegaConf.select(raw, "agentlightning.backend", default=None, throw_on_resolution_failure=False)
     name = default_config().agentlightning.backend if name is None else name
     try:
-        config = _spec(manager, name).load_config(config_path, overrides)
+        config = _spec(manager, name).load_config(source, overrides)
     except ConfigError as exc:  # an unknown key may be one of another backend's: say which
         others = {e.name: backend_spec(e).load_config for e in manager.backends.entries() if e.name != name}
-        raise with_backend_hint(exc, config_path, overrides, others) from None
+        raise with_backend_hint(exc, source, overrides, others) from None
     manager.hook_timeout_seconds = float(config.agentlightning.hook_timeout_seconds)
     manager.configure(config)  # the plugins' settings (agentlightning.plugins), validated
     return config, manager
@@ -172,13 +215,13 @@ def _spec(manager: PluginManager, name: str) -> BackendSpec:
     return backend_spec(manager.backends.entry(name))
 
 
-def _unvalidated(config_path: str | None, overrides: Sequence[str]) -> Any:
-    """The YAML with the overrides merged over it, unchecked; empty when either cannot be read (the
-    loader then reports why, naming the file or key)."""
+def _unvalidated(source: ConfigFile | None, overrides: Sequence[str]) -> Any:
+    """The file's content with the overrides merged over it, unchecked; empty when the overrides
+    cannot be read (the loader then reports why, naming the key)."""
     from omegaconf import OmegaConf
 
     try:
-        user = OmegaConf.load(config_path) if config_path is not None and Path(config_path).is_file() else {}
+        user = source.content if source is not None else {}
         return OmegaConf.merge(user, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
     except Exception:
         return OmegaConf.create()

@@ -34,6 +34,7 @@ from agl_core.suggestions import misspelling_of, suggest
 from agl_hooks import rollout_hooks, schemas
 from agl_hooks.rollout_hooks import HOOK_METHODS, RolloutHooksPlugin, is_rollout_hooks_base
 
+
 class HookFileError(PluginError):
     """A hook file could not be loaded; the message names the file and what is wrong."""
 
@@ -99,9 +100,13 @@ def _exec_module(path: Path) -> types.ModuleType:
         if isinstance(exc, KeyboardInterrupt):
             raise
         if isinstance(exc, SystemExit):
-            raise HookFileError(f"hook file {path} called sys.exit({exc.code!r}) while being imported; a hook file may not exit") from None
+            raise HookFileError(
+                f"hook file {path} called sys.exit({exc.code!r}) while being imported; a hook file may not exit"
+            ) from None
         if isinstance(exc, SyntaxError) and exc.filename == str(path):
-            raise HookFileError(f"hook file {path} failed to import: {path}:{exc.lineno}: SyntaxError: {exc.msg}") from None
+            raise HookFileError(
+                f"hook file {path} failed to import: {path}:{exc.lineno}: SyntaxError: {exc.msg}"
+            ) from None
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
         in_file = [f for f in frames if str(path) in f or not f.startswith("  File ")]
         raise HookFileError(f"hook file {path} failed to import:\n{''.join(in_file).rstrip()}") from exc
@@ -125,16 +130,22 @@ def load_hook_file(path: str | os.PathLike[str]) -> Any:
         if attr not in KNOWN_HOOKS:
             raise HookFileError(f"hook file {path} defines unknown hook {attr!r}; {suggest(attr, KNOWN_HOOKS)}")
     for attr, obj in vars(module).items():
-        meant = misspelling_of(attr, KNOWN_HOOKS) if inspect.isfunction(obj) and obj.__module__ == module.__name__ else None
+        meant = (
+            misspelling_of(attr, KNOWN_HOOKS) if inspect.isfunction(obj) and obj.__module__ == module.__name__ else None
+        )
         if meant is not None and attr not in functions:
-            raise HookFileError(f"hook file {path}: function {attr} is not a hook, so it would never be called; did you mean {meant!r}?")
+            raise HookFileError(
+                f"hook file {path}: function {attr} is not a hook, so it would never be called; did you mean {meant!r}?"
+            )
     undecorated = [attr for attr, fn in functions.items() if not hasattr(fn, "agl_impl")]
     if undecorated:
         raise HookFileError(f"hook file {path}: {', '.join(undecorated)} must be decorated with @agl_core.hookimpl")
 
     if len(classes) > 1:
         names = ", ".join(sorted(cls.__name__ for cls in classes))
-        raise HookFileError(f"hook file {path} holds several RolloutHooks subclasses ({names}) defined or imported; keep exactly one")
+        raise HookFileError(
+            f"hook file {path} holds several RolloutHooks subclasses ({names}) defined or imported; keep exactly one"
+        )
     if classes and functions:
         raise HookFileError(
             f"hook file {path} mixes a RolloutHooks subclass ({classes[0].__name__}) with @hookimpl functions "
@@ -144,10 +155,13 @@ def load_hook_file(path: str | os.PathLike[str]) -> Any:
         cls = classes[0]
         for attr in vars(cls):
             if attr.startswith("on_") and attr not in HOOK_METHODS:
-                raise HookFileError(f"hook file {path}: {cls.__name__}.{attr} is not a hook; {suggest(attr, HOOK_METHODS)}")
+                raise HookFileError(
+                    f"hook file {path}: {cls.__name__}.{attr} is not a hook; {suggest(attr, HOOK_METHODS)}"
+                )
             if (meant := misspelling_of(attr, HOOK_METHODS)) is not None:
                 raise HookFileError(
-                    f"hook file {path}: {cls.__name__}.{attr} is not a hook, so it would never be called; did you mean {meant!r}?"
+                    f"hook file {path}: {cls.__name__}.{attr} is not a hook, so it would never be called; "
+                    f"did you mean {meant!r}?"
                 )
         try:
             instance = cls()

@@ -23,8 +23,8 @@ import attrs
 
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.fields import thaw
-from agl_core.plugins.event_writer import EventWriter
 from agl_core.hookspecs import hookimpl
+from agl_core.plugins.event_writer import EventWriter
 from agl_hooks import schemas
 from agl_hooks.schemas import Event, Rollout, RolloutCreate
 
@@ -159,7 +159,9 @@ class RolloutHooksPlugin:
             raise TypeError(f"{type(self.hooks).__name__}.on_enqueue returned None; it must return the request")
         return attrs.evolve(
             request,
-            rollout_id=request.rollout_id if result.rollout_id is None else result.rollout_id,  # a change is undone and counted
+            rollout_id=request.rollout_id
+            if result.rollout_id is None
+            else result.rollout_id,  # a change is undone and counted
             input=result.input,
             is_train=bool(result.is_train),
             config=_as_dict(result.config),
@@ -167,7 +169,9 @@ class RolloutHooksPlugin:
         )
 
     @hookimpl
-    def agl_on_succeeded(self, rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]], writer: EventWriter) -> None:
+    def agl_on_succeeded(
+        self, rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]], writer: EventWriter
+    ) -> None:
         views = {aid: [_event_view(rollout.rollout_id, aid, e) for e in evs] for aid, evs in events.items()}
         self.hooks.on_succeeded(rollout_view(rollout), views, writer)
 

@@ -2,22 +2,23 @@
 
 v1.0's schemas are pydantic models; these stand-ins have the same names, fields and defaults, and
 behave as hooks use the models: attribute access (``request.config.timeout_seconds``,
-``rollout.metadata.batch_idx``, ``rollout.status.version``), ``model_copy(update=..., deep=...)`` and
-``model_dump()``. The two mapping-shaped models a hook most often touches, :class:`RolloutConfig`
-(with its ``local`` / ``k8s`` parts) and :class:`RolloutMetadata`, are dicts too, so item access
-(``metadata["key"]``, ``dict(metadata)``) works as on the plain dicts agl passed before; a field
-never set reads as its v1.0 default.
+``rollout.metadata.batch_idx``, ``rollout.status.version``), ``model_copy(update=..., deep=...)``,
+``model_dump()`` and ``model_dump_json()``. The two mapping-shaped models a hook most often touches,
+:class:`RolloutConfig` (with its ``local`` / ``k8s`` parts) and :class:`RolloutMetadata`, are dicts
+too, so item access (``metadata["key"]``, ``dict(metadata)``) works as on the plain dicts agl passed
+before; a field never set reads as its v1.0 default. Where Agent Lightning is installed, hooks get
+its own models instead (:func:`agl_hooks.rollout_hooks.v1_models`).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any, ClassVar
 
 import attrs
-
 
 __all__ = [
     "DEFAULT_ATTEMPT_ID",
@@ -64,7 +65,7 @@ DEFAULT_ATTEMPT_ID = "0"
 
 
 class _ModelMethods:
-    """pydantic's ``model_copy`` / ``model_dump``, as v1.0 hooks call them."""
+    """pydantic's ``model_copy`` / ``model_dump`` / ``model_dump_json``, as v1.0 hooks call them."""
 
     def model_copy(self, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any:
         clone = copy.deepcopy(self) if deep else copy.copy(self)
@@ -74,6 +75,9 @@ class _ModelMethods:
 
     def model_dump(self, **_: Any) -> dict[str, Any]:
         return _dump(self)
+
+    def model_dump_json(self, **_: Any) -> str:
+        return json.dumps(self.model_dump(), default=str)
 
 
 def _dump(value: Any) -> Any:

@@ -52,7 +52,12 @@ def test_swe_smiths_nccl_timeout_is_named_with_where_verl_09_reads_it(tmp_path):
     with pytest.raises(ConfigError, match="is 8192, less than the longest row") as info:
         load_verl_config(fixed)
     assert info.value.key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
-    assert load_verl_config(fixed, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=131072"]).actor_rollout_ref.nccl_timeout == 1800
+    assert (
+        load_verl_config(
+            fixed, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=131072"]
+        ).actor_rollout_ref.nccl_timeout
+        == 1800
+    )
 
 
 def test_the_moved_and_removed_tables_match_verl_09():

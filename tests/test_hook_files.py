@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -567,6 +568,7 @@ def test_without_agent_lightning_hooks_get_agl_standins():
         pytest.skip("Agent Lightning is installed here: hooks get its own models (the test above)")
     view = rollout_hooks.rollout_view(CompletedRollout(rollout_id="r1", group_id="g1", state="failed", metadata={"k": 1}))
     assert isinstance(view, schemas.Rollout) and view.metadata["k"] == 1 and view.status.created_at == 0.0
+    assert json.loads(view.model_dump_json())["status"] == {**view.status.model_dump(), "state": "failed"}
 
 
 def test_helpers_beside_hooks_are_not_taken_for_misspelt_hooks(tmp_path):

@@ -20,7 +20,7 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 # The package root (the public API) is its own part; a name imported from it counts as an import of
 # the module that defines the name.
 API = "agl_core"
-BASE = {"agl_core._moved", "agl_core.data", "agl_core.errors", "agl_core.fields", "agl_core.config", "agl_core.hookspecs",
+BASE = {"agl_core._moved", "agl_core.data", "agl_core.errors", "agl_core.fields", "agl_core.config", "agl_core.hookspecs", "agl_core.recording",
         "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
 ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.
@@ -34,6 +34,7 @@ SOURCE_FAMILIES = {
         "agl_core.rollouts.retry",
     ),
     "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),
+    "replay": ("agl_core.rollouts.replay",),
 }
 SHARED_ROLLOUT_MODULES = ("agl_core.rollouts", "agl_core.rollouts.source", "agl_core.rollouts.events", "agl_core.rollouts.finish")
 

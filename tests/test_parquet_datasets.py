@@ -68,13 +68,17 @@ def test_rows_are_read_one_row_group_at_a_time(tmp_path, monkeypatch):
     path = write_parquet(tmp_path / "train.parquet", [verl_row(i, ["left"]) for i in range(12)], row_group_size=4)
     read = []
     original = pq.ParquetFile.read_row_group
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, *a, **k: read.append(i) or original(self, i, *a, **k))
+    monkeypatch.setattr(
+        pq.ParquetFile, "read_row_group", lambda self, i, *a, **k: read.append(i) or original(self, i, *a, **k)
+    )
     monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("the whole file was read"))
     rows = load_dataset(str(path))
     assert read == [], "opening reads only the footer"
     assert [rows[i]["extra_info"]["index"] for i in (0, 3, 5, 9, 10)] == [0, 3, 5, 9, 10]
     assert read == [0, 1, 2], "each row group read once, when first indexed"
-    cfg = load_config(overrides=[f"data.train_files={path}", "agentlightning.local.env_map={Q: input.prompt.0.content}"])
+    cfg = load_config(
+        overrides=[f"data.train_files={path}", "agentlightning.local.env_map={Q: input.prompt.0.content}"]
+    )
     assert check_datasets(cfg) == {"data.train_files": 12} and read == [0, 1, 2], "the check streams batches"
 
 
@@ -83,7 +87,12 @@ def test_a_list_mixes_parquet_and_jsonl_in_order(tmp_path):
     second = tmp_path / "b.jsonl"
     second.write_text(json.dumps(verl_row(2, ["left"])) + "\n")
     named_oddly = write_parquet(tmp_path / "c.jsonl", [verl_row(3, ["right"])])  # told by its magic bytes, not its name
-    cfg = load_config(overrides=[f"data.train_files=[{first},{second},{named_oddly}]", "agentlightning.local.env_map={A: input.reward_model.ground_truth}"])
+    cfg = load_config(
+        overrides=[
+            f"data.train_files=[{first},{second},{named_oddly}]",
+            "agentlightning.local.env_map={A: input.reward_model.ground_truth}",
+        ]
+    )
     rows = load_dataset(cfg.data.train_files)
     assert [r["extra_info"]["index"] for r in rows] == [0, 1, 2, 3] and len(rows) == 4
     assert [r["extra_info"]["index"] for r in rows[1:3]] == [1, 2]
@@ -94,7 +103,9 @@ def test_a_row_missing_an_env_map_field_names_file_row_and_column(tmp_path):
     rows = [verl_row(i, ["left"]) for i in range(6)]
     rows[4]["reward_model"] = None
     path = write_parquet(tmp_path / "train.parquet", rows, row_group_size=2)
-    cfg = load_config(overrides=[f"data.train_files={path}", "agentlightning.local.env_map={ANSWER: input.reward_model.ground_truth}"])
+    cfg = load_config(
+        overrides=[f"data.train_files={path}", "agentlightning.local.env_map={ANSWER: input.reward_model.ground_truth}"]
+    )
     with pytest.raises(ConfigError) as info:
         check_datasets(cfg)
     assert info.value.key == "data.train_files"
@@ -105,7 +116,9 @@ def test_a_row_missing_an_env_map_field_names_file_row_and_column(tmp_path):
 
 
 def test_a_column_without_a_json_form_names_file_row_and_column(tmp_path):
-    table = pa.table({"data_source": ["a", "b", "c"], "extra_info": [{"blob": None}, {"blob": None}, {"blob": b"\x86\x00"}]})
+    table = pa.table(
+        {"data_source": ["a", "b", "c"], "extra_info": [{"blob": None}, {"blob": None}, {"blob": b"\x86\x00"}]}
+    )
     path = tmp_path / "bin.parquet"
     pq.write_table(table, path)
     with pytest.raises(ConfigError) as info:
@@ -130,7 +143,9 @@ def test_files_that_are_neither_jsonl_nor_parquet_are_named(tmp_path):
 
 @pytest.mark.slow
 def test_the_corridor_task_trains_from_parquet_in_verls_layout(tmp_path, capsys):
-    train = write_parquet(tmp_path / "train.parquet", corridor_rows("examples/corridor/dataset.jsonl", "train"), row_group_size=64)
+    train = write_parquet(
+        tmp_path / "train.parquet", corridor_rows("examples/corridor/dataset.jsonl", "train"), row_group_size=64
+    )
     val_rows = corridor_rows("examples/corridor/val.jsonl", "test")[:4]
     val = write_parquet(tmp_path / "val.parquet", val_rows[:2])
     val_jsonl = tmp_path / "val.jsonl"

@@ -37,6 +37,7 @@ PUBLIC_NAMES = [
     "CompletedRollout",
     "ConfigCheck",
     "ConfigError",
+    "ConfigFile",
     "ConfigLoader",
     "DataValidationError",
     "default_config",
@@ -167,3 +168,15 @@ def test_names_the_example_imports_from_agl_core_are_public():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "agl_core":
                 assert {alias.name for alias in node.names} <= set(agl_core.__all__), path
+
+
+def test_the_api_reference_documents_every_public_name_by_its_public_name():
+    """docs/api documents ``agl_core.NAME`` for each name of ``__all__``, and no module behind them."""
+    text = (REPO / "docs" / "api" / "index.rst").read_text()
+    named = [line.split("::")[1].strip() for line in text.splitlines() if line.startswith(".. ") and "::" in line]
+    documented = {name if name.startswith("agl_core") else f"agl_core.{name}" for name in named}
+    public = {f"agl_core.{name}" for name in agl_core.__all__ if name != "__version__"}
+    assert public <= documented, sorted(public - documented)
+    modules = {name for name in documented if name.count(".") and name not in public}
+    assert all(m == "agl_core.hookspecs" or m.startswith(("agl_core.testing", "agl_core.scaffold")) for m in modules), modules
+

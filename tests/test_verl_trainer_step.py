@@ -130,6 +130,9 @@ class FakeSource:
     def after_weight_update(self, endpoints, version):
         self.registered.append((list(endpoints), version))
 
+    def state(self):
+        return None  # a sync source carries nothing across steps
+
     def close(self):
         pass
 

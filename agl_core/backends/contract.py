@@ -17,6 +17,8 @@ from agl_core.config import load_config
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from agl_core.config import ConfigFile
+
     from agl_core.data import StepSamples
 
     from agl_core.plugins import PluginManager
@@ -42,9 +44,11 @@ class Backend(Protocol):
 BackendFactory = Callable[["DictConfig", "PluginManager"], Backend]
 """``factory(config, plugins)``: a backend for the validated run config and the run's plugin manager."""
 
-ConfigLoader = Callable[[str | None, Sequence[str]], "DictConfig"]
-"""``load(path, overrides)``: the validated run config from a YAML file (or none) and ``key=value``
-overrides; bad input raises :class:`~agl_core.config.ConfigError` naming the key."""
+ConfigLoader = Callable[["str | ConfigFile | None", Sequence[str]], "DictConfig"]
+"""``load(source, overrides)``: the validated run config from a YAML file (its path, or the
+:class:`~agl_core.config.ConfigFile` ``agl train`` already read; :func:`~agl_core.config.merge_config`
+takes either) and ``key=value`` overrides; bad input raises :class:`~agl_core.config.ConfigError`
+naming the key."""
 
 
 ConfigCheck = Callable[["DictConfig"], None]

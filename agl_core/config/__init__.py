@@ -14,7 +14,16 @@ gateway key in every dump.
 
 from agl_core.config.checks import row_length_keys
 from agl_core.config.errors import ConfigError
-from agl_core.config.loading import REDACTED, load_config, merge_config, redacted, to_yaml, with_backend_hint
+from agl_core.config.loading import (
+    REDACTED,
+    ConfigFile,
+    load_config,
+    merge_config,
+    read_config_file,
+    redacted,
+    to_yaml,
+    with_backend_hint,
+)
 from agl_core.config.schema import LOSS_NORMALIZATION_MODES, SECRET_KEYS, AgentLightningConfig, CoreConfig, default_config
 
 __all__ = [
@@ -23,10 +32,12 @@ __all__ = [
     "LOSS_NORMALIZATION_MODES",
     "AgentLightningConfig",
     "ConfigError",
+    "ConfigFile",
     "CoreConfig",
     "default_config",
     "load_config",
     "merge_config",
+    "read_config_file",
     "redacted",
     "row_length_keys",
     "to_yaml",

@@ -1,58 +1,26 @@
-"""Checks that span keys or that types alone cannot express; each raises a :class:`ConfigError` naming the key.
+"""The config's validation: each key's rule, then the checks that span keys; each raises a
+:class:`ConfigError` naming the key.
 
-Every numeric key that can do harm has a range here: a value outside it would not fail later but
-train wrongly (a negative gradient-clip bound flips the gradient's sign, a negative clip ratio
-inverts PPO's trust region) or train nothing (no PPO epoch, no step). Sizes follow the rules verl
-checks for the same keys, so a config that passes here is not refused later by verl.
+Every numeric key that can do harm has a range, declared beside its field in the schema
+(:func:`~agl_core.config.schema.checked`): a value outside it would not fail later but train
+wrongly (a negative gradient-clip bound flips the gradient's sign, a negative clip ratio inverts
+PPO's trust region) or train nothing (no PPO epoch, no step). Sizes follow the rules verl checks
+for the same keys, so a config that passes here is not refused later by verl.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import os
+from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from agl_core.config.errors import ConfigError
-from agl_core.config.schema import LOSS_NORMALIZATION_MODES
+from agl_core.config.schema import schema_rules
+from agl_core.fields import is_int, is_number
 
 __all__ = ["row_length_keys", "validate"]
 
-# key -> (rule the value must satisfy, what the error says it must be). NaN never satisfies a rule.
-RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
-    # torch's clip_grad_norm_ scales by bound / norm: a negative bound flips the gradient's sign.
-    "actor_rollout_ref.actor.grad_clip": (lambda v: v > 0, "greater than 0"),
-    "actor_rollout_ref.actor.clip_ratio": (lambda v: 0 <= v < math.inf, "a finite number of 0 or more"),
-    "actor_rollout_ref.actor.clip_ratio_c": (lambda v: 1 < v < math.inf, "a finite number greater than 1.0"),
-    "actor_rollout_ref.actor.entropy_coeff": (lambda v: 0 <= v < math.inf, "a finite number of 0 or more"),
-    "actor_rollout_ref.actor.kl_loss_coef": (lambda v: 0 <= v < math.inf, "a finite number of 0 or more"),
-    "actor_rollout_ref.actor.optim.lr": (lambda v: 0 < v < math.inf, "a finite number greater than 0"),
-    "actor_rollout_ref.actor.optim.weight_decay": (lambda v: 0 <= v < math.inf, "a finite number of 0 or more"),
-    "actor_rollout_ref.actor.optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1"),
-    "actor_rollout_ref.rollout.temperature": (lambda v: 0 <= v < math.inf, "0 (greedy) or a finite number above it"),
-    "actor_rollout_ref.rollout.val_kwargs.temperature": (lambda v: 0 <= v < math.inf, "0 (greedy) or a finite number above it"),
-    "actor_rollout_ref.rollout.top_p": (lambda v: 0 < v <= 1, "greater than 0 and at most 1"),
-    "algorithm.gamma": (lambda v: 0 <= v <= 1, "between 0 and 1"),
-    "agentlightning.reward_fillna_value": (math.isfinite, "a finite number"),
-}
-# The same rule where null is allowed too (null: follow clip_ratio).
-OPTIONAL_RANGES = {
-    "actor_rollout_ref.actor.clip_ratio_low": RANGES["actor_rollout_ref.actor.clip_ratio"],
-    "actor_rollout_ref.actor.clip_ratio_high": RANGES["actor_rollout_ref.actor.clip_ratio"],
-}
-POSITIVE_INTEGERS = (
-    "data.train_batch_size",
-    "data.max_prompt_length",
-    "data.max_response_length",
-    "actor_rollout_ref.rollout.n",
-    "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "actor_rollout_ref.actor.ppo_epochs",
-    "trainer.total_epochs",
-    "agentlightning.rollout_timeout_seconds",
-    "agentlightning.trace_aggregator.trajectory_max_prompt_length",
-    "agentlightning.trace_aggregator.trajectory_max_response_length",
-    "agentlightning.trace_aggregator.mismatch_max_length",
-)
 # (switch, budget) of the token-budget micro-batches (agl_core.stages.micro_batches): the update's and
 # the old and reference log-probs' passes.
 MICRO_BATCH_KEYS = (
@@ -60,68 +28,25 @@ MICRO_BATCH_KEYS = (
     ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
     ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
 )
-# null, or a positive integer.
-OPTIONAL_POSITIVE_INTEGERS = (
-    "trainer.total_training_steps",  # null: total_epochs x steps per epoch
-    "agentlightning.max_ppo_update_times",
-    "data.val_batch_size",
-)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _in_range(cfg: DictConfig, key: str, rule: Callable[[float], bool], what: str, allow_none: bool = False) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value is None and allow_none:
-        return
-    if not _is_number(value) or math.isnan(value) or not rule(value):
-        raise ConfigError(key, f"must be {what}{' or null' if allow_none else ''}, got {value!r}")
-
-
-def _integer(cfg: DictConfig, key: str, low: int, allow_none: bool = False) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        what = "a positive integer" if low == 1 else f"an integer of {low} or more"
-        raise ConfigError(key, f"must be {what}{' or null' if allow_none else ''}, got {value!r}")
-
-
-def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
-    _integer(cfg, key, 1, allow_none)
 
 
 def validate(cfg: DictConfig) -> None:
-    """Checks that span keys or that types alone cannot express; raise :class:`ConfigError`."""
+    """Every key's rule (declared beside its field in :mod:`agl_core.config.schema`), then the checks
+    that span keys or that types alone cannot express; raise :class:`ConfigError`."""
     agl = cfg.agentlightning
     hooks = agl.hooks
     if hooks is not None and not isinstance(hooks, str):
         if not isinstance(hooks, ListConfig) or not all(isinstance(h, str) for h in hooks):
             raise ConfigError("agentlightning.hooks", f"must be a path or a list of paths, got {hooks!r}")
-    for key in POSITIVE_INTEGERS:
-        _positive(cfg, key)
-    for key in OPTIONAL_POSITIVE_INTEGERS:
-        _positive(cfg, key, allow_none=True)
-    for key, (rule, what) in RANGES.items():
-        _in_range(cfg, key, rule, what)
-    for key, (rule, what) in OPTIONAL_RANGES.items():
-        _in_range(cfg, key, rule, what, allow_none=True)
-    _integer(cfg, "agentlightning.trace_aggregator.mismatch_sample_size", 0)
-    _integer(cfg, "trainer.seed", 0)  # seeds feed numpy's SeedSequence, which refuses negative numbers
-    _integer(cfg, "data.seed", 0, allow_none=True)
+    for key, rule in schema_rules():
+        rule.check(key, OmegaConf.select(cfg, key))
     _validate_sizes(cfg)
     _validate_betas(cfg)
-    if agl.loss_normalization not in LOSS_NORMALIZATION_MODES:
-        raise ConfigError(
-            "agentlightning.loss_normalization",
-            f"must be one of {', '.join(LOSS_NORMALIZATION_MODES)}, got {agl.loss_normalization!r}",
-        )
     _validate_gateway_keys(cfg)
     _validate_micro_batch_keys(cfg)
     _validate_engine_keys(cfg)
     _validate_torch_backend_keys(cfg)
+    _validate_record_keys(cfg)
     url = agl.agl_base_url
     if url is not None and not str(url).startswith(("http://", "https://")):
         raise ConfigError("agentlightning.agl_base_url", f"must be an http(s) URL or null, got {url!r}")
@@ -147,17 +72,18 @@ def _validate_sizes(cfg: DictConfig) -> None:
         )
     if cfg.agentlightning.async_rollout.enabled:
         size = cfg.agentlightning.async_rollout.async_train_batch_size
-        if not isinstance(size, int) or isinstance(size, bool) or size <= train:
+        if not is_int(size) or size <= train:
             raise ConfigError(
                 "agentlightning.async_rollout.async_train_batch_size",
-                f"must be an integer greater than data.train_batch_size ({train}) when async rollout is enabled, got {size!r}",
+                f"must be an integer greater than data.train_batch_size ({train}) when async rollout is enabled, "
+                f"got {size!r}",
             )
 
 
 def _validate_betas(cfg: DictConfig) -> None:
     key = "actor_rollout_ref.actor.optim.betas"
     betas = OmegaConf.select(cfg, key)
-    if not isinstance(betas, ListConfig) or len(betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in betas):
+    if not isinstance(betas, ListConfig) or len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
         raise ConfigError(key, f"must be two numbers in [0, 1) (Adam's beta1, beta2), got {betas!r}")
 
 
@@ -178,40 +104,43 @@ def _validate_micro_batch_keys(cfg: DictConfig) -> None:
     for switch, budget in MICRO_BATCH_KEYS:
         if not isinstance(OmegaConf.select(cfg, switch), bool):
             raise ConfigError(switch, f"must be true or false, got {OmegaConf.select(cfg, switch)!r}")
-        _positive(cfg, budget)
         tokens = OmegaConf.select(cfg, budget)
         if OmegaConf.select(cfg, switch) and tokens < longest:
             raise ConfigError(
                 budget,
-                f"is {tokens}, less than the longest row ({prompt_key} + {response_key} = {longest}); raise it or turn {switch} off",
+                f"is {tokens}, less than the longest row ({prompt_key} + {response_key} = {longest}); "
+                f"raise it or turn {switch} off",
             )
 
 
-def _choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value not in choices:
-        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {value!r}")
+def _validate_record_keys(cfg: DictConfig) -> None:
+    """``agentlightning.record_rollouts`` is a boolean; ``agentlightning.replay`` names a recording
+    (a file, or a run directory holding ``rollouts.jsonl``), and replaces the gateway."""
+    agl = cfg.agentlightning
+    if not isinstance(agl.record_rollouts, bool):
+        raise ConfigError("agentlightning.record_rollouts", f"must be true or false, got {agl.record_rollouts!r}")
+    if agl.replay is None:
+        return
+    path = Path(os.path.expanduser(str(agl.replay)))
+    recorded = path / "rollouts.jsonl" if path.is_dir() else path
+    if not recorded.is_file():
+        raise ConfigError(
+            "agentlightning.replay", f"{path} is neither a rollout recording nor a run directory holding rollouts.jsonl"
+        )
+    own = Path(os.path.expanduser(str(cfg.trainer.default_local_dir))) / "rollouts.jsonl"
+    if agl.record_rollouts and recorded.resolve() == own.resolve():
+        raise ConfigError(
+            "agentlightning.replay",
+            f"{path} is this run's own recording: record a replayed run into another trainer.default_local_dir",
+        )
+    if agl.agl_base_url is not None or agl.async_rollout.enabled:
+        raise ConfigError(
+            "agentlightning.replay",
+            "a replayed run runs no agents: unset agentlightning.agl_base_url and async_rollout.enabled",
+        )
 
 
 def _validate_gateway_keys(cfg: DictConfig) -> None:
-    _choice(cfg, "agentlightning.failed_rollout_policy", ("skip", "train"))
-    _choice(cfg, "agentlightning.gateway.restart_policy", ("reenqueue", "fail"))
-    for key in (
-        "agentlightning.gateway.http_timeout_seconds",
-        "agentlightning.gateway.poll_interval_min_seconds",
-        "agentlightning.gateway.liveness_check_seconds",
-        "agentlightning.gateway.drain_timeout_seconds",
-        "agentlightning.hook_timeout_seconds",
-    ):
-        _in_range(cfg, key, lambda v: v > 0, "greater than 0")
-    for key in (
-        "agentlightning.rollout_timeout_grace_seconds",
-        "agentlightning.gateway.retry_backoff_seconds",
-        "agentlightning.gateway.max_retries",
-        "agentlightning.gateway.max_reenqueues",
-        "agentlightning.gateway.pause_retry_after_seconds",
-    ):
-        _in_range(cfg, key, lambda v: v >= 0, "0 or more")
     low = cfg.agentlightning.gateway.poll_interval_min_seconds
     if cfg.agentlightning.gateway.poll_interval_max_seconds < low:
         raise ConfigError("agentlightning.gateway.poll_interval_max_seconds", f"must be at least poll_interval_min_seconds ({low})")
@@ -221,20 +150,12 @@ def _validate_gateway_keys(cfg: DictConfig) -> None:
 
 
 def _validate_torch_backend_keys(cfg: DictConfig) -> None:
-    _positive(cfg, "agentlightning.embedded.max_workers")
-    _positive(cfg, "agentlightning.torch.num_threads", allow_none=True)
     device = cfg.agentlightning.torch.device
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise ConfigError("agentlightning.torch.device", f"must be auto, cpu, cuda or cuda:N, got {device!r}")
-    _choice(cfg, "trainer.resume_mode", ("auto", "disable"))
 
 
 def _validate_engine_keys(cfg: DictConfig) -> None:
-    _choice(cfg, "agentlightning.engine", ("builtin", "vllm"))
-    for key in ("agentlightning.vllm.startup_timeout_seconds", "agentlightning.vllm.pause_timeout_seconds"):
-        _in_range(cfg, key, lambda v: v > 0, "greater than 0")
-    _positive(cfg, "agentlightning.vllm.kv_cache_space_gib")
-    _positive(cfg, "agentlightning.vllm.max_model_len")
     port = cfg.agentlightning.vllm.port
     if not 0 <= port <= 65535:
         raise ConfigError("agentlightning.vllm.port", f"must be 0 (a free port) or a port number, got {port!r}")

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -21,9 +22,43 @@ from agl_core.config.errors import ConfigError
 from agl_core.config.schema import SECRET_KEYS, default_config
 from agl_core.suggestions import closest
 
-__all__ = ["REDACTED", "load_config", "merge_config", "redacted", "to_yaml", "with_backend_hint"]
+__all__ = [
+    "REDACTED",
+    "ConfigFile",
+    "load_config",
+    "merge_config",
+    "read_config_file",
+    "redacted",
+    "to_yaml",
+    "with_backend_hint",
+]
 
 REDACTED = "***"
+
+
+@attrs.frozen
+class ConfigFile:
+    """A run config file, read once (``read_config_file``): ``agl train`` and ``agl check`` hand it
+    to the backend's loader (and to the other backends' when looking for a key's backend), so the
+    file is read a single time per command. Every loader accepts one where it accepts a path."""
+
+    path: str
+    content: DictConfig
+
+
+def read_config_file(path: str | os.PathLike[str]) -> ConfigFile:
+    """The YAML mapping at ``path``; a :class:`ConfigError` (key ``<file>``) when it cannot be read."""
+    if os.path.isdir(path):
+        raise ConfigError("<file>", f"{path} is a directory; expected a YAML config file")
+    if not os.path.isfile(path):
+        raise ConfigError("<file>", f"config file not found: {path}")
+    try:
+        content = OmegaConf.load(path)
+    except Exception as exc:
+        raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(content, DictConfig):
+        raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
+    return ConfigFile(str(path), content)
 
 
 def _config_error(exc: OmegaConfBaseException, origin: str, known: DictConfig | None = None) -> ConfigError:
@@ -45,19 +80,20 @@ def _did_you_mean(key: str, known: DictConfig | None) -> str:
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str] | ConfigFile | None = None,
     overrides: Sequence[str] = (),
     base: DictConfig | None = None,
 ) -> DictConfig:
-    """Merge ``base`` (default: :func:`default_config`), the YAML file at ``path`` and ``key=value``
-    overrides; validate; return the result with interpolations resolved."""
+    """Merge ``base`` (default: :func:`default_config`), the YAML file at ``path`` (or the
+    :class:`ConfigFile` already read) and ``key=value`` overrides; validate; return the result with
+    interpolations resolved."""
     cfg = merge_config(path, overrides, base)
     validate(cfg)
     return cfg
 
 
 def merge_config(
-    path: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str] | ConfigFile | None = None,
     overrides: Sequence[str] = (),
     base: DictConfig | None = None,
     composed: Sequence[str] = (),
@@ -67,17 +103,8 @@ def merge_config(
     ``base`` holds, which the file's ``defaults`` may name (see :mod:`agl_core.config.composition`)."""
     cfg = default_config() if base is None else base
     if path is not None:
-        if os.path.isdir(path):
-            raise ConfigError("<file>", f"{path} is a directory; expected a YAML config file")
-        if not os.path.isfile(path):
-            raise ConfigError("<file>", f"config file not found: {path}")
-        try:
-            user = OmegaConf.load(path)
-        except Exception as exc:
-            raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from exc
-        if not isinstance(user, DictConfig):
-            raise ConfigError("<file>", f"{path} must hold a mapping at the top level")
-        cfg = _merge(cfg, strip_composition(user, str(path), composed), str(path))
+        file = path if isinstance(path, ConfigFile) else read_config_file(path)
+        cfg = _merge(cfg, strip_composition(file.content, file.path, composed), file.path)
     if overrides:
         cfg = _merge(cfg, _parse_overrides(overrides), "overrides")
     try:
@@ -176,7 +203,7 @@ def _interpolation_error(cfg: DictConfig, exc: OmegaConfBaseException) -> Config
 
 def with_backend_hint(
     error: ConfigError,
-    path: str | os.PathLike[str] | None,
+    path: str | os.PathLike[str] | ConfigFile | None,
     overrides: Sequence[str],
     loaders: Mapping[str, Callable[[Any, Sequence[str]], DictConfig]],
 ) -> ConfigError:

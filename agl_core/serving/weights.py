@@ -73,5 +73,7 @@ def served_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def save_served(model: torch.nn.Module, folder: str | os.PathLike[str]) -> None:
     """Write what :func:`served_state_dict` serves as a Hugging Face model folder (config and safetensors)."""
-    base = model.get_base_model() if is_adapted(model) else model
-    base.save_pretrained(folder, state_dict=served_state_dict(model))
+    if is_adapted(model):
+        model.get_base_model().save_pretrained(folder, state_dict=served_state_dict(model))
+    else:
+        model.save_pretrained(folder)

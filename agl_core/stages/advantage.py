@@ -17,7 +17,7 @@ import numpy as np
 from agl_core.config import ConfigError
 from agl_core.data import DataValidationError
 from agl_core.errors import AglError
-from agl_core.fields import reward_value
+from agl_core.fields import is_number, reward_value
 
 __all__ = [
     "AdvantageError",
@@ -61,7 +61,7 @@ class AdvantageSettings:
         if not isinstance(norm, bool):
             raise ConfigError("algorithm.norm_adv_by_std_in_grpo", f"must be a boolean, got {norm!r}")
         gamma = algorithm.get("gamma", 1.0)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= gamma <= 1.0:
+        if not is_number(gamma) or not 0.0 <= gamma <= 1.0:
             raise ConfigError("algorithm.gamma", f"must be a number in [0, 1], got {gamma!r}")
         return cls(norm_adv_by_std=norm, gamma=float(gamma))
 

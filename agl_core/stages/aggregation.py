@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from agl_core.config import row_length_keys
 from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
-from agl_core.fields import from_checked
+from agl_core.fields import from_checked, is_int
 
 __all__ = [
     "CALLS_LEFT_OUT_METRIC",
@@ -49,12 +49,12 @@ CALLS_LEFT_OUT_METRIC = "training/n_calls_left_out"
 
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value, minimum=1):
         raise ValueError(f"AggregationSettings.{attribute.name} must be a positive int, got {value!r}")
 
 
 def _non_negative_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value, minimum=0):
         raise ValueError(f"AggregationSettings.{attribute.name} must be a non-negative int, got {value!r}")
 
 

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from agl_core.fields import is_int
+
 __all__ = ["micro_batches", "padded_elements"]
 
 
@@ -49,7 +51,7 @@ def micro_batches(
     than the budget on its own; ``key`` names the budget in the message.
     """
     prompts, responses = _lengths(prompt_lengths, response_lengths)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
+    if not is_int(max_tokens, minimum=1):
         raise ValueError(f"{key} must be a positive integer, got {max_tokens!r}")
     totals = prompts + responses
     too_long = np.flatnonzero(totals > max_tokens)

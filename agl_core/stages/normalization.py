@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from agl_core.config import LOSS_NORMALIZATION_MODES
+from agl_core.fields import is_int
 
 __all__ = ["LOSS_NORMALIZATION_MODES", "rollout_scales"]
 
@@ -42,7 +43,7 @@ def rollout_scales(
             f"unknown loss normalization {mode!r} (agentlightning.loss_normalization); "
             f"expected one of {', '.join(LOSS_NORMALIZATION_MODES)}"
         )
-    if isinstance(n_mini_batches, bool) or not isinstance(n_mini_batches, int) or n_mini_batches <= 0:
+    if not is_int(n_mini_batches, minimum=1):
         raise ValueError(f"n_mini_batches must be a positive integer, got {n_mini_batches!r}")
     tokens = np.asarray(row_trained_tokens, dtype=np.float64)
     if tokens.shape != (len(rollout_ids),):

@@ -21,6 +21,7 @@ from agl_core.stages.aggregation import settings_from_config, write_mismatches_j
 from agl_core.stages.samples import step_samples
 from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
 from agl_core.data import CompletedRollout, TrainingRow
+from agl_core.recording import RecordingWriter
 from agl_core.stages.policy_loss import policy_loss_spec
 from agl_core.stages.tensorize import pad_responses
 from agl_core.stages.vocabulary import OUT_OF_VOCAB_METRIC, within_vocabulary
@@ -45,7 +46,7 @@ def validation_metrics(rollouts: Sequence[CompletedRollout], source_metrics: Seq
     ``val/n_rollouts_w_trace``; ``val/turn_count`` (mean calls per rollout);
     ``val/mean_response_length_per_turn`` (mean over rollouts of their mean response tokens per
     call); ``val/mean_total_response_length_per_rollout`` (mean response tokens per rollout); NaN when
-    no rollout has a trace. Plus :func:`rollout_metrics` (``val/reward``, ``val/n_rollouts``),
+    no rollout has a trace. Plus ``rollout_metrics`` (``val/reward``, ``val/n_rollouts``),
     ``val/n_batches``, and the sources' counters (names whose last part starts with ``n_``) summed over
     the batches under ``val/`` instead of ``training/``: among them ``val/n_rollouts_w_reward`` (0 when
     none), which only the source knows, as a missing reward is filled before the rollouts get here.
@@ -160,6 +161,8 @@ class StepPipeline:
     With a ``tokenizer`` (its ``len()`` is the vocabulary size), calls holding ids outside the
     vocabulary are removed first (:mod:`agl_core.stages.vocabulary`). With ``rollout.n > 1``, groups
     left with one rollout are removed before estimation (``training/n_groups_dropped_one_rollout_left``).
+    With ``agentlightning.record_rollouts``, every step's rollouts are appended, as received, to the
+    run's recording (:mod:`agl_core.recording`; ``training/record/bytes``) before anything else runs.
     Each :meth:`prepare` keeps the step's sample tables (:mod:`agl_core.stages.samples`) until the
     backend hands them on with :meth:`take_samples`.
     """
@@ -188,6 +191,7 @@ class StepPipeline:
         self.estimate = estimate
         self.normalization = str(config.agentlightning.loss_normalization) if _scales_per_rollout(config, plugins) else None
         self._samples: dict[str, list[dict[str, Any]]] = {}
+        self.recording = RecordingWriter(config, tokenizer) if config.agentlightning.record_rollouts else None
 
     def take_samples(self) -> dict[str, list[dict[str, Any]]]:
         """The sample tables of the last :meth:`prepare` (``trajectories``, ``mismatches``), once:
@@ -196,7 +200,10 @@ class StepPipeline:
         return samples
 
     def prepare(self, rollouts: Sequence[CompletedRollout], step: int) -> PreparedBatch:
+        """The step's trained batch from its completed rollouts: aggregate, estimate, shape, scale."""
         metrics = rollout_metrics(rollouts, "training")
+        if self.recording is not None:
+            metrics.update(self.recording.write(step, rollouts))
         metrics.update(staleness_metrics(rollouts, step))
         if self.vocab_size is not None:
             rollouts, removed = within_vocabulary(rollouts, self.vocab_size)

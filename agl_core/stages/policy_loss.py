@@ -118,8 +118,9 @@ class LossSettings:
     """The actor settings a loss reads (``actor_rollout_ref.actor.*``, verl's names and defaults).
 
     ``clip_ratio_low`` / ``clip_ratio_high`` default to ``clip_ratio``; ``clip_ratio_c`` (> 1) is the
-    dual-clip bound for negative advantages (the config schema checks the values). ``dp_size`` is the data-parallel world size and
-    ``batch_num_tokens`` the trained tokens of the whole mini-batch across ranks (``token_mean``).
+    dual-clip bound for negative advantages (the config schema checks the values). ``dp_size`` is the
+    data-parallel world size and ``batch_num_tokens`` the trained tokens of the whole mini-batch
+    across ranks (``token_mean``).
     """
 
     clip_ratio: float = 0.2

@@ -25,6 +25,9 @@ staleness of the calls it trains (``training/async/staleness_*``, from the share
 checkpoint keeps what the source carries over (its groups in flight and waiting samples); a resumed
 run restores it and hands its first step only what tops that up to ``async_train_batch_size``.
 
+The policy is built as verl's model and engine keys say (:func:`build_policy`): its dtype
+(:mod:`agl_core.backends.torch.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.torch.lora`).
+
 The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.serving.policy_server.PolicyServer`,
 in-process) or ``vllm`` (:class:`~agl_core.serving.vllm_engine.VllmEngine`). A vLLM server that dies
 mid-step fails that step's rollouts (counted) and is restarted at the weight push
@@ -32,6 +35,8 @@ mid-step fails that step's rollouts (counted) and is restarted at the weight pus
 (:mod:`agl_core.backends.torch.checkpoint`) hold model, optimizer, scheduler, step, data position, RNG states
 and (async) the rollout source's groups in flight;
 with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trainer.default_local_dir``.
+With ``agentlightning.torch.merged_model_dir`` the run ends by writing the policy there as a Hugging Face
+model folder (a LoRA run's adapters merged in).
 """
 
 from __future__ import annotations
@@ -172,6 +177,10 @@ class TorchBackend:
         return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))
 
     def make_source(self) -> RolloutSource:
+        if self.config.agentlightning.replay:
+            from agl_core.rollouts.replay import ReplayRolloutSource
+
+            return ReplayRolloutSource(self.config, self.tokenizer)
         if self.config.agentlightning.agl_base_url:
             from agl_core.rollouts.gateway import gateway_source
 
@@ -275,19 +284,40 @@ class TorchBackend:
         metrics["timing/gen_s"] = time.perf_counter() - started
         metrics.update(self.source.before_weight_update())  # async: pause the gateway, drain in-flight calls
         update_started = time.perf_counter()
-        prepared = self.pipeline.prepare(batch.rollouts, step)
-        metrics.update(prepared.metrics)
+        metrics.update(self.learn(batch.rollouts, step))
+        metrics.update(self.serve_weights(step))
+        metrics["timing/update_s"] = time.perf_counter() - update_started
+        metrics["training/global_step"] = float(step)
+        metrics["training/epoch"] = float(self.data.epoch)
+        return metrics
+
+    def learn(self, rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
+        """The shared pipeline on ``rollouts``, the actor update and the lr schedule's step: step
+        ``step`` from the rollouts on."""
+        prepared = self.pipeline.prepare(rollouts, step)
+        metrics = dict(prepared.metrics)
         if prepared.shaped is not None:
             update = self.actor_update(prepared)
             metrics.update(update)
             metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
             if update["actor/n_updates"] > update.get("actor/n_skipped_nonfinite_grad", 0.0):
                 self.scheduler.step()  # the schedule advances with the optimizer only
-        metrics.update(self.serve_weights(step))
-        metrics["timing/update_s"] = time.perf_counter() - update_started
-        metrics["training/global_step"] = float(step)
-        metrics["training/epoch"] = float(self.data.epoch)
         return metrics
+
+    def replay_step(self, rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
+        """Re-run step ``step`` of this run on its recorded ``rollouts`` (``agl replay``): from the
+        checkpoint of step ``step - 1`` in the run directory when there is one, else the initial
+        model; no engine or rollout source is started."""
+        checkpoint = self.run_dir / f"global_step_{step - 1}"
+        if step > 1 and checkpoint.is_dir():
+            state = load_checkpoint(checkpoint, self.model)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            logger.info("replaying step %d from %s", step, checkpoint)
+        else:
+            logger.info("replaying step %d from the initial model (no checkpoint %s)", step, checkpoint)
+        self.step = step
+        return self.learn(rollouts, step)
 
     def serve_weights(self, version: int) -> dict[str, float]:
         """Push the weights and register the engine with ``version``. A vLLM server that died (its
@@ -316,7 +346,7 @@ def check_torch_config(config: DictConfig) -> None:
     check_lora_keys(config.actor_rollout_ref.model)
     Precision.from_config(config.actor_rollout_ref.actor.fsdp_config)
     lr_lambda(config.actor_rollout_ref.actor.optim, 1)
-    if not config.agentlightning.agl_base_url:
+    if not config.agentlightning.agl_base_url and not config.agentlightning.replay:
         from agl_core.rollouts.agents import load_agent_class
 
         load_agent_class(config.agentlightning.local.agent_class)

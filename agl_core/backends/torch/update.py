@@ -16,6 +16,10 @@ the KL) divide by the mini-batch's trained tokens (``LossSettings.batch_num_toke
 ``per_rollout_mean`` sums advantages scaled over the whole batch, so the step equals the one-pass step
 up to float rounding (a loss that declares ``additive_over_micro_batches=False`` is refused).
 
+Only the model's trainable parameters are optimised and clipped (:func:`trainable_parameters`: all of
+them, or a LoRA model's adapter). Forward passes autocast as ``actor.fsdp_config.mixed_precision``
+says (:mod:`agl_core.backends.torch.precision`); log-probs, ratios, advantages and the loss are float32.
+
 Metrics, with verl's names: ``actor/pg_loss`` (the policy-loss term alone), ``actor/entropy_loss``
 (reported every update, as verl does with Agent Lightning's ``calculate_entropy: true``),
 ``actor/kl_loss`` and ``actor/kl_coef`` (with the KL term), ``actor/loss`` (the total that is

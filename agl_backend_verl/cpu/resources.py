@@ -1,0 +1,31 @@
+"""verl's resource pool manager for CPU ranks.
+
+verl 0.9.1's ``ResourcePoolManager._check_resource_available`` counts only Ray's ``GPU`` (or
+``NPU``) resources, so on CPU it stops with ``Total available GPUs 0 is less than total desired
+GPUs 2`` although the placement groups (bundles of the platform's Ray resource) would schedule.
+This subclass checks the resource verl's pools actually request; agl's task runner hands it to
+verl's trainer in CPU mode, in place of the manager verl's task runner builds.
+"""
+
+from __future__ import annotations
+
+import ray
+from verl.single_controller.ray import ResourcePoolManager
+
+from agl_backend_verl.cpu.mode import RANK_RESOURCE
+
+
+class CpuResourcePoolManager(ResourcePoolManager):
+    """``ResourcePoolManager`` whose availability check counts :data:`RANK_RESOURCE`."""
+
+    @classmethod
+    def like(cls, manager: ResourcePoolManager) -> CpuResourcePoolManager:
+        """The same pools as ``manager`` (built by verl's task runner from the config)."""
+        return cls(resource_pool_spec=manager.resource_pool_spec, mapping=manager.mapping, max_colocate_count=manager.max_colocate_count)
+
+    def _check_resource_available(self) -> None:
+        nodes = ray._private.state.available_resources_per_node().values()
+        available = sum(node.get(RANK_RESOURCE, 0) for node in nodes)
+        needed = self.get_n_gpus()
+        if available < needed:
+            raise ValueError(f"Ray offers {available:g} of resource {RANK_RESOURCE!r}; verl's CPU ranks need {needed}")

@@ -1,0 +1,364 @@
+"""Soak: the corridor task for many steps through the real gateway in async mode, with faults, watching
+the trainer's resources and accounting for every dataset sample.
+
+``agl train``'s run driver (:func:`agl_core.train.run`) trains the reference torch backend in this
+process, its in-process policy server registered behind a real ``agl-server``, agents spawned per
+rollout by a real ``agl-controller`` (both from the gateway venv, on 127.0.0.1, stopped by PID).
+Faults on a schedule:
+
+- the gateway is killed (SIGKILL) and restarted on the same port every ``--restart-every`` steps,
+  between two steps, while the next step's rollouts are in flight (async mode keeps them going);
+- agents crash (the process exits after its first model call) and dawdle (sleep before starting) at
+  fixed rates, chosen per rollout by a hash of its id (``benchmarks/soak_agent.py``);
+- a hook raises in ``agl_on_succeeded`` on every ``--hook-raise-every``-th call.
+
+Every ``--every`` steps it records the trainer's RSS, open file descriptors and threads, the number
+of rollouts the gateway holds (its ledger) and the run directory's size. At the end it prints that
+table, the growth per 100 steps after warm-up (a least-squares slope), and the accounting: each
+group the trainer enqueued (one dataset row, ``rollout.n`` rollouts) was trained, left out with one
+rollout left, had every rollout fail, or was still in flight when the run ended; every rollout
+reached a terminal state the hooks saw; each epoch enqueued every row once.
+
+Run: ``.venv/bin/python benchmarks/bench_soak.py [--steps 1000] [--every 20] [--out DIR]`` (a
+1,000-step run takes one to two hours on 2 CPU cores; run it at low priority). Interrupted with
+Ctrl-C (SIGINT), it stops the gateway and controller and reports the steps that ran. ``tests/test_soak.py`` runs a
+60-step version with the same checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from agl_core import hookimpl  # noqa: E402
+from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
+from agl_core.rollouts.gateway_client import GatewayClient, GatewayError  # noqa: E402
+from agl_core.train import run  # noqa: E402
+from examples.corridor.build_policy import build  # noqa: E402
+from tests.gateway_server import Controller, GatewayServer  # noqa: E402
+
+CONFIG = REPO_ROOT / "examples" / "corridor" / "config.yaml"
+DATASET = REPO_ROOT / "examples" / "corridor" / "dataset.jsonl"
+MIB = 2**20
+STATES = ("queuing", "running", "succeeded", "failed")
+COLUMNS = ("step", "rss_mib", "threads", "fds", "ledger", "run_dir_mib")
+# Step metrics the accounting sums over the run (with the group counts).
+SUMMED = ("training/rollouts/n_", "training/gateway/n_restarts", "training/n_hook_", "training/async/n_c", "training/n_sample")
+
+
+@attrs.frozen
+class Faults:
+    restart_every: int = 100  # gateway killed and restarted after steps restart_every/2, 3*restart_every/2, ...
+    crash_rate: float = 0.04  # agents that exit after their first model call
+    slow_rate: float = 0.05  # agents that wait slow_seconds before starting
+    slow_seconds: float = 3.0
+    hook_raise_every: int = 25  # agl_on_succeeded raises on every n-th call
+
+    def restart_after(self, step: int) -> bool:
+        return self.restart_every > 0 and step % self.restart_every == self.restart_every // 2
+
+    def describe(self) -> list[str]:
+        return [
+            f"gateway SIGKILLed and restarted (same port, all state lost) after every step s with s % {self.restart_every} == "
+            f"{self.restart_every // 2}, with the next step's rollouts in flight",
+            f"{self.crash_rate:.0%} of agents exit (code 17) after their first model call",
+            f"{self.slow_rate:.0%} of agents sleep {self.slow_seconds:g} s before starting",
+            f"agl_on_succeeded raises on every {self.hook_raise_every}th call",
+        ]
+
+
+def resources() -> dict[str, float]:
+    """This process's resident memory, threads (the kernel's count, native threads included) and open fds."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {
+        "rss_mib": int(status["VmRSS"].split()[0]) * 1024 / MIB,
+        "threads": float(status["Threads"]),
+        "fds": float(len(os.listdir("/proc/self/fd"))),
+    }
+
+
+def tree_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / MIB
+
+
+class Soak:
+    """The benchmark's plugin: the metric sink ``soak`` (records resources, injects the between-step
+    faults) and lifecycle hooks that see every request and outcome (and raise on schedule)."""
+
+    def __init__(self, gateway: GatewayServer, run_dir: Path, every: int, faults: Faults):
+        self.gateway, self.run_dir, self.every, self.faults = gateway, run_dir, every, faults
+        self.client = GatewayClient(gateway.url, gateway.key, timeout_seconds=5.0)
+        self.lock = threading.Lock()
+        self.table: list[dict[str, float]] = []
+        self.steps: list[dict[str, float]] = []
+        self.groups: dict[str, Any] = {}  # group id -> dataset row id, in enqueue order
+        self.rollouts: dict[str, str] = {}  # rollout id -> group id
+        self.outcomes: dict[str, str] = {}  # rollout id -> the terminal state the hooks saw
+        self.n_succeeded_calls = 0
+        self.n_raised = 0
+        self.n_restarts = 0
+
+    # -- the sink --------------------------------------------------------------------------------
+
+    @hookimpl
+    def agl_register_metric_sinks(self, register: Any) -> None:
+        register("soak", lambda context: self)
+
+    def log_samples(self, step: int, samples: Any) -> None:
+        pass
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        if step <= 0:
+            return
+        self.steps.append(dict(metrics))
+        if step == 1 or step % self.every == 0:
+            self.table.append({"step": float(step), **resources(), "ledger": self.ledger(), "run_dir_mib": tree_mib(self.run_dir)})
+            row = self.table[-1]
+            with (self.run_dir.parent / "table.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"soak step {step}: rss {row['rss_mib']:.1f} MiB, threads {row['threads']:g}, fds {row['fds']:g}, "
+                f"ledger {row['ledger']:g}, run dir {row['run_dir_mib']:.2f} MiB, reward {metrics.get('training/reward', float('nan')):.3f}",
+                flush=True,
+            )
+        if self.faults.restart_after(step):
+            self.gateway.restart()
+            self.n_restarts += 1
+
+    def close(self) -> None:
+        self.client.close()
+
+    def ledger(self) -> float:
+        """Rollouts the gateway holds, in any state (the trainer deletes each one it has read)."""
+        try:
+            return float(sum(len(self.client.list_rollouts([state], limit=100000)) for state in STATES))
+        except GatewayError:
+            return float("nan")
+
+    # -- the hooks ---------------------------------------------------------------------------------
+
+    @hookimpl
+    def agl_on_enqueue(self, request: Any) -> None:
+        if request.is_train:
+            with self.lock:
+                self.groups.setdefault(request.group_id, request.input["id"])
+                self.rollouts[request.rollout_id] = request.group_id
+
+    @hookimpl
+    def agl_on_succeeded(self, rollout: Any) -> None:
+        with self.lock:
+            self.outcomes[rollout.rollout_id] = "succeeded"
+            self.n_succeeded_calls += 1
+            if self.n_succeeded_calls % self.faults.hook_raise_every:
+                return
+            self.n_raised += 1
+        raise RuntimeError("soak: this hook raises on schedule")
+
+    @hookimpl
+    def agl_on_failed(self, rollout: Any) -> None:
+        with self.lock:
+            self.outcomes[rollout.rollout_id] = "failed"
+
+
+def growth_per_100_steps(table: Sequence[Mapping[str, float]], column: str, warmup: int) -> tuple[float, float]:
+    """Least-squares slope of ``column`` per 100 steps over the rows after step ``warmup``, absolute
+    and as a percentage of the column's mean there."""
+    rows = [r for r in table if r["step"] > warmup and np.isfinite(r[column])]
+    if len(rows) < 2:
+        return float("nan"), float("nan")
+    steps = np.array([r["step"] for r in rows])
+    values = np.array([r[column] for r in rows])
+    slope = float(np.polyfit(steps, values, 1)[0]) * 100
+    mean = float(values.mean())
+    return slope, (100 * slope / mean if mean else float("nan"))
+
+
+def accounting(soak: Soak, n_rows: int, n: int) -> dict[str, Any]:
+    """Where every enqueued group and rollout went (see the module docstring)."""
+    per_group: dict[str, Counter[str]] = {g: Counter() for g in soak.groups}
+    for rid, gid in soak.rollouts.items():
+        per_group[gid][soak.outcomes.get(rid, "not terminal")] += 1
+    kinds: Counter[str] = Counter()
+    for counts in per_group.values():
+        if counts["not terminal"]:
+            kinds["in flight at the end"] += 1
+        elif counts["succeeded"] >= 2 or (n == 1 and counts["succeeded"] == 1):
+            kinds["complete (trainable)"] += 1
+        elif counts["succeeded"] == 1:
+            kinds["one rollout left (dropped)"] += 1
+        else:
+            kinds["every rollout failed"] += 1
+    order = list(soak.groups.values())
+    epochs = [order[i : i + n_rows] for i in range(0, len(order), n_rows)]
+    sums: Counter[str] = Counter()
+    for metrics in soak.steps:
+        for key, value in metrics.items():
+            if key.startswith(SUMMED) or key in ("training/n_groups", "training/n_groups_dropped_one_rollout_left", "training/n_skipped_empty_rows"):
+                sums[key] += value
+    last = soak.steps[-1] if soak.steps else {}
+    return {
+        "groups_enqueued": len(per_group),
+        "groups": dict(kinds),
+        "groups_in_trained_batches": sums["training/n_groups"],
+        "rows_collected": sums["training/n_sample_collected"],
+        "rows_trained": sums["training/n_sample_trained"],
+        "rows_dropped": {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith("training/n_sample_dropped/")},
+        "groups_carried_over_at_the_end": last.get("training/async/n_new_carry_over_rollouts", 0.0) / n,
+        "rollouts_enqueued": len(soak.rollouts),
+        "rollouts_by_outcome": dict(Counter(soak.outcomes.get(r, "not terminal") for r in soak.rollouts)),
+        "epochs_with_every_row_once": sum(len(e) == n_rows and len(set(e)) == n_rows for e in epochs),
+        "epochs_with_a_repeated_row": sum(len(set(e)) != len(e) for e in epochs),
+        "partial_last_epoch_groups": len(epochs[-1]) if epochs and len(epochs[-1]) < n_rows else 0,
+        "hook_raises_scheduled": soak.n_raised,
+        "gateway_restarts_injected": soak.n_restarts,
+        "step_metric_sums": dict(sorted(sums.items())),
+    }
+
+
+def problems(report: Mapping[str, Any], batch: int = 2, n: int = 4, rss_tolerance: float = 0.01) -> list[str]:
+    """What the soak must show, as the list of what it did not: resources flat after warm-up (RSS
+    growth under ``rss_tolerance`` per 100 steps, threads and fds within a few of their warm-up
+    level), the gateway's ledger bounded, every fault survived and counted, every sample accounted for."""
+    found = []
+    acc, sums = report["accounting"], report["accounting"]["step_metric_sums"]
+    in_flight_cap = (batch + 1) * n  # async_train_batch_size groups in flight
+    after = [r for r in report["table"] if r["step"] > report["warmup_steps"]]
+    _, rss_percent = report["growth_per_100_steps"]["rss_mib"]
+    if not rss_percent < 100 * rss_tolerance:
+        found.append(f"RSS grows {rss_percent:.2f}% per 100 steps after warm-up (limit {100 * rss_tolerance:g}%)")
+    for column, slack in (("threads", 6), ("fds", 16)):  # instantaneous counts: in-flight requests come and go
+        values = [r[column] for r in after]
+        if values and max(values) - min(values) > slack:
+            found.append(f"{column} range from {min(values):g} to {max(values):g} after warm-up")
+    if max((r["ledger"] for r in report["table"]), default=0) > 2 * in_flight_cap:
+        found.append(f"the gateway held up to {max(r['ledger'] for r in report['table']):g} rollouts (bound {2 * in_flight_cap})")
+    if report["steps"] != report["steps_asked"]:
+        found.append(f"{report['steps']} of {report['steps_asked']} steps ran")
+    if sums.get("training/gateway/n_restarts_detected", 0) < acc["gateway_restarts_injected"] - 1:  # the last may follow the last step
+        found.append(f"{acc['gateway_restarts_injected']} gateway restarts, {sums.get('training/gateway/n_restarts_detected', 0):g} detected")
+    if sums.get("training/n_hook_failures", 0) != acc["hook_raises_scheduled"]:
+        found.append(f"{acc['hook_raises_scheduled']} hook raises, {sums.get('training/n_hook_failures', 0):g} hook failures counted")
+    outcomes = acc["rollouts_by_outcome"]
+    if outcomes.get("failed", 0) != sums.get("training/rollouts/n_failed", 0):
+        found.append(f"hooks saw {outcomes.get('failed', 0)} failed rollouts, the trainer counted {sums.get('training/rollouts/n_failed', 0):g}")
+    if outcomes.get("not terminal", 0) > in_flight_cap:
+        found.append(f"{outcomes['not terminal']} rollouts never reached a terminal state (at most {in_flight_cap} may be in flight at the end)")
+    dropped = sum(acc["rows_dropped"].values()) + sums.get("training/n_skipped_empty_rows", 0)
+    if acc["rows_collected"] != acc["rows_trained"] + dropped:
+        found.append(f"{acc['rows_collected']:g} rows collected, {acc['rows_trained']:g} trained + {dropped:g} dropped or skipped")
+    if acc["epochs_with_a_repeated_row"]:
+        found.append(f"{acc['epochs_with_a_repeated_row']} epochs enqueued a dataset row twice")
+    return found
+
+
+def soak(steps: int, every: int, out: Path, faults: Faults = Faults(), batch: int = 2, n: int = 4, pool: int = 8) -> dict[str, Any]:
+    """Run the soak; return its table, growth and accounting (also written to ``out/report.json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    policy = build(out / "policy", seed=0)
+    run_dir = out / "run"
+    os.environ.update(
+        SOAK_CRASH_RATE=str(faults.crash_rate), SOAK_SLOW_RATE=str(faults.slow_rate), SOAK_SLOW_SECONDS=str(faults.slow_seconds)
+    )  # the controller passes its environment to the agents
+    os.environ[DISABLE_AUTOLOAD_ENV] = "1"  # agl's own plugins and this one only, whatever else is installed
+    gateway = GatewayServer(key="soak-key", model_name=str(policy))
+    controller = Controller(gateway, pool, log_path=out / "controller.log")
+    started = time.monotonic()
+    with gateway:
+        controller.start()
+        try:
+            plugin = Soak(gateway, run_dir, every, faults)
+            overrides = [
+                f"agentlightning.agl_base_url={gateway.url}",
+                f"agentlightning.agl_key={gateway.key}",
+                "agentlightning.local.agent_class=benchmarks.soak_agent:SoakAgent",
+                "agentlightning.async_rollout.enabled=true",
+                f"agentlightning.async_rollout.async_train_batch_size={batch + 1}",
+                "agentlightning.rollout_timeout_seconds=60",
+                "agentlightning.rollout_timeout_grace_seconds=10",
+                "agentlightning.gateway.liveness_check_seconds=2",
+                f"actor_rollout_ref.model.path={policy}",
+                f"data.train_files={DATASET}",
+                f"data.train_batch_size={batch}",
+                f"actor_rollout_ref.rollout.n={n}",
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+                f"trainer.total_training_steps={steps}",
+                "trainer.save_freq=-1",
+                "trainer.test_freq=-1",
+                "trainer.val_before_train=false",
+                "trainer.logger=[soak]",
+                f"trainer.default_local_dir={run_dir}",
+            ]
+            try:
+                run(str(CONFIG), overrides, plugins=[plugin], show_progress=False)
+            except KeyboardInterrupt:  # Ctrl-C (SIGINT): report the steps that ran
+                print(f"soak: interrupted after step {len(plugin.steps)}", flush=True)
+        finally:
+            controller.stop()
+    n_rows = sum(1 for line in DATASET.read_text().splitlines() if line.strip())
+    warmup = max(every, steps // 5)
+    report = {
+        "steps_asked": steps,
+        "steps": len(plugin.steps),
+        "wall_s": round(time.monotonic() - started, 1),
+        "faults": faults.describe(),
+        "table": plugin.table,
+        "warmup_steps": warmup,
+        "growth_per_100_steps": {c: growth_per_100_steps(plugin.table, c, warmup) for c in COLUMNS[1:]},
+        "accounting": accounting(plugin, n_rows, n),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def print_report(report: Mapping[str, Any]) -> None:
+    print(f"\nsoak: {report['steps']} steps in {report['wall_s']:.0f} s; faults:")
+    for fault in report["faults"]:
+        print(f"  - {fault}")
+    print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    for row in report["table"]:
+        print(f"| {row['step']:.0f} | {row['rss_mib']:.1f} | {row['threads']:.0f} | {row['fds']:.0f} | {row['ledger']:.0f} | {row['run_dir_mib']:.2f} |")
+    print(f"\ngrowth per 100 steps after step {report['warmup_steps']} (least-squares slope; % of the mean):")
+    for column, (absolute, percent) in report["growth_per_100_steps"].items():
+        print(f"  {column}: {absolute:+.3f} ({percent:+.2f}%)")
+    print("\naccounting:")
+    for key, value in report["accounting"].items():
+        print(f"  {key}: {value}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--every", type=int, default=20, help="record resources every this many steps")
+    parser.add_argument("--restart-every", type=int, default=Faults().restart_every)
+    parser.add_argument("--hook-raise-every", type=int, default=Faults().hook_raise_every)
+    parser.add_argument("--out", type=Path, default=None, help="work folder (default: a new temporary one)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background, where SIGINT is ignored
+    out = args.out or Path(tempfile.mkdtemp(prefix="agl-soak-"))
+    faults = Faults(restart_every=args.restart_every, hook_raise_every=args.hook_raise_every)
+    report = soak(args.steps, args.every, out, faults)
+    print_report(report)
+    found = problems(report)
+    print("\nchecks: " + ("all passed" if not found else "FAILED:\n  - " + "\n  - ".join(found)))
+    print(f"report: {out / 'report.json'}")
+    return 0 if not found else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
