@@ -437,7 +437,7 @@ class AdvantageEstimatorContract(PluginContract):
     length_penalty: ClassVar[bool] = False
     #: a slow, obviously-correct estimator to compare with on every generated batch.
     reference: ClassVar[Estimate | None] = None
-    #: hand-computed cases (:class:`EstimatorCase`) the estimator must reproduce.
+    #: hand-computed cases (:class:`~agl_core.testing.estimator_contract.EstimatorCase`) the estimator must reproduce.
     cases: ClassVar[Sequence[EstimatorCase]] = ()
 
     def estimate(self, rows: Sequence[TrainingRow], settings: AdvantageSettings) -> Advantages:
