@@ -10,6 +10,7 @@ reward, validation reward and throughput.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ from agl_core.tracking import MetricSink, SinkContext, open_sinks, sink_names
 from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE, RunLog
 
 __all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "replay_step", "resolve_config", "run"]
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -122,8 +125,15 @@ def preflight(config: Any, manager: PluginManager) -> tuple[dict[str, int], list
     ):
         registry.entry(name)
     counts = {}
+    rewriters = manager.implementations("agl_on_enqueue")
     if config.data.train_files:  # a backend that reads no dataset files has none to check
-        counts = check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
+        counts = check_datasets(config, check_env_map=not rewriters)
+        if rewriters and config.agentlightning.local.env_map:
+            logger.warning(
+                "agentlightning.local.env_map is not checked against the dataset rows: agl_on_enqueue of %s may "
+                "rewrite them (agl check says so too)",
+                ", ".join(rewriters),
+            )
     return counts, [(name, manager.metric_sinks.get(name)) for name in sink_names(config)]
 
 
