@@ -110,7 +110,7 @@ def check_losses(
     a token whose ratio sits on a clip bound may flip sides under rounding, which a max-norm would
     count as a whole token's gradient) and the metrics (absolute)."""
     results = []
-    for entry in (plugins or PluginManager()).policy_losses:
+    for entry in (plugins or PluginManager()).policy_losses.entries():
         for seed in range(seeds):
             weighted = seed % 2 == 1
             for dtype_name, dtype in DTYPES.items():
@@ -174,7 +174,7 @@ def estimator_rows(seed: int, groups: int = 6, n: int = 4, width: int = 24) -> l
 
 def check_estimators(device: str, plugins: PluginManager | None = None, seeds: int = 3) -> dict[str, Any]:
     results, unchecked = [], []
-    for entry in (plugins or PluginManager()).advantage_estimators:
+    for entry in (plugins or PluginManager()).advantage_estimators.entries():
         for norm in (True, False):
             closed_form = _closed_forms(norm).get(entry.name)
             if closed_form is None:
