@@ -114,7 +114,9 @@ class ChatAgent:
                 messages.append({"role": "assistant", "content": reply})
                 replies.append(reply)
             reward = float(sum(len(r.split()) for r in replies) % 5) / 4  # varies within a group
-            client.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": {"value": reward}}).raise_for_status()
+            client.post(
+                os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": {"value": reward}}
+            ).raise_for_status()
         return reward
 
 
@@ -137,7 +139,9 @@ def dataset(path: Path, n_rows: int) -> Path:
 # -- the run ------------------------------------------------------------------------------------------
 
 
-def run_mode(policy: Path, data: Path, run_dir: Path, steps: int, rollouts: int, extra: list[str]) -> tuple[list[dict[str, float]], Any]:
+def run_mode(
+    policy: Path, data: Path, run_dir: Path, steps: int, rollouts: int, extra: list[str]
+) -> tuple[list[dict[str, float]], Any]:
     from agl_core.backends.torch.backend import TorchBackend
     from agl_core.config import load_config
     from agl_core.plugins import PluginManager
@@ -173,7 +177,14 @@ def run_mode(policy: Path, data: Path, run_dir: Path, steps: int, rollouts: int,
 
 
 def summary(metrics: list[dict[str, float]]) -> dict[str, float]:
-    names = ["timing/gen_s", "timing/log_prob_s", "timing/actor_update_s", "perf/padded_per_real_tokens", "actor/n_micro_batches", "perf/total_num_tokens"]
+    names = [
+        "timing/gen_s",
+        "timing/log_prob_s",
+        "timing/actor_update_s",
+        "perf/padded_per_real_tokens",
+        "actor/n_micro_batches",
+        "perf/total_num_tokens",
+    ]
     return {name: float(np.mean([m[name] for m in metrics])) for name in names}
 
 
@@ -183,11 +194,18 @@ def training_state_mib(backend: Any) -> float:
 
     weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
     gradients = sum(p.numel() * p.element_size() for p in backend.model.parameters() if p.requires_grad)
-    moments = sum(t.numel() * t.element_size() for state in backend.optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    moments = sum(
+        t.numel() * t.element_size()
+        for state in backend.optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t)
+    )
     return (weights + gradients + moments) / MIB
 
 
-def training_mode(policy: Path, data: Path, run_dir: Path, steps: int, rollouts: int, extra: list[str]) -> dict[str, float]:
+def training_mode(
+    policy: Path, data: Path, run_dir: Path, steps: int, rollouts: int, extra: list[str]
+) -> dict[str, float]:
     """One training mode's summary, its training state and this process's peak resident memory (run
     in a fresh process per mode)."""
     metrics, backend = run_mode(policy, data, run_dir, steps, rollouts, extra)
@@ -207,7 +225,8 @@ def compare_micro_batches(policy: Path, data: Path, folder: Path, args: argparse
         ],
     }
     results = {
-        name: summary(run_mode(policy, data, folder / f"run{i}", args.steps, args.rollouts, extra)[0]) for i, (name, extra) in enumerate(modes.items())
+        name: summary(run_mode(policy, data, folder / f"run{i}", args.steps, args.rollouts, extra)[0])
+        for i, (name, extra) in enumerate(modes.items())
     }
     print(f"\n{args.steps} steps a mode, {args.rollouts} x 4 rollouts a step; mean seconds per step")
     print(f"{'mode':<32} {'gen s':>8} {'log-prob s':>11} {'update s':>9} {'padded/real':>12} {'micro-batches':>14}")
@@ -230,18 +249,25 @@ def compare_training_modes(policy: Path, data: Path, folder: Path, args: argpars
     for i, (name, extra) in enumerate(TRAINING_MODES.items()):
         # A fresh process per mode (spawned: no inherited torch state), so each peak RSS is the mode's own.
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results[name] = pool.submit(training_mode, policy, data, folder / f"mode{i}", args.steps, args.rollouts, extra).result()
-    print(f"\n{args.steps} steps a mode, {args.rollouts} x 4 rollouts a step; mean seconds per step, and each ratio to full fp32")
+            results[name] = pool.submit(
+                training_mode, policy, data, folder / f"mode{i}", args.steps, args.rollouts, extra
+            ).result()
     print(
-        f"{'mode':<27} {'gen s':>7} {'log-prob s':>11} {'update s':>9} {'trained tok/s':>14} {'state MiB':>10} {'peak RSS MiB':>13}"
+        f"\n{args.steps} steps a mode, {args.rollouts} x 4 rollouts a step;"
+        " mean seconds per step, and each ratio to full fp32"
+    )
+    print(
+        f"{'mode':<27} {'gen s':>7} {'log-prob s':>11} {'update s':>9} {'trained tok/s':>14}"
+        f" {'state MiB':>10} {'peak RSS MiB':>13}"
         f" {'x update':>9} {'x state':>8} {'x RSS':>6}"
     )
     base = results["full fp32"]
     for name, r in results.items():
         trained_per_s = r["perf/total_num_tokens"] / (r["timing/log_prob_s"] + r["timing/actor_update_s"])
         print(
-            f"{name:<27} {r['timing/gen_s']:7.2f} {r['timing/log_prob_s']:11.2f} {r['timing/actor_update_s']:9.2f} {trained_per_s:14.0f}"
-            f" {r['state_mib']:10.1f} {r['peak_rss_mib']:13.0f} {r['timing/actor_update_s'] / base['timing/actor_update_s']:9.2f}"
+            f"{name:<27} {r['timing/gen_s']:7.2f} {r['timing/log_prob_s']:11.2f} {r['timing/actor_update_s']:9.2f}"
+            f" {trained_per_s:14.0f} {r['state_mib']:10.1f} {r['peak_rss_mib']:13.0f}"
+            f" {r['timing/actor_update_s'] / base['timing/actor_update_s']:9.2f}"
             f" {r['state_mib'] / base['state_mib']:8.2f} {r['peak_rss_mib'] / base['peak_rss_mib']:6.2f}"
         )
 
@@ -249,9 +275,13 @@ def compare_training_modes(policy: Path, data: Path, folder: Path, args: argpars
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="training steps per mode")
-    parser.add_argument("--budget", type=int, default=4096, help="ppo_max_token_len_per_gpu (padded tokens per micro-batch)")
+    parser.add_argument(
+        "--budget", type=int, default=4096, help="ppo_max_token_len_per_gpu (padded tokens per micro-batch)"
+    )
     parser.add_argument("--rollouts", type=int, default=4, help="dataset rows per step (each run rollout.n = 4 times)")
-    parser.add_argument("--compare", choices=("all", "micro-batches", "modes"), default="all", help="which comparison to run")
+    parser.add_argument(
+        "--compare", choices=("all", "micro-batches", "modes"), default="all", help="which comparison to run"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

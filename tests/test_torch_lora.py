@@ -50,7 +50,9 @@ def _prompt(backend):
 
 
 def test_only_the_adapter_trains_and_the_engine_serves_the_merged_policy_after_every_push(policy, tmp_path):
-    r = Running(_config(policy, tmp_path, *LORA, "agentlightning.local.agent_class=tests.test_torch_backend:NoisyRewardAgent"))
+    r = Running(
+        _config(policy, tmp_path, *LORA, "agentlightning.local.agent_class=tests.test_torch_backend:NoisyRewardAgent")
+    )
     try:
         backend = r.backend
         trained = {id(p) for group in backend.optimizer.param_groups for p in group["params"]}
@@ -63,12 +65,16 @@ def test_only_the_adapter_trains_and_the_engine_serves_the_merged_policy_after_e
 
         base_after = backend.model.get_base_model().state_dict()
         assert all(torch.equal(v, base_after[k]) for k, v in base_before.items()), "a base weight changed"
-        assert any(p.abs().sum() > 0 for n, p in backend.model.named_parameters() if "lora_B" in n), "the adapter did not train"
+        assert any(p.abs().sum() > 0 for n, p in backend.model.named_parameters() if "lora_B" in n), (
+            "the adapter did not train"
+        )
         prompt = _prompt(backend)
         ids, served = _served_log_probs(backend.engine, prompt, [0, 0])
         with torch.no_grad():
             backend.model.eval()
-            expected = response_log_probs(backend.model, _tensors_of(prompt, ids, backend.pad_token_id))[0, : len(ids)].tolist()
+            expected = response_log_probs(backend.model, _tensors_of(prompt, ids, backend.pad_token_id))[
+                0, : len(ids)
+            ].tolist()
         assert served == pytest.approx(expected, abs=1e-5)
         assert backend.engine.version == 1
     finally:
@@ -130,7 +136,9 @@ def _lora_run(policy, run_dir, steps, *extra):
 def test_an_adapter_only_checkpoint_resumes_bit_for_bit_and_the_run_exports_the_merged_model(policy, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    straight = _lora_run(policy, tmp_path / "straight", 4, f"agentlightning.torch.merged_model_dir={tmp_path / 'merged'}")
+    straight = _lora_run(
+        policy, tmp_path / "straight", 4, f"agentlightning.torch.merged_model_dir={tmp_path / 'merged'}"
+    )
     _lora_run(policy, tmp_path / "resumed", 2)
     resumed = _lora_run(policy, tmp_path / "resumed", 4)
 
@@ -140,7 +148,10 @@ def test_an_adapter_only_checkpoint_resumes_bit_for_bit_and_the_run_exports_the_
     assert adapter and all(any(part in k for part in ADAPTER_PREFIXES) for k in adapter), "only the adapter is saved"
     expected = load_file(tmp_path / "straight" / "global_step_4" / "adapter" / "adapter_model.safetensors")
     assert adapter.keys() == expected.keys() and all(torch.equal(adapter[k], expected[k]) for k in adapter)
-    state, expected_state = (torch.load(p / "global_step_4" / "trainer_state.pt", weights_only=False) for p in (tmp_path / "resumed", tmp_path / "straight"))
+    state, expected_state = (
+        torch.load(p / "global_step_4" / "trainer_state.pt", weights_only=False)
+        for p in (tmp_path / "resumed", tmp_path / "straight")
+    )
     for a, b in zip(state["optimizer"]["state"].values(), expected_state["optimizer"]["state"].values(), strict=True):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     losses = [(m["step"], m.get("actor/pg_loss"), m["training/reward"]) for m in resumed]
@@ -157,7 +168,9 @@ def test_lora_adapter_path_continues_a_saved_adapter(policy, tmp_path):
     first = _backend(policy, tmp_path / "a", *LORA)
     _randomise_adapter(first.model)
     first.model.save_pretrained(tmp_path / "adapter")
-    second = _backend(policy, tmp_path / "b", *LORA, f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}")
+    second = _backend(
+        policy, tmp_path / "b", *LORA, f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"
+    )
     ours, theirs = served_state_dict(first.model), served_state_dict(second.model)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert any(p.requires_grad for p in second.model.parameters()), "a loaded adapter keeps training"
@@ -167,7 +180,10 @@ def test_lora_adapter_path_continues_a_saved_adapter(policy, tmp_path):
     "overrides, key",
     [
         (["actor_rollout_ref.model.target_modules=[no_such_layer]"], "actor_rollout_ref.model.target_modules"),
-        (["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_adapter_path=/nowhere"], "actor_rollout_ref.model.lora_adapter_path"),
+        (
+            ["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_adapter_path=/nowhere"],
+            "actor_rollout_ref.model.lora_adapter_path",
+        ),
         (["actor_rollout_ref.model.lora_adapter_path=/nowhere"], "actor_rollout_ref.model.lora_adapter_path"),
         (["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank"),
         (["actor_rollout_ref.model.lora_alpha=0"], "actor_rollout_ref.model.lora_alpha"),
