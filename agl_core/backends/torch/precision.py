@@ -55,7 +55,7 @@ class Precision:
     @classmethod
     def from_config(cls, fsdp_config: DictConfig) -> Precision:
         param_dtype = parse_dtype(fsdp_config.model_dtype, MODEL_DTYPE_KEY)
-        mixed = fsdp_config.mixed_precision
+        mixed = fsdp_config.get("mixed_precision")  # verl's own config leaves the key out
         if mixed is None:
             return cls(param_dtype)
         for field in ("reduce_dtype", "buffer_dtype"):
