@@ -10,6 +10,7 @@ drifts from its float64 result, and the verl section to record the import error 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -180,4 +181,6 @@ def test_the_verl_check_records_the_import_error_where_verl_cannot_import():
     verl = json.loads(result.stdout.splitlines()[-1])
     assert verl["status"] == "unavailable"
     assert "ray" in verl["import_error"] and "Traceback" in verl["import_error"]
-    assert verl["missing_modules"] == ["ray"]
+    # ray, removed here, and whatever else of the list this environment lacks (pyvers, with tensordict < 0.10)
+    absent = [m for m in device_numerics.VERL_LOSS_MODULES if m == "ray" or importlib.util.find_spec(m) is None]
+    assert verl["missing_modules"] == absent and absent[0] == "ray"
