@@ -159,8 +159,10 @@ def replay_step(
     scratch = Path(scratch)
     config_file, dataset = scratch / "config.yaml", scratch / "samples.jsonl"
     OmegaConf.save(OmegaConf.create(recording.core_config()), config_file)
-    samples = {r.group_id: thaw(r.input) for r in rollouts}
-    dataset.write_text("".join(json.dumps(s if isinstance(s, Mapping) else {}) + "\n" for s in samples.values()))
+    rows = [s if isinstance(s, Mapping) else {} for s in {r.group_id: thaw(r.input) for r in rollouts}.values()] or [{}]
+    while len(rows) < int(recording.core_config().get("data", {}).get("train_batch_size") or 1):
+        rows += rows  # the torch backend's data order needs a whole batch; replay reads none of it
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     replayed = [
         f"agentlightning.replay={recording.path}",
         "agentlightning.record_rollouts=false",

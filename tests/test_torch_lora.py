@@ -192,3 +192,41 @@ def test_an_adapter_of_another_kind_or_shape_is_refused_by_agl_check(policy, tmp
     with pytest.raises(ConfigError, match="DoRA") as error:
         check_torch_config(_config(policy, tmp_path, *LORA, path))
     assert error.value.key == "actor_rollout_ref.model.lora_adapter_path"
+
+
+# The corridor with LoRA: every linear layer and the output head adapted (rank 16, alpha 32), lr 2e-3.
+# The head is adapted because the example's policy draws it at std 0.02 (see build_policy.py): frozen,
+# its logits stay too flat for sampled answers to be sure, so with target_modules=all-linear (head
+# left out) greedy validation reached 1.0 by step 60 while the sampled reward stayed at 0.2-0.3 over
+# 80 steps. With the head, seed 0 passed a sampled reward of 0.9 at step 33 (the full fine-tune of
+# test_example_learns.py at step 32) and greedy validation was 1.0 from step 30.
+LORA_CORRIDOR = [
+    "actor_rollout_ref.model.lora_rank=16",
+    "actor_rollout_ref.model.lora_alpha=32",
+    "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]",
+    "actor_rollout_ref.actor.optim.lr=2e-3",
+]
+CORRIDOR_STEPS = 40
+
+
+@pytest.mark.slow
+def test_lora_teaches_the_corridor_policy_to_follow_the_signs(tmp_path):
+    policy = build_corridor_policy(tmp_path / "policy")
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"actor_rollout_ref.model.path={policy}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={CORRIDOR_STEPS}",
+        "trainer.save_freq=-1",
+        f"trainer.test_freq={CORRIDOR_STEPS}",
+        "trainer.val_before_train=false",
+        *LORA_CORRIDOR,
+    ]
+    run(CONFIG, overrides, show_progress=False)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [line["training/reward"] for line in lines if line["step"] > 0]
+    assert len(rewards) == CORRIDOR_STEPS
+    assert rewards[0] < 0.2, "a random policy should start near the 0.03 baseline"
+    assert max(rewards) >= 0.9, rewards
+    assert lines[-1]["val/reward"] >= 0.9, "greedy answers should follow the signs (always one direction scores 0.5)"
+    assert sum(rewards[-5:]) / 5 >= 0.8, rewards
