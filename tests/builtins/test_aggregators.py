@@ -5,30 +5,17 @@ import json
 import numpy as np
 import pytest
 
+from agl_core.builtins.aggregators import trajectory, transition
+from agl_core.config import ConfigError, load_config
+from agl_core.data import DataValidationError
+from agl_core.plugins import PluginManager
 from agl_core.stages.aggregation import (
     Aggregation,
     AggregationSettings,
     settings_from_config,
     write_mismatches_jsonl,
 )
-from agl_core.builtins.aggregators import trajectory, transition
-from agl_core.config import ConfigError, load_config
-from agl_core.data import CompletedRollout, DataValidationError, Triplet
-from agl_core.plugins import PluginManager
-
-LIMITS = AggregationSettings(max_prompt_length=100, max_response_length=100)
-
-
-def call(prompt, response, log_probs="auto", reward=None):
-    if log_probs == "auto":
-        log_probs = [-0.5 - i for i in range(len(response))]
-    return Triplet(prompt_ids=prompt, response_ids=response, response_log_probs=log_probs, reward=reward)
-
-
-def rollout(*calls, reward=1.0, rollout_id="r", group_id="g"):
-    return CompletedRollout(
-        rollout_id=rollout_id, group_id=group_id, state="succeeded", triplets=calls, final_reward=reward
-    )
+from tests.helpers.rollouts import LIMITS, call, rollout
 
 
 def test_prefix_continuing_calls_merge_with_the_observation_untrained():

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 
-
 def agl(*args, env=None):
     exe = shutil.which("agl", path=str(Path(sys.executable).parent))
     assert exe, "the agl console script is installed with the package"
@@ -99,7 +98,7 @@ def only_agls_own_plugins(monkeypatch):
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    from tests.corridor_policy import build_corridor_policy
+    from tests.helpers.corridor_policy import build_corridor_policy
 
     return build_corridor_policy(tmp_path_factory.mktemp("policy"))
 

@@ -10,7 +10,7 @@ import pytest
 
 from agl_core.cli import main
 from agl_core.scaffold import ScaffoldError, new_plugin
-from tests.test_public_api import private_imports
+from tests.helpers.imports import private_imports
 
 
 def test_the_package_has_an_entry_point_one_stub_per_registry_and_tests(tmp_path, capsys):

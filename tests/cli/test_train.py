@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agl_core.cli import main
-from tests.corridor_policy import build_corridor_policy
+from tests.helpers.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import ast
 import json
-from pathlib import Path
 
 import httpx
 from omegaconf import DictConfig, OmegaConf
 
 from agl_core.config import CoreConfig, load_config
 from agl_core.plugins import PluginManager
+from tests.helpers.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("agl_core", "agl_backend_verl", "agl_hooks")
 NOT_READERS = (
     REPO_ROOT / "agl_core" / "config",  # the schema and its checks define keys; they do not use them

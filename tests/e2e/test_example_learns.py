@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from agl_core.train import run
-from tests.corridor_policy import build_corridor_policy
+from tests.helpers.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"
 STEPS = 40

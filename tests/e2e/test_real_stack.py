@@ -25,13 +25,14 @@ import pytest
 
 from agl_core.config import load_config
 from agl_core.data import RolloutRequest
-from agl_core.rollouts.gateway_client import GatewayClient
-from agl_core.rollouts.gateway_async import AsyncGatewayRolloutSource
 from agl_core.plugins import PluginManager
+from agl_core.rollouts.gateway_async import AsyncGatewayRolloutSource
+from agl_core.rollouts.gateway_client import GatewayClient
 from agl_core.serving.vllm_engine import VllmEngine
 from examples.corridor.build_policy import build
-from tests.gateway_server import REPO_ROOT, Controller, GatewayServer
-from tests.realstack_fixtures import vllm_python
+from tests.helpers.gateway_server import Controller, GatewayServer
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.realstack_fixtures import vllm_python
 
 pytestmark = pytest.mark.realstack
 

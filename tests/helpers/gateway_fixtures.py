@@ -17,13 +17,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
-import pytest
 
 from agl_core.config import load_config
+from agl_core.plugins import PluginManager
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.retry import RetryPolicy
-from agl_core.plugins import PluginManager
-from tests.gateway_server import MODEL_NAME, GatewayServer
+from tests.helpers.gateway_server import MODEL_NAME, GatewayServer
 
 
 def list_rollouts(client: GatewayClient, states: Iterable[str], limit: int = 500) -> list[dict[str, Any]]:
@@ -135,13 +134,6 @@ class SimulatedController:
                 self.errors.append(str(exc))
 
 
-@pytest.fixture(scope="module")
-def gateway():
-    """A real ``agl-server`` on 127.0.0.1 for the module's tests; stopped by PID afterwards."""
-    with GatewayServer() as server:
-        yield server
-
-
 def gateway_config(server: GatewayServer, *overrides: str):
     """A validated config pointing at ``server``, with short waits so fault tests stay fast."""
     return load_config(
@@ -164,6 +156,17 @@ def gateway_config(server: GatewayServer, *overrides: str):
             "agentlightning.gateway.drain_timeout_seconds=2",
             *overrides,
         ]
+    )
+
+
+def async_config(server: GatewayServer, *overrides: str):
+    """:func:`gateway_config` with async rollouts on: up to two batches of two groups in flight."""
+    return gateway_config(
+        server,
+        "agentlightning.async_rollout.enabled=true",
+        "agentlightning.async_rollout.async_train_batch_size=4",
+        "data.train_batch_size=2",
+        *overrides,
     )
 
 

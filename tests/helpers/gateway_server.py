@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 
 from agl_core.serving.processes import free_port, kill_process_group, stop_process_group
+from tests.helpers.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 GATEWAY_VENV = Path(os.environ.get("AGL_GATEWAY_VENV", REPO_ROOT / ".venvs" / "gateway"))
 MODEL_NAME = "agl-test-model"
 

@@ -12,8 +12,8 @@ import httpx
 import torch
 
 from agl_core.serving.vllm_engine import CHECKOUT_VLLM_PYTHON, VLLM_PYTHON_ENV, VllmEngine
+from tests.helpers.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm_venv.sh"
 
 

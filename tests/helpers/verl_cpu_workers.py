@@ -1,4 +1,4 @@
-"""verl's real workers on CPU for ``tests/test_verl_cpu_workers.py``: every ``VerlWorkerCalls`` method
+"""verl's real workers on CPU for ``tests/verl/test_cpu_workers.py``: every ``VerlWorkerCalls`` method
 on a ``RayPPOTrainer`` whose workers (2 gloo ranks, FSDP2) and CPU replica verl itself started.
 
 :class:`WorkerCallsProbe` is a Ray actor (verl's trainer must run inside the Ray cluster, as verl's
@@ -150,8 +150,8 @@ class WorkerCallsProbe:
         rollouts = trainer.source.collect([{"i": 0}, {"i": 1}], step=version, is_train=True).rollouts
         calls.sleep_replicas()
         prepared = trainer.pipeline.prepare(rollouts, version)
-        from agl_core.stages.tensorize import tensorize
         from agl_backend_verl.dataproto import to_dataproto
+        from agl_core.stages.tensorize import tensorize
 
         padded = tensorize(prepared.shaped.rows, pad_token_id=trainer.pad_token_id)
         batch = to_dataproto(padded, meta_info={"temperature": 1.0})
@@ -191,8 +191,8 @@ class WorkerCallsProbe:
         source = ReplicaSource(self.endpoints()[0], self.model, self.plugins)
         rollouts = source.collect([{"i": 0}, {"i": 1}], step=0, is_train=True).rollouts
         prepared = self.trainer.pipeline.prepare(rollouts, 0)
-        from agl_core.stages.tensorize import tensorize
         from agl_backend_verl.dataproto import to_dataproto
+        from agl_core.stages.tensorize import tensorize
 
         padded = tensorize(prepared.shaped.rows, pad_token_id=self.trainer.pad_token_id)
         batch = to_dataproto(padded, meta_info={"temperature": 1.0})

@@ -8,7 +8,7 @@ stands in for verl's device platform (``verl.plugin.platform.set_platform``) and
 ``strategy: fsdp2`` (FSDP1 refuses CPU parameters with ``sync_module_states``), SDPA attention
 (FlashAttention2 is verl's default) and fp32 mixed precision (verl's default autocasts to bf16).
 
-:func:`run_rank` is one rank's work (spawned by ``tests/test_verl_ppo_loss.py``); every rank writes
+:func:`run_rank` is one rank's work (spawned by ``tests/verl/test_ppo_loss.py``); every rank writes
 what it measured to ``out_dir/rank{N}.json``.
 """
 
@@ -130,7 +130,7 @@ def full_state(engine, grads: bool = False) -> dict[str, torch.Tensor]:
 
 def run_rank(rank: int, world_size: int, port: int, case: dict, out_dir: str) -> None:
     """Rank ``rank`` of ``world_size``: build the engine, train on its share of the first mini-batch
-    of ``case`` (see tests/test_verl_ppo_loss.py), and write the results."""
+    of ``case`` (see tests/verl/test_ppo_loss.py), and write the results."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
     torch.set_num_threads(1)
@@ -154,17 +154,23 @@ def _train(rank: int, world_size: int, case: dict, out_dir: Path) -> None:
     from verl.utils.py_functional import rename_dict
     from verl.workers.utils.losses import ppo_loss
 
-    from tests import test_verl_ppo_loss as t
-    from tests.step_comparison import compare_steps
-    from tests.verl_local_workers import engine_mini_batch
+    from tests.helpers.step_comparison import compare_steps
+    from tests.helpers.verl_local_workers import engine_mini_batch
+    from tests.helpers.verl_ppo import (
+        policy_and_reference,
+        recorded_rollouts,
+        torch_update,
+        verl_config,
+        verl_mini_batch,
+    )
 
-    config = t.verl_config(case["model_dir"], case["loss"], case["normalization"], case["entropy"], case["kl"], *ENGINE_OVERRIDES, *case["overrides"])
+    config = verl_config(case["model_dir"], case["loss"], case["normalization"], case["entropy"], case["kl"], *ENGINE_OVERRIDES, *case["overrides"])
     engine, actor = build_engine(config)
     before = full_state(engine)
     tokenizer = AutoTokenizer.from_pretrained(case["model_dir"])
-    rollouts = t.recorded_rollouts(json.loads(Path(case["traces"]).read_text())["scenarios"])
-    update, prepared, mini, per_mini = t.torch_update(config, t.policy_and_reference(case["model_dir"]), tokenizer, rollouts)
-    batch = t.verl_mini_batch(prepared, mini, per_mini, tokenizer)
+    rollouts = recorded_rollouts(json.loads(Path(case["traces"]).read_text())["scenarios"])
+    update, prepared, mini, per_mini = torch_update(config, policy_and_reference(case["model_dir"]), tokenizer, rollouts)
+    batch = verl_mini_batch(prepared, mini, per_mini, tokenizer)
     share = per_mini // world_size
     data = engine_mini_batch(batch[rank * share : (rank + 1) * share], actor)
     tu.assign_non_tensor(data, global_batch_size=per_mini, use_remove_padding=engine.engine_config.use_remove_padding, use_fused_kernels=False)

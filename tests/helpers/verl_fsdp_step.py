@@ -1,6 +1,6 @@
 """One recorded training step on the torch backend and through verl's FSDP2 engine on CPU ranks.
 
-Spawned by ``tests/test_backend_differential.py``: every rank runs :func:`run_cases`; rank 0 also
+Spawned by ``tests/verl/test_backend_differential.py``: every rank runs :func:`run_cases`; rank 0 also
 runs the torch backend's side and compares. Both sides start from the same weights (the corridor's
 tiny policy, the engine's gathered parameters copied into the torch model) and the same recorded
 rollouts, each through its backend's own way to the update:
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from tests.corridor_policy import REPO_ROOT
-from tests.verl_fsdp_cpu import ENGINE_OVERRIDES, FP32, CpuPlatform, build_engine, full_state
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.verl_fsdp_cpu import ENGINE_OVERRIDES, FP32, CpuPlatform, build_engine, full_state
 
 # The metrics both backends report for an update step, compared between them.
 SHARED_METRICS = (
@@ -103,7 +103,7 @@ def case_config(case: dict):
 
 def case_plugins(case: dict):
     from agl_core.plugins import PluginManager
-    from tests.test_backend_differential import MedianBaseline
+    from tests.helpers.median_baseline import MedianBaseline
 
     manager = PluginManager(load_entrypoints=False)
     if case["plugins"]:
@@ -173,8 +173,8 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
     from agl_core.recording import read_recording
     from agl_core.stages.tensorize import tensorize
-    from tests.test_verl_ppo_loss import policy_and_reference
-    from tests.verl_local_workers import engine_mini_batch
+    from tests.helpers.verl_local_workers import engine_mini_batch
+    from tests.helpers.verl_ppo import policy_and_reference
 
     config = case_config(case)
     engine, actor = build_engine(config)

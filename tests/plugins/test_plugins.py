@@ -204,12 +204,12 @@ def test_tryfirst_runs_before_registration_order():
 
 
 def test_builtins_are_ordinary_blockable_plugins(monkeypatch):
-    monkeypatch.setenv(BLOCKED_PLUGINS_ENV, "tests.test_plugins")
-    manager = PluginManager(load_entrypoints=False, builtins={"tests.test_plugins": "tests.test_plugins"})
-    assert manager.get_plugin("tests.test_plugins") is None
+    monkeypatch.setenv(BLOCKED_PLUGINS_ENV, "tests.plugins.test_plugins")
+    manager = PluginManager(load_entrypoints=False, builtins={"tests.plugins.test_plugins": "tests.plugins.test_plugins"})
+    assert manager.get_plugin("tests.plugins.test_plugins") is None
     monkeypatch.delenv(BLOCKED_PLUGINS_ENV)
-    manager = PluginManager(load_entrypoints=False, builtins={"tests.test_plugins": "tests.test_plugins"})
-    assert {i.name: i.source for i in manager.list_plugins()}["tests.test_plugins"] == "built-in"
+    manager = PluginManager(load_entrypoints=False, builtins={"tests.plugins.test_plugins": "tests.plugins.test_plugins"})
+    assert {i.name: i.source for i in manager.list_plugins()}["tests.plugins.test_plugins"] == "built-in"
 
 
 def test_a_registry_is_a_read_only_mapping_of_names():

@@ -12,16 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agl_core.config import ConfigError, load_config
 from agl_core.datasets import env_from_map
+from agl_core.plugins import PluginManager
 from agl_core.rollouts.agents import ThreadEnviron, load_agent_class
 from agl_core.rollouts.embedded import EmbeddedRolloutSource
-from agl_core.plugins import PluginManager
 from agl_core.serving.policy_server import PolicyServer
-from tests.corridor_policy import build_corridor_policy
-
-
-class FailingAgent:
-    def run(self):
-        raise RuntimeError("the environment broke")
+from tests.helpers.corridor_policy import build_corridor_policy
 
 
 class EnvEchoAgent:
@@ -113,7 +108,7 @@ def test_each_thread_sees_its_own_contract_environment(engine):
             echo = [e for e in events["0"] if e["event_type"] == "echo"][0]["data"]
             seen.append((rollout.rollout_id, json.loads(echo["signs"]), echo))
 
-    source = _source(engine, "tests.test_embedded:EnvEchoAgent", n=4, plugins=[Recorder()])
+    source = _source(engine, "tests.rollouts.test_embedded:EnvEchoAgent", n=4, plugins=[Recorder()])
     try:
         batch = source.collect(SAMPLES, step=1, is_train=False)  # validation: one rollout per sample
     finally:
@@ -128,7 +123,7 @@ def test_each_thread_sees_its_own_contract_environment(engine):
 
 
 def test_a_failing_agent_is_a_failed_rollout_counted(engine):
-    source = _source(engine, "tests.test_embedded:FailingAgent")
+    source = _source(engine, "tests.helpers.agents:FailingAgent")
     try:
         batch = source.collect(SAMPLES[:1], step=1, is_train=True)
     finally:

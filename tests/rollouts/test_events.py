@@ -9,7 +9,6 @@ import os
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from agl_core.rollouts.events import (
     events_by_attempt,
     parse_events,
 )
+from tests.helpers.paths import REPO_ROOT
 
 SCENARIOS = [
     "multiturn_4",
@@ -314,7 +314,7 @@ def test_the_same_triplets_come_out_with_or_without_msgspec(gateway_traces):
             input=pickle.dumps(bodies),
             capture_output=True,
             check=True,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
         runs[msgspec] = pickle.loads(done.stdout)
     assert runs["importable"] == runs["hidden"]

@@ -9,9 +9,9 @@ import pytest
 from agl_core.data import RolloutRequest
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.retry import RetryPolicy
-from tests.fault_proxy import FaultProxy
-from tests.gateway_fixtures import gateway, good_call, list_rollouts, patch_rollout  # noqa: F401  (fixture)
-from tests.gateway_server import MODEL_NAME
+from tests.helpers.fault_proxy import FaultProxy
+from tests.helpers.gateway_fixtures import good_call, list_rollouts, patch_rollout
+from tests.helpers.gateway_server import MODEL_NAME
 
 pytestmark = pytest.mark.gateway
 
@@ -161,7 +161,7 @@ def test_event_append_with_a_position_settles_ambiguity_by_reading_back(gateway,
 
 
 def test_unreachable_gateway_fails_after_bounded_retries():
-    from tests.gateway_server import free_port
+    from tests.helpers.gateway_server import free_port
 
     c = GatewayClient(f"http://127.0.0.1:{free_port()}", "k", retry=RetryPolicy(max_retries=2, backoff_seconds=0.01))
     with pytest.raises(GatewayError) as err:

@@ -9,22 +9,21 @@ import time
 import pytest
 
 from agl_core import hookimpl
-from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.gateway import gateway_source
+from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.retry import RetryPolicy
-from tests.fault_proxy import FaultProxy
-from tests.gateway_fixtures import (  # noqa: F401  (fixture)
+from tests.helpers.fault_proxy import FaultProxy
+from tests.helpers.gateway_fixtures import (
     Plan,
     SimulatedController,
     always,
-    gateway,
     gateway_config,
     good_call,
     list_rollouts,
     model_request_data,
     plugin_manager,
 )
-from tests.gateway_server import GatewayServer
+from tests.helpers.gateway_server import GatewayServer
 
 pytestmark = pytest.mark.gateway
 

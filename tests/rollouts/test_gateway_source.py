@@ -13,21 +13,21 @@ import pytest
 from agl_core import hookimpl
 from agl_core.config import ConfigError
 from agl_core.data import RolloutRequest
-from agl_core.rollouts.gateway_client import GatewayClient
 from agl_core.rollouts.gateway import gateway_source
 from agl_core.rollouts.gateway_async import AsyncGatewayRolloutSource
+from agl_core.rollouts.gateway_client import GatewayClient
 from agl_core.rollouts.gateway_sync import READ_WORKERS, GatewayRolloutSource
-from tests.gateway_fixtures import (  # noqa: F401  (fixture)
+from tests.helpers.gateway_fixtures import (
     Plan,
     SimulatedController,
     always,
-    gateway,
+    async_config,
     gateway_config,
     good_call,
     list_rollouts,
     plugin_manager,
 )
-from tests.gateway_server import MODEL_NAME
+from tests.helpers.gateway_server import MODEL_NAME
 
 pytestmark = pytest.mark.gateway
 
@@ -145,16 +145,6 @@ def test_after_weight_update_registers_versioned_endpoints(gateway):
     assert source.client.requests_sent["models"] == 4  # a stale endpoint: cleared, then registered
     assert source.registered == (["http://127.0.0.1:7003/v1"], 3)
     source.close()
-
-
-def async_config(gateway, *overrides):
-    return gateway_config(
-        gateway,
-        "agentlightning.async_rollout.enabled=true",
-        "agentlightning.async_rollout.async_train_batch_size=4",
-        "data.train_batch_size=2",
-        *overrides,
-    )
 
 
 def test_async_keeps_groups_in_flight_and_carries_unfinished_ones_over(gateway):

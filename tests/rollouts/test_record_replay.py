@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,8 @@ from agl_core.recording import FORMAT, FORMAT_VERSION, RECORDING_FILE, Recording
 from agl_core.stages.pipeline import StepPipeline
 from agl_core.testing.harness import run_training, tiny_policy
 from agl_core.testing.recorded import gateway_trace_rollouts, recorded_steps, run_pipeline
-from tests.conftest import GATEWAY_TRACES
-from tests.gateway_fixtures import Plan, SimulatedController, always, gateway, gateway_config, good_call, plugin_manager  # noqa: F401
+from tests.helpers.gateway_fixtures import Plan, SimulatedController, always, gateway_config, good_call, plugin_manager
+from tests.helpers.paths import GATEWAY_TRACES, RECORDED_CORRIDOR, REPO_ROOT
 
 # What differs between a run and its replay by nature: wall times, and the counts only a live source has.
 LIVE_ONLY = (
@@ -257,7 +256,6 @@ def test_a_file_that_is_not_a_recording_is_named(tmp_path):
 
 # -- the kit: a plugin on recorded steps ------------------------------------------------------------
 
-RECORDED_CORRIDOR = Path(__file__).parent / "fixtures" / "corridor_recording"
 # The corridor example's settings that shape a step (examples/corridor/config.yaml).
 CORRIDOR_SETTINGS = (
     "agentlightning.trace_aggregator.trajectory_max_prompt_length=256",
@@ -291,10 +289,10 @@ def test_the_corridor_fixture_replays_the_recorded_runs_pipeline():
 
 
 def test_a_third_party_plugin_set_runs_on_recorded_steps():
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "retoken_merge"))
+    sys.path.insert(0, str(REPO_ROOT / "examples" / "retoken_merge"))
     import agl_retoken_merge
 
-    from tests.test_backend_differential import MedianBaseline
+    from tests.helpers.median_baseline import MedianBaseline
 
     overrides = {"agentlightning.trace_aggregator.level": "retoken_merge", "algorithm.adv_estimator": "median_baseline"}
     prepared = run_pipeline(
@@ -312,7 +310,7 @@ def test_the_real_gateway_traces_run_through_a_plugin(gateway_traces, tiny_model
     """retoken_merge decodes ids, so it gets the tokenizer that produced the traces."""
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "retoken_merge"))
+    sys.path.insert(0, str(REPO_ROOT / "examples" / "retoken_merge"))
     import agl_retoken_merge
 
     rollouts = gateway_trace_rollouts(GATEWAY_TRACES / "traces.json")
@@ -343,8 +341,8 @@ def test_the_verl_trainer_replays_the_recorded_corridor_steps(tmp_path):
     from agl_backend_verl.config import load_verl_config
     from agl_backend_verl.trainer import AglRayPPOTrainer, SampleDataset, collate_samples
     from agl_core.rollouts.replay import ReplayRolloutSource
-    from tests.corridor_policy import build_corridor_policy
-    from tests.test_verl_trainer_step import FakeWorkers
+    from tests.helpers.corridor_policy import build_corridor_policy
+    from tests.helpers.verl_fake_workers import FakeWorkers
 
     policy = build_corridor_policy(tmp_path / "policy")
     config = load_verl_config(

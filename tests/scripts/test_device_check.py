@@ -22,10 +22,10 @@ import torch
 from packaging.version import Version
 
 from agl_core import hookimpl
-from agl_core.plugins import PluginManager
 from agl_core.builtins.losses import token_mean
+from agl_core.plugins import PluginManager
+from tests.helpers.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
 DEVICE_CHECK = SCRIPTS / "device_check.py"
 SECTIONS = ["losses", "estimators", "verl", "corridor", "synthetic", "modes"]

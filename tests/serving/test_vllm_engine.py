@@ -12,7 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from agl_core.config import load_config
 from agl_core.serving.vllm_engine import CHECKOUT_VLLM_PYTHON, VllmEngine, VllmEngineError, find_vllm_python
-from tests.realstack_fixtures import complete, forward_log_probs, prefix_cache_hits, vllm_python, writable_model_copy
+from tests.helpers.realstack_fixtures import (
+    complete,
+    forward_log_probs,
+    prefix_cache_hits,
+    vllm_python,
+    writable_model_copy,
+)
 
 # fp32 on both sides; observed differences are ~1e-6 (summation order inside the kernels).
 LOG_PROB_TOLERANCE = 1e-4

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core import hookimpl
+from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_core.config import load_config
 from agl_core.plugins import PluginManager, RegistryError
-from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_core.stages.pipeline import StepPipeline
-from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, policy_loss_spec
 from agl_core.stages.tensorize import pad_responses
-from tests.test_pipeline import batch
+from tests.helpers.rollouts import two_group_batch
 
 
 def clipped_twice(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
@@ -40,7 +40,7 @@ def prepared(loss_mode):
     )
     manager = PluginManager(load_entrypoints=False)
     manager.register(Wrappers())
-    return StepPipeline(config, manager).prepare(batch(), step=1)
+    return StepPipeline(config, manager).prepare(two_group_batch(), step=1)
 
 
 def raw(prepared_batch, width):

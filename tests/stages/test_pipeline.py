@@ -10,24 +10,15 @@ import torch
 
 from agl_core.config import load_config
 from agl_core.data import CompletedRollout, Triplet
+from agl_core.plugins import PluginManager
 from agl_core.stages.normalization import rollout_scales
 from agl_core.stages.pipeline import StepPipeline, rollout_metrics, validation_metrics
-from agl_core.plugins import PluginManager
+from tests.helpers.rollouts import two_group_batch
 
 
 def rollout(rid, group, reward, calls):
     triplets = [Triplet(prompt_ids=p, response_ids=r, response_log_probs=[-0.5] * len(r)) for p, r in calls]
     return CompletedRollout(rollout_id=rid, group_id=group, state="succeeded", triplets=triplets, final_reward=reward)
-
-
-def batch():
-    """Two groups of two rollouts; r0 breaks its trajectory (two rows), the others merge into one."""
-    return [
-        rollout("r0", "g0", 1.0, [([1, 2], [3, 4]), ([9, 9], [5])]),
-        rollout("r1", "g0", 0.0, [([1, 2], [3]), ([1, 2, 3, 7], [6, 6])]),
-        rollout("r2", "g1", 1.0, [([1], [2, 2, 2])]),
-        rollout("r3", "g1", 0.5, [([1], [2])]),
-    ]
 
 
 def config(*overrides):
@@ -42,7 +33,7 @@ def plugins():
 
 
 def test_rollouts_to_a_normalised_batch(plugins):
-    prepared = StepPipeline(config(), plugins).prepare(batch(), step=1)
+    prepared = StepPipeline(config(), plugins).prepare(two_group_batch(), step=1)
     assert prepared.metrics["training/n_rollouts"] == 4
     assert prepared.metrics["training/reward"] == pytest.approx(0.625)
     assert prepared.metrics["training/n_sample"] == 5
@@ -59,7 +50,7 @@ def test_rollouts_to_a_normalised_batch(plugins):
 
 
 def test_token_mean_is_not_normalised_per_rollout(plugins):
-    prepared = StepPipeline(config("actor_rollout_ref.actor.policy_loss.loss_mode=token_mean"), plugins).prepare(batch(), step=1)
+    prepared = StepPipeline(config("actor_rollout_ref.actor.policy_loss.loss_mode=token_mean"), plugins).prepare(two_group_batch(), step=1)
     assert prepared.row_scales is None
     width = max(len(row.response_ids) for row in prepared.shaped.rows)
     torch.testing.assert_close(prepared.advantages(width), prepared.returns(width))
@@ -75,8 +66,8 @@ def test_nothing_trainable_skips_the_update(plugins):
 def test_trajectory_breaks_are_logged_as_json_lines(plugins, tmp_path):
     path = tmp_path / "logs" / "mismatches.jsonl"
     pipeline = StepPipeline(config(f"agentlightning.trace_aggregator.mismatch_log_path={path}"), plugins)
-    pipeline.prepare(batch(), step=1)
-    pipeline.prepare(batch(), step=2)
+    pipeline.prepare(two_group_batch(), step=1)
+    pipeline.prepare(two_group_batch(), step=2)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(m["rollout_id"], m["turn_index"], m["kind"]) for m in lines] == [("r0", 1, "other")] * 2
 
@@ -87,7 +78,7 @@ def test_rollout_metrics_ignore_missing_rewards():
 
 
 def test_validation_metrics_are_agent_lightning_v1s_over_every_batch():
-    rollouts = [*batch(), CompletedRollout(rollout_id="r4", group_id="g2", state="failed", final_reward=0.0)]
+    rollouts = [*two_group_batch(), CompletedRollout(rollout_id="r4", group_id="g2", state="failed", final_reward=0.0)]
     sources = [
         {"training/n_rollouts_w_reward": 2.0, "training/rollouts/n_failed": 1.0, "training/gateway/poll_interval_s": 0.5},
         {"training/n_rollouts_w_reward": 1.0, "timing/rollout_total_s/max": 3.0},
@@ -124,24 +115,24 @@ class _Tokenizer:
 
 
 def test_calls_outside_the_tokenizer_vocabulary_are_removed_before_aggregation(plugins):
-    rollouts = batch()
+    rollouts = two_group_batch()
     rollouts.append(rollout("r4", "g1", 0.0, [([1], [2, 10])]))  # id 10: the eleventh, not in the vocabulary
     prepared = StepPipeline(config(), plugins, _Tokenizer()).prepare(rollouts, step=1)
     assert prepared.metrics["training/events/n_calls_out_of_vocab"] == 1
     assert "r4" not in {row.rollout_id for row in prepared.shaped.rows}
     assert prepared.metrics["training/n_sample"] == 5
-    without_tokenizer = StepPipeline(config(), plugins).prepare(batch(), step=1)
+    without_tokenizer = StepPipeline(config(), plugins).prepare(two_group_batch(), step=1)
     assert "training/events/n_calls_out_of_vocab" not in without_tokenizer.metrics
 
 
 def test_a_group_left_with_one_rollout_is_dropped_and_counted_not_fatal(plugins):
     """r3 lost every call (to bad events, or it failed and was skipped): group g1 keeps r2 alone."""
-    rollouts = batch()
+    rollouts = two_group_batch()
     rollouts[3] = rollout("r3", "g1", 0.5, [])
     prepared = StepPipeline(config("actor_rollout_ref.actor.ppo_mini_batch_size=1"), plugins).prepare(rollouts, step=1)
     assert prepared.metrics["training/n_groups_dropped_one_rollout_left"] == 1
     assert {row.group_id for row in prepared.shaped.rows} == {"g0"}
-    assert StepPipeline(config(), plugins).prepare(batch(), step=1).metrics["training/n_groups_dropped_one_rollout_left"] == 0
+    assert StepPipeline(config(), plugins).prepare(two_group_batch(), step=1).metrics["training/n_groups_dropped_one_rollout_left"] == 0
 
 
 def test_with_one_rollout_per_sample_groups_of_one_are_the_estimators_to_judge(plugins):

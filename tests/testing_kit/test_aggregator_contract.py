@@ -8,7 +8,7 @@ import pytest
 from hypothesis import Phase, find, settings
 from hypothesis import strategies as st
 
-from agl_core import AggregationCounts, Aggregation, Segment, hookimpl, merged_row, rollout_reward
+from agl_core import Aggregation, AggregationCounts, Segment, hookimpl, merged_row, rollout_reward
 from agl_core.builtins import aggregators
 from agl_core.builtins.aggregators import trajectory
 from agl_core.testing.aggregator_checks import check_metrics, check_tokens
@@ -16,7 +16,7 @@ from agl_core.testing.contracts import AggregatorContract, check_aggregation, ch
 from agl_core.testing.lookup import contract_manager
 from agl_core.testing.snapshots import snapshot
 from agl_core.testing.strategies import aggregation_settings, rollout_batches
-from tests.test_aggregators import LIMITS, call, rollout
+from tests.helpers.rollouts import LIMITS, call, rollout
 
 
 class TestTransitionContract(AggregatorContract):

@@ -14,8 +14,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from agl_core.testing import TEST_EXTRA_INSTALL
+from tests.helpers.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # pytest and what it needs, plus numpy (a dependency of agl that contracts.py imports before hypothesis).
 LINKED_DISTRIBUTIONS = ("pytest", "numpy")
 UNRELATED_TEST = """\

@@ -6,7 +6,6 @@ the torch backend says to run with ``backend=verl``."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
@@ -15,11 +14,12 @@ from agl_backend_verl.config import load_verl_config, verl_base
 from agl_backend_verl.moved_keys import MOVED, REMOVED
 from agl_core.config import ConfigError, default_config
 from agl_core.train import resolve_config
+from tests.helpers.paths import FIXTURES
 
 pytestmark = pytest.mark.verl
 
-FIXTURES = Path(__file__).parent / "fixtures" / "al_v1_configs"
-EXAMPLES = sorted(p.stem for p in FIXTURES.glob("*.json"))
+AL_V1_CONFIGS = FIXTURES / "al_v1_configs"
+EXAMPLES = sorted(p.stem for p in AL_V1_CONFIGS.glob("*.json"))
 
 
 def test_every_example_is_recorded():
@@ -28,7 +28,7 @@ def test_every_example_is_recorded():
 
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if e != "swe_smith"])
 def test_v1_example_configs_load_under_backend_verl(example):
-    path = FIXTURES / f"{example}.json"
+    path = AL_V1_CONFIGS / f"{example}.json"
     cfg = load_verl_config(path)
     recorded = json.loads(path.read_text())
     assert cfg.actor_rollout_ref.model.path == recorded["actor_rollout_ref"]["model"]["path"]
@@ -36,7 +36,7 @@ def test_v1_example_configs_load_under_backend_verl(example):
 
 
 def test_swe_smiths_nccl_timeout_is_named_with_where_verl_09_reads_it(tmp_path):
-    path = FIXTURES / "swe_smith.json"
+    path = AL_V1_CONFIGS / "swe_smith.json"
     with pytest.raises(ConfigError) as info:
         load_verl_config(path)
     assert info.value.key == "trainer.nccl_timeout"
@@ -87,7 +87,7 @@ def test_keys_of_verl_07_and_08_say_where_they_went(override, message):
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_v1_example_configs_under_the_torch_backend_say_to_run_with_backend_verl(example):
-    path = FIXTURES / f"{example}.json"
+    path = AL_V1_CONFIGS / f"{example}.json"
     with pytest.raises(ConfigError) as info:
         resolve_config(str(path), [])
     assert info.value.key == "algorithm.use_kl_in_reward"

@@ -2,11 +2,11 @@
 engine on CPU ranks (gloo), from the same weights: the same updated weights and shared metrics.
 
 The step is step 2 of the recorded corridor run (tests/fixtures/corridor_recording) on the
-corridor's tiny policy; :mod:`tests.verl_fsdp_step` runs both sides. Cases: both built-in losses ×
+corridor's tiny policy; :mod:`tests.helpers.verl_fsdp_step` runs both sides. Cases: both built-in losses ×
 both ``agentlightning.loss_normalization`` modes, with the entropy bonus and the KL term on, on one
 and two ranks, with one micro-batch per mini-batch and with token-budget micro-batches
 (``use_dynamic_bsz``), over two mini-batches (two optimizer steps); and a third-party plugin set
-(``examples/retoken_merge``'s aggregator and :class:`MedianBaseline`, an estimator defined here).
+(``examples/retoken_merge``'s aggregator and :class:`~tests.helpers.median_baseline.MedianBaseline`, a plugin's estimator).
 
 Tolerances, in fp32: the first optimizer step's clipped gradient within 1e-5 of its largest
 element, every shared metric within 1e-5 relative; the second step's gradient and the weights after
@@ -19,34 +19,19 @@ AdamW magnifies the rounding of gradients near its eps into differences of up to
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 
-from agl_core import hookimpl, rollout_level
+from tests.helpers.paths import RECORDED_CORRIDOR
 
 pytestmark = [pytest.mark.verl, pytest.mark.slow]
 
 RTOL = 1e-5
-RECORDED_CORRIDOR = Path(__file__).parent / "fixtures" / "corridor_recording" / "rollouts.jsonl"
+RECORDED_ROLLOUTS = RECORDED_CORRIDOR / "rollouts.jsonl"
 STEP = 2
 BUILT_IN = [
     (loss, normalization) for loss in ("per_rollout_mean", "token_mean") for normalization in ("rollouts", "upstream")
 ]
-
-
-def median_baseline(rows, settings):
-    """Each rollout's reward minus its group's median reward."""
-    return rollout_level(rows, "median_baseline", 2, lambda rewards: rewards - np.median(rewards))
-
-
-class MedianBaseline:
-    """A third-party estimator plugin, registered in code."""
-
-    @hookimpl
-    def agl_register_advantage_estimators(self, register):
-        register("median_baseline", median_baseline)
 
 
 def case(
@@ -97,7 +82,7 @@ VERL_DISPATCH = case(
 def differences(result: dict) -> dict[str, float]:
     """The measured differences of a case, relative: the first optimizer step's gradient, the later
     steps' gradients, the weights after the step, and each shared metric."""
-    from tests.verl_fsdp_step import MICRO_BATCH_MEANS
+    from tests.helpers.verl_fsdp_step import MICRO_BATCH_MEANS
 
     several = result["n_micro_batches"] > 1 or result["dp_size"] > 1
     first, *later = result["rel_grad_diff_per_step"]
@@ -126,12 +111,12 @@ def results(tmp_path_factory):
     import torch
 
     from agl_core.serving.processes import free_port
-    from tests.corridor_policy import build_corridor_policy
-    from tests.verl_fsdp_step import run_cases
+    from tests.helpers.corridor_policy import build_corridor_policy
+    from tests.helpers.verl_fsdp_step import run_cases
 
     root = tmp_path_factory.mktemp("differential")
     policy = build_corridor_policy(root / "policy")
-    common = {"model_dir": str(policy), "recording": str(RECORDED_CORRIDOR), "step": STEP}
+    common = {"model_dir": str(policy), "recording": str(RECORDED_ROLLOUTS), "step": STEP}
     cases = [{**c, **common} for c in (*CASES, PLANTED, VERL_DISPATCH)]
     for dp in (1, 2):
         torch.multiprocessing.spawn(
@@ -164,6 +149,6 @@ def test_verls_dispatch_trains_other_mini_batches_on_two_ranks(results):
     """verl's worker dispatch gives each rank a contiguous share of the batch and cuts that share into
     mini-batches, so with two ranks mini-batch 1 is rows 0-7 and 16-23, not the torch backend's rows
     0-15: the same step trains different mini-batches, and the updates part (the other cases put the
-    rows in :func:`tests.verl_fsdp_step.mini_batch_major_order` first)."""
+    rows in :func:`tests.helpers.verl_fsdp_step.mini_batch_major_order` first)."""
     measured = differences(results[VERL_DISPATCH["id"]])
     assert measured["grad_first_step"] > 1e-2 and measured["params"] > 1e-2

@@ -3,7 +3,7 @@
 The torch backend runs for real on the corridor's tiny policy (embedded rollouts, as
 ``test_torch_backend`` does). The verl trainer runs its real step on the same rollout source and
 the same initial weights, with verl's actor workers answered in this process
-(:mod:`tests.verl_local_workers`: verl's own trainer code and ``ppo_loss`` run, FSDP and the vLLM
+(:mod:`tests.helpers.verl_local_workers`: verl's own trainer code and ``ppo_loss`` run, FSDP and the vLLM
 replicas are left out). The names only one backend can have are listed here, each with its reason.
 """
 
@@ -29,9 +29,9 @@ from agl_core.backends.torch.update import make_optimizer  # noqa: E402
 from agl_core.config import load_config  # noqa: E402
 from agl_core.datasets import load_dataset  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
-from tests.test_torch_backend import CONFIG, SAMPLES, Running  # noqa: E402
-from tests.corridor_policy import build_corridor_policy  # noqa: E402
-from tests.verl_local_workers import LocalActorGroup  # noqa: E402
+from tests.helpers.corridor_policy import build_corridor_policy  # noqa: E402
+from tests.helpers.torch_runs import CONFIG, SAMPLES, Running  # noqa: E402
+from tests.helpers.verl_local_workers import LocalActorGroup  # noqa: E402
 
 # Training-step names only verl's trainer has: its timings of the worker calls, the workers' MFU
 # and memory, and the sequence-length balance of the batch across data-parallel ranks.

@@ -1,6 +1,6 @@
 """verl's CPU mode, piece by piece in this process: the platform, the engines found for ``cpu``, the
 patch, the config rules and the CPU replica's server (the whole loop runs in
-``tests/test_verl_cpu_workers.py`` and ``tests/test_verl_cpu_e2e.py``)."""
+``tests/verl/test_cpu_workers.py`` and ``tests/test_verl_cpu_e2e.py``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.plugin.platform import PlatformRegistry, platform_manager  # noqa: E402
 
 from agl_backend_verl.config import load_verl_config  # noqa: E402
-from agl_backend_verl.cpu import CPU_KEYS, mode  # noqa: E402
-from agl_backend_verl.cpu import patches  # noqa: E402
+from agl_backend_verl.cpu import (  # noqa: E402
+    CPU_KEYS,
+    mode,
+    patches,  # noqa: E402
+)
 from agl_backend_verl.cpu.platform import CpuPlatform  # noqa: E402
 from agl_backend_verl.run import ray_init_kwargs  # noqa: E402
 from agl_core.config import ConfigError  # noqa: E402

@@ -23,8 +23,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from agl_core.train import resolve_config  # noqa: E402
+from tests.helpers.paths import REPO_ROOT  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = REPO_ROOT / "scripts" / "gpu_check.py"
 
 

@@ -8,10 +8,10 @@ Qwen2 of the fixtures; the old ones are perturbed so that ratios clip). verl's s
 batch as its trainer hands it to the actor (``left_right_2_no_padding``), model outputs from
 ``agl_core.backends.torch.model_ops`` in its engine's layout, its ``ActorConfig`` built from agl's
 verl config with ``omega_conf_to_dataclass``, and splits the mini-batch into micro-batches as its
-engine does (:mod:`tests.verl_local_workers`). Tolerance: 1e-5 relative in fp32 for the loss, every
+engine does (:mod:`tests.helpers.verl_local_workers`). Tolerance: 1e-5 relative in fp32 for the loss, every
 metric and the gradient (each gradient element within 1e-5 of the largest).
 
-The ``slow`` test runs verl's FSDP2 engine itself, on two CPU ranks (:mod:`tests.verl_fsdp_cpu`), for
+The ``slow`` test runs verl's FSDP2 engine itself, on two CPU ranks (:mod:`tests.helpers.verl_fsdp_cpu`), for
 a whole update step: ``per_rollout_mean``'s ``× dp_size`` and ``token_mean``'s global token count
 must cancel FSDP's averaging of the gradients over the ranks.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 
-import attrs
 import numpy as np
 import pytest
 import torch
@@ -33,30 +32,12 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.metric import Metric  # noqa: E402
 from verl.utils.py_functional import rename_dict  # noqa: E402
 
-from agl_backend_verl.config import load_verl_config  # noqa: E402
-from agl_backend_verl.dataproto import to_dataproto  # noqa: E402
-from agl_core.backends.torch.backend import load_policy  # noqa: E402
-from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer  # noqa: E402
-from agl_core.data import CompletedRollout, Triplet  # noqa: E402
-from agl_core.plugins import PluginManager  # noqa: E402
 from agl_core.serving.processes import free_port  # noqa: E402
-from agl_core.stages.pipeline import StepPipeline  # noqa: E402
-from agl_core.stages.tensorize import tensorize  # noqa: E402
-from tests.conftest import GATEWAY_TRACES  # noqa: E402
-from tests.verl_local_workers import engine_mini_batch, ppo_mini_batch  # noqa: E402
+from tests.helpers.paths import GATEWAY_TRACES  # noqa: E402
+from tests.helpers.verl_local_workers import engine_mini_batch, ppo_mini_batch  # noqa: E402
+from tests.helpers.verl_ppo import policy_and_reference, recorded_rollouts, torch_update, verl_config, verl_mini_batch  # noqa: E402
 
 RTOL = 1e-5
-SCENARIOS = (
-    "multiturn_4",
-    "multiturn_3_history_rewrite",
-    "single_turn",
-    "tito_multiturn_prefix_stable",
-    "no_reward",
-    "several_rewards_last_wins",
-    "upstream_error_then_ok",
-    "completions_api",
-)
-REWARDS = (1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.75, 0.5)
 # ppo_loss's metrics that verl's engine averages over micro-batches (the torch backend takes them over
 # the mini-batch at once); the loss terms are sums over micro-batches, equal either way.
 MICRO_BATCH_MEANS = {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
@@ -76,30 +57,6 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def recorded_rollouts(traces):
-    """Two groups of four rollouts, each the model calls of one recorded scenario."""
-    out = []
-    for k, (scenario, reward) in enumerate(zip(SCENARIOS, REWARDS)):
-        calls = [e["data"] for e in traces[scenario]["events_triplet"] if e["event_type"] == "model_request"]
-        triplets = [
-            Triplet(prompt_ids=c["prompt_token_ids"], response_ids=c["response_token_ids"], response_log_probs=c["response_log_probs"])
-            for c in calls
-            if c["response_token_ids"]
-        ]
-        out.append(CompletedRollout(rollout_id=scenario, group_id=f"g{k // 4}", state="succeeded", triplets=triplets, final_reward=reward))
-    return out
-
-
-def policy_and_reference(model_dir):
-    """The policy, and a perturbed frozen copy as the reference (so the KL term is not zero)."""
-    torch.manual_seed(0)
-    ref = load_policy(model_dir, torch.device("cpu"), frozen=True)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return load_policy(model_dir, torch.device("cpu")), ref
-
-
 @pytest.fixture(scope="module")
 def rollouts(gateway_traces):
     return recorded_rollouts(gateway_traces)
@@ -108,55 +65,6 @@ def rollouts(gateway_traces):
 @pytest.fixture(scope="module")
 def models(tiny_model_dir):
     return policy_and_reference(tiny_model_dir)
-
-
-def verl_config(tiny_model_dir, loss, normalization, entropy, kl, *extra):
-    return load_verl_config(
-        None,
-        [
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            "agentlightning.agl_base_url=http://127.0.0.1:1",
-            "agentlightning.trace_aggregator.level=trajectory",
-            f"agentlightning.loss_normalization={normalization}",
-            "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
-            f"actor_rollout_ref.actor.entropy_coeff={entropy}",
-            f"actor_rollout_ref.actor.use_kl_loss={str(kl).lower()}",
-            "actor_rollout_ref.actor.kl_loss_coef=0.5",
-            "trainer.device=cpu",
-            *extra,
-        ],
-    )
-
-
-def torch_update(config, models, tokenizer, rollouts):
-    """The torch backend's actor update on the pipeline's batch, and that batch's first mini-batch."""
-    model, ref = models
-    actor = config.actor_rollout_ref.actor
-    optimizer, _ = make_optimizer(model, actor.optim, 1)
-    plugins = PluginManager(load_entrypoints=False)
-    loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
-    settings = ActorSettings.from_config(config.actor_rollout_ref)
-    update = ActorUpdate(model, ref if actor.use_kl_loss else None, optimizer, loss_fn, settings, torch.device("cpu"), tokenizer.pad_token_id)
-    prepared = StepPipeline(config, plugins, tokenizer).prepare(rollouts, step=1)
-    batch = update.batch(prepared)
-    noise = 0.3 * torch.randn(batch.old_log_prob.shape, generator=torch.Generator().manual_seed(1))
-    batch = attrs.evolve(batch, old_log_prob=batch.old_log_prob + noise * batch.mask)
-    per_mini = len(prepared.shaped.rows) // prepared.shaped.n_mini_batches
-    return update, prepared, batch.rows(slice(0, per_mini)), per_mini
-
-
-def verl_mini_batch(prepared, mini, per_mini, tokenizer):
-    """The first mini-batch as verl's trainer builds its ``DataProto`` (agl_backend_verl.trainer.learn)."""
-    padded = tensorize(prepared.shaped.rows[:per_mini], pad_token_id=tokenizer.pad_token_id)
-    batch = to_dataproto(padded, meta_info={"temperature": 1.0})
-    batch.batch["advantages"] = mini.advantages
-    batch.batch["old_log_probs"] = mini.old_log_prob
-    if mini.ref_log_prob is not None:
-        batch.batch["ref_log_prob"] = mini.ref_log_prob
-    return batch
 
 
 def flat_grad(model):
@@ -204,11 +112,11 @@ def test_verls_ppo_loss_equals_the_torch_update(tiny_model_dir, tokenizer, rollo
     ("loss", "entropy", "kl"), [("per_rollout_mean", 0.1, False), ("token_mean", 0.0, True)], ids=["per_rollout_mean-entropy", "token_mean-kl"]
 )
 def test_verls_fsdp_engine_on_two_cpu_ranks_steps_as_the_torch_backend(tiny_model_dir, tmp_path, loss, entropy, kl):
-    """verl's FSDP2 engine (tests/verl_fsdp_cpu.py: gloo, two ranks, half the mini-batch each) trains
+    """verl's FSDP2 engine (tests/helpers/verl_fsdp_cpu.py: gloo, two ranks, half the mini-batch each) trains
     one mini-batch as the torch backend does in one process: the same loss, loss terms, gradient
     norm and clipped gradients (1e-5 relative), and weights after the AdamW step within 1e-6 (the
     step is about lr = 1e-3) wherever the gradient is above Adam's eps range."""
-    from tests.verl_fsdp_cpu import run_rank
+    from tests.helpers.verl_fsdp_cpu import run_rank
 
     case = {
         "model_dir": str(tiny_model_dir),

@@ -22,9 +22,9 @@ from agl_backend_verl.trainer import AglRayPPOTrainer  # noqa: E402
 from agl_core import hookimpl  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginError  # noqa: E402
 from agl_core.train import run  # noqa: E402
-from tests.gateway_fixtures import Plan, SimulatedController, always  # noqa: E402
-from tests.gateway_server import GatewayServer  # noqa: E402
-from tests.test_verl_trainer_step import FakeWorkers  # noqa: E402
+from tests.helpers.gateway_fixtures import Plan, SimulatedController, always  # noqa: E402
+from tests.helpers.gateway_server import GatewayServer  # noqa: E402
+from tests.helpers.verl_fake_workers import FakeWorkers  # noqa: E402
 
 KEY = "sk-agl-do-not-show-8c41f0e2"
 

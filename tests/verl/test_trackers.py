@@ -15,7 +15,7 @@ from verl.utils.tracking import Tracking  # noqa: E402
 
 from agl_backend_verl.verl_trackers import VERL_TRACKERS  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
-from tests.test_tracking import scripted_run  # noqa: E402
+from tests.helpers.scripted_backend import scripted_run  # noqa: E402
 
 
 def test_every_tracker_verl_supports_is_a_sink():

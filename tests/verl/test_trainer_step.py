@@ -11,9 +11,6 @@ pytestmark = pytest.mark.verl
 
 pytest.importorskip("verl")
 
-from omegaconf import OmegaConf  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402
 from verl.trainer.ppo.ray_trainer import Role  # noqa: E402
 
 from agl_backend_verl.config import load_verl_config  # noqa: E402
@@ -22,69 +19,9 @@ from agl_core.config import ConfigError  # noqa: E402
 from agl_core.data import CompletedRollout, Triplet  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
 from agl_core.rollouts.source import RolloutBatch, make_requests  # noqa: E402
+from tests.helpers.verl_fake_workers import FakeWorkers  # noqa: E402
 
 N = 4
-
-
-class FakeWorkers:
-    """The GPU-only calls, recorded; the actor update runs verl's registered policy loss for real."""
-
-    def __init__(self, config):
-        self.config = config
-        self.calls: list[tuple] = []
-        self.updated: list[DataProto] = []
-        self.losses: list[float] = []
-
-    def rollout_endpoints(self):
-        return ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"]
-
-    def resume_replicas(self):
-        self.calls.append(("resume",))
-
-    def abort_replicas(self):
-        self.calls.append(("abort",))
-
-    def sleep_replicas(self):
-        self.calls.append(("sleep",))
-
-    def old_log_probs(self, batch):
-        self.calls.append(("old_log_probs", len(batch)))
-        return DataProto.from_dict(tensors={"old_log_probs": batch.batch["rollout_log_probs"].clone()}), {"perf/mfu/actor_infer": 0.0}
-
-    def ref_log_probs(self, batch):
-        raise AssertionError("no reference policy is configured")
-
-    def values(self, batch):
-        raise AssertionError("no critic is configured")
-
-    def balance_batch(self, batch, metrics):
-        self.calls.append(("balance", len(batch)))
-        batch.reorder(__import__("torch").arange(len(batch) - 1, -1, -1))
-
-    def update_critic(self, batch):
-        raise AssertionError("no critic is configured")
-
-    def update_actor(self, batch):
-        import torch
-
-        self.calls.append(("update_actor", len(batch)))
-        self.updated.append(batch)
-        actor = OmegaConf.to_container(self.config.actor_rollout_ref.actor, resolve=True)
-        actor["global_batch_info"] = {"dp_size": 1}
-        loss_fn = get_policy_loss_fn(self.config.actor_rollout_ref.actor.policy_loss.loss_mode)
-        old = batch.batch["old_log_probs"]
-        loss, metrics = loss_fn(old, old + 0.01 * torch.ones_like(old), batch.batch["advantages"], batch.batch["response_mask"], config=OmegaConf.create(actor))
-        self.losses.append(float(loss))
-        return {**metrics, "actor/pg_loss": [float(loss)]}
-
-    def push_weights(self, version):
-        self.calls.append(("push", version))
-
-    def save_checkpoint(self):
-        self.calls.append(("save",))
-
-    def load_checkpoint(self):
-        self.calls.append(("load",))
 
 
 class FakeSource:

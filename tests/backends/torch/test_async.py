@@ -6,18 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from agl_core.config import ConfigError, load_config
-from agl_core.plugins import PluginManager
 from agl_core.backends.loop import next_samples
 from agl_core.backends.torch.backend import TorchBackend
-from tests.corridor_policy import REPO_ROOT, build_corridor_policy
+from agl_core.config import ConfigError, load_config
+from agl_core.plugins import PluginManager
+from tests.helpers.paths import REPO_ROOT
 
 CONFIG = str(REPO_ROOT / "examples" / "corridor" / "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_corridor_policy(tmp_path_factory.mktemp("policy"))
 
 
 def backend(policy: Path, tmp_path: Path, *extra: str) -> TorchBackend:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from agl_core.backends.torch.checkpoint import latest_checkpoint
-from tests.corridor_policy import REPO_ROOT, build_corridor_policy
-from tests.gateway_fixtures import Plan, SimulatedController, gateway  # noqa: F401  (fixture)
+from tests.helpers.corridor_policy import build_corridor_policy
+from tests.helpers.gateway_fixtures import Plan, SimulatedController
+from tests.helpers.paths import REPO_ROOT
 
 pytestmark = pytest.mark.gateway
 
@@ -140,8 +141,7 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
     from agl_core.config import ConfigError
     from agl_core.rollouts.gateway import gateway_source
     from agl_core.rollouts.gateway_client import GatewayClient
-    from tests.gateway_fixtures import gateway_config, plugin_manager
-    from tests.test_gateway_source import async_config
+    from tests.helpers.gateway_fixtures import async_config, gateway_config, plugin_manager
 
     delays = {3: 1.0, 4: 2.5}  # the backlog's sample, started after the restore, finishes last
     with SimulatedController(gateway, lambda r: Plan(delay=delays.get(r["input"]["id"], 0.05))):

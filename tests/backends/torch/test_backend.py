@@ -9,18 +9,12 @@ import pytest
 import torch
 
 from agl_core import hookimpl
-from agl_core.config import load_config
-from agl_core.data import TrainingRow
-from agl_core.plugins import PluginManager
-from agl_core.plugins.registry import RegistryError
-from agl_core.stages.tensorize import tensorize
 from agl_core.backends.torch.backend import TorchBackend
 from agl_core.backends.torch.model_ops import response_log_probs, token_entropy
+from agl_core.plugins import PluginManager
+from agl_core.plugins.registry import RegistryError
 from agl_core.train import run
-from tests.corridor_policy import build_corridor_policy
-
-CONFIG = "examples/corridor/config.yaml"
-SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["right", "right", "left"]}]
+from tests.helpers.torch_runs import CONFIG, SAMPLES, Running, served_log_probs, tensors_of, torch_config
 
 # The metrics every step of the reference backend reports.
 STEP_METRICS = [
@@ -57,47 +51,12 @@ STEP_METRICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return build_corridor_policy(tmp_path_factory.mktemp("policy"))
-
-
-def _config(policy, run_dir, *extra):
-    return load_config(
-        CONFIG,
-        [
-            f"actor_rollout_ref.model.path={policy}",
-            f"trainer.default_local_dir={run_dir}",
-            "data.train_batch_size=2",
-            "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "agentlightning.torch.num_threads=1",
-            *extra,
-        ],
-    )
-
-
-class Running:
-    """A backend with its engine and rollout source started, as ``fit`` starts them."""
-
-    def __init__(self, config, plugins=()):
-        self.backend = TorchBackend(config, PluginManager.from_config(config, plugins, load_entrypoints=False))
-        self.backend.engine = self.backend.make_engine()
-        self.backend.engine.start()
-        self.backend.engine.push_weights(self.backend.model, 0)
-        self.backend.source = self.backend.make_source()
-
-    def close(self):
-        self.backend.source.close()
-        self.backend.engine.close()
-
-
 @pytest.fixture
 def running(policy, tmp_path):
     started = []
 
     def start(*extra):
-        started.append(Running(_config(policy, tmp_path, *extra)))
+        started.append(Running(torch_config(policy, tmp_path, *extra)))
         return started[-1]
 
     yield start
@@ -105,56 +64,23 @@ def running(policy, tmp_path):
         r.close()
 
 
-def _served_log_probs(engine, prompt, response):
-    """What the serving engine says the response's log-probs are (greedy decode of ``prompt``)."""
-    body = httpx.post(
-        f"{engine.base_url}/completions",
-        json={"prompt": prompt, "max_tokens": len(response), "temperature": 0, "logprobs": 1, "return_token_ids": True},
-        timeout=60,
-    ).json()
-    return body["choices"][0]["token_ids"], body["choices"][0]["logprobs"]["token_logprobs"]
-
-
-def _tensors_of(prompt, response, pad):
-    """The backend's tensors for one prompt + response, every response token trained."""
-    row = TrainingRow(
-        prompt_ids=prompt, response_ids=response, response_mask=[1] * len(response), reward=0.0, rollout_id="r", group_id="g"
-    )
-    return tensorize([row], pad_token_id=pad).tensors
-
-
-class NoisyRewardAgent:
-    """One model call, then a random reward: every group has reward variance, so a step must learn."""
-
-    def run(self):
-        import os
-        import random
-
-        headers = {"Authorization": f"Bearer {os.environ['AGL_KEY']}"}
-        messages = [{"role": "user", "content": "junction 1 : the sign points left"}]
-        body = {"model": "policy", "messages": messages, "max_tokens": 3}
-        httpx.post(f"{os.environ['AGL_OPENAI_BASE_URL']}/chat/completions", json=body, headers=headers, timeout=60).raise_for_status()
-        data = {"value": random.random()}
-        httpx.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
-
-
 def test_a_step_changes_the_weights_and_the_engine_serves_them(running):
-    r = running("agentlightning.local.agent_class=tests.test_torch_backend:NoisyRewardAgent")
+    r = running("agentlightning.local.agent_class=tests.helpers.agents:NoisyRewardAgent")
     backend = r.backend
     before = {k: v.clone() for k, v in backend.model.state_dict().items()}
     text = backend.tokenizer.apply_chat_template(
         [{"role": "user", "content": "junction 1 : the sign points left"}], tokenize=False, add_generation_prompt=True
     )
     prompt = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
-    old_ids, old_served = _served_log_probs(backend.engine, prompt, [0, 0])
+    old_ids, old_served = served_log_probs(backend.engine, prompt, [0, 0])
 
     metrics = backend.train_step(SAMPLES)
 
     assert metrics["training/n_skipped_updates"] == 0.0 and metrics["actor/n_updates"] == 1.0
     changed = [k for k, v in backend.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the optimizer step changed no weight"
-    ids, served = _served_log_probs(backend.engine, prompt, [0, 0])
-    tensors = _tensors_of(prompt, ids, backend.pad_token_id)
+    ids, served = served_log_probs(backend.engine, prompt, [0, 0])
+    tensors = tensors_of(prompt, ids, backend.pad_token_id)
     with torch.no_grad():
         backend.model.eval()
         expected = response_log_probs(backend.model, tensors)[0, : len(ids)].tolist()
@@ -194,7 +120,7 @@ def test_marked_rows_are_dropped_whole_and_counted(running):
     ],
 )
 def test_unknown_names_fail_listing_what_is_registered(policy, tmp_path, override, names):
-    config = _config(policy, tmp_path, override)
+    config = torch_config(policy, tmp_path, override)
     with pytest.raises(RegistryError) as info:
         TorchBackend(config, PluginManager.from_config(config, load_entrypoints=False))
     message = str(info.value)
@@ -235,7 +161,7 @@ def test_val_reward_is_the_mean_over_every_validation_batch(running, tmp_path):
     r = running(
         f"data.val_files={_val_file(tmp_path, 5)}",
         "data.val_batch_size=2",
-        "agentlightning.local.agent_class=tests.test_torch_backend:RowRewardAgent",
+        "agentlightning.local.agent_class=tests.backends.torch.test_backend:RowRewardAgent",
         "agentlightning.local.env_map.ROW_ID=input.id",
     )
     metrics = r.backend.validate()
@@ -287,10 +213,10 @@ def _next_token_entropy(backend, content):
 def test_the_entropy_bonus_raises_the_entropy_and_nothing_moves_without_it(policy, tmp_path, loss_normalization):
     entropies = {}
     for coeff in (0.0, 1.0):
-        config = _config(
+        config = torch_config(
             policy,
             tmp_path / str(coeff),
-            "agentlightning.local.agent_class=tests.test_torch_backend:NoisyRewardAgent",
+            "agentlightning.local.agent_class=tests.helpers.agents:NoisyRewardAgent",
             "actor_rollout_ref.actor.policy_loss.loss_mode=zero",
             f"agentlightning.loss_normalization={loss_normalization}",
             f"actor_rollout_ref.actor.entropy_coeff={coeff}",
@@ -319,11 +245,11 @@ def test_entropy_coeff_is_validated_by_name(policy, tmp_path):
     from agl_core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.entropy_coeff"):
-        _config(policy, tmp_path, "actor_rollout_ref.actor.entropy_coeff=-0.1")
+        torch_config(policy, tmp_path, "actor_rollout_ref.actor.entropy_coeff=-0.1")
 
 
 def test_the_lr_schedule_steps_only_with_the_optimizer(running, recwarn):
-    started = running("agentlightning.local.agent_class=tests.test_embedded:FailingAgent")
+    started = running("agentlightning.local.agent_class=tests.helpers.agents:FailingAgent")
     backend = started.backend
     metrics = backend.train_step(backend.next_batch())  # every rollout fails: nothing to update on
     assert "actor/n_updates" not in metrics and backend.scheduler.last_epoch == 0

@@ -30,7 +30,7 @@ from agl_core.data import CompletedRollout, Triplet
 from agl_core.plugins import PluginManager
 from agl_core.serving.processes import free_port
 from agl_core.stages.pipeline import StepPipeline
-from tests.step_comparison import compare_steps
+from tests.helpers.step_comparison import compare_steps
 
 RTOL = 1e-5
 CASES = {  # name: (loss_mode, loss_normalization, use_kl_loss)

@@ -15,21 +15,14 @@ from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
 from agl_core.serving.weights import save_served, served_state_dict
 from agl_core.train import run
-from tests.corridor_policy import build_corridor_policy
-from tests.test_torch_backend import SAMPLES, Running, _config, _served_log_probs, _tensors_of
+from tests.helpers.torch_runs import CONFIG, SAMPLES, Running, served_log_probs, tensors_of, torch_config
 
-CONFIG = "examples/corridor/config.yaml"
 LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
 ADAPTER_PREFIXES = ("lora_A", "lora_B")
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return build_corridor_policy(tmp_path_factory.mktemp("policy"))
-
-
 def _backend(policy, tmp_path, *extra):
-    config = _config(policy, tmp_path, *extra)
+    config = torch_config(policy, tmp_path, *extra)
     return TorchBackend(config, PluginManager.from_config(config, (), load_entrypoints=False))
 
 
@@ -50,7 +43,7 @@ def _prompt(backend):
 
 
 def test_only_the_adapter_trains_and_the_engine_serves_the_merged_policy_after_every_push(policy, tmp_path):
-    r = Running(_config(policy, tmp_path, *LORA, "agentlightning.local.agent_class=tests.test_torch_backend:NoisyRewardAgent"))
+    r = Running(torch_config(policy, tmp_path, *LORA, "agentlightning.local.agent_class=tests.helpers.agents:NoisyRewardAgent"))
     try:
         backend = r.backend
         trained = {id(p) for group in backend.optimizer.param_groups for p in group["params"]}
@@ -65,10 +58,10 @@ def test_only_the_adapter_trains_and_the_engine_serves_the_merged_policy_after_e
         assert all(torch.equal(v, base_after[k]) for k, v in base_before.items()), "a base weight changed"
         assert any(p.abs().sum() > 0 for n, p in backend.model.named_parameters() if "lora_B" in n), "the adapter did not train"
         prompt = _prompt(backend)
-        ids, served = _served_log_probs(backend.engine, prompt, [0, 0])
+        ids, served = served_log_probs(backend.engine, prompt, [0, 0])
         with torch.no_grad():
             backend.model.eval()
-            expected = response_log_probs(backend.model, _tensors_of(prompt, ids, backend.pad_token_id))[0, : len(ids)].tolist()
+            expected = response_log_probs(backend.model, tensors_of(prompt, ids, backend.pad_token_id))[0, : len(ids)].tolist()
         assert served == pytest.approx(expected, abs=1e-5)
         assert backend.engine.version == 1
     finally:
@@ -80,7 +73,7 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(policy, tmp_p
     update = backend.actor_update
     assert update.ref_model is backend.model, "no second copy of the weights"
     _randomise_adapter(backend.model)
-    tensors = _tensors_of(_prompt(backend), [5, 9, 12, 2], backend.pad_token_id)
+    tensors = tensors_of(_prompt(backend), [5, 9, 12, 2], backend.pad_token_id)
     base = load_policy(policy, torch.device("cpu"), frozen=True)
     with torch.no_grad():
         backend.model.eval()
@@ -97,7 +90,7 @@ def test_served_and_exported_weights_are_the_merged_policy(policy, tmp_path):
 
     backend = _backend(policy, tmp_path, *LORA)
     _randomise_adapter(backend.model)
-    tensors = _tensors_of(_prompt(backend), [5, 9, 12, 2], backend.pad_token_id)
+    tensors = tensors_of(_prompt(backend), [5, 9, 12, 2], backend.pad_token_id)
     save_served(backend.model, tmp_path / "merged")  # what the vLLM engine loads, and merged_model_dir holds
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert set(merged.state_dict()) == set(served_state_dict(backend.model))
@@ -185,10 +178,10 @@ def test_an_adapter_of_another_kind_or_shape_is_refused_by_agl_check(policy, tmp
     first.model.save_pretrained(tmp_path / "adapter")
     path = f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"
     with pytest.raises(ConfigError) as error:
-        check_torch_config(_config(policy, tmp_path, *LORA, path, "actor_rollout_ref.model.lora_rank=4"))
+        check_torch_config(torch_config(policy, tmp_path, *LORA, path, "actor_rollout_ref.model.lora_rank=4"))
     assert error.value.key == "actor_rollout_ref.model.lora_rank"
     config_file = tmp_path / "adapter" / "adapter_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "use_dora": True}))
     with pytest.raises(ConfigError, match="DoRA") as error:
-        check_torch_config(_config(policy, tmp_path, *LORA, path))
+        check_torch_config(torch_config(policy, tmp_path, *LORA, path))
     assert error.value.key == "actor_rollout_ref.model.lora_adapter_path"

@@ -12,8 +12,7 @@ from agl_core.config import ConfigError
 from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager
 from agl_core.stages.tensorize import tensorize
-from tests.corridor_policy import build_corridor_policy
-from tests.test_torch_backend import _config
+from tests.helpers.torch_runs import torch_config
 
 LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
 CHECKPOINTING = ["actor_rollout_ref.model.enable_gradient_checkpointing=true"]
@@ -21,13 +20,8 @@ BF16_WEIGHTS = ["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]
 BF16_AUTOCAST = ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"]
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return build_corridor_policy(tmp_path_factory.mktemp("policy"))
-
-
 def _backend(policy, tmp_path, *extra):
-    config = _config(policy, tmp_path, "actor_rollout_ref.actor.entropy_coeff=0.01", *extra)
+    config = torch_config(policy, tmp_path, "actor_rollout_ref.actor.entropy_coeff=0.01", *extra)
     return TorchBackend(config, PluginManager.from_config(config, (), load_entrypoints=False))
 
 

@@ -10,7 +10,7 @@ import torch
 from agl_core import hookimpl
 from agl_core.backends.torch.checkpoint import latest_checkpoint
 from agl_core.train import run
-from tests.corridor_policy import build_corridor_policy
+from tests.helpers.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"
 
@@ -90,8 +90,8 @@ def agl_on_enqueue(request):
 
 def _expected_batches(overrides, steps):
     """The dataset rows each step trains on, from the data order alone (no run needed)."""
-    from agl_core.config import load_config
     from agl_core.backends.torch.data_order import DataOrder
+    from agl_core.config import load_config
     from agl_core.datasets import load_dataset
 
     config = load_config(CONFIG, overrides)
