@@ -203,7 +203,12 @@ def _expected(exc: BaseException) -> tuple[bool, str | None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes a command's key=value overrides only before its options (agl replay RUN --step N a=b)
+    if extra and (getattr(args, "overrides", None) is None or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except Exception as exc:

@@ -80,7 +80,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
 
 def model_fingerprint(config: Any) -> dict[str, Any]:
     """The run's model: ``path`` (``actor_rollout_ref.model.path``) and the architecture fields of its
-    ``config.json`` that exist (:data:`MODEL_FIELDS`)."""
+    ``config.json`` that exist (``MODEL_FIELDS``)."""
     path = str(config.actor_rollout_ref.model.path)
     try:
         fields = json.loads((Path(path) / "config.json").read_text())
@@ -132,7 +132,7 @@ def _scrub(value: Any, secrets: Sequence[str], counter: list[int]) -> Any:
 class RecordingWriter:
     """Appends each step's rollouts to ``trainer.default_local_dir``/``rollouts.jsonl``.
 
-    Created by :class:`~agl_core.stages.pipeline.StepPipeline` when ``agentlightning.record_rollouts``
+    Created by ``agl_core.stages.pipeline.StepPipeline`` when ``agentlightning.record_rollouts``
     is set. An existing file (a resumed run) must be a recording of the same model and tokenizer, else
     a :class:`~agl_core.config.ConfigError`.
     """

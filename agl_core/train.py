@@ -10,6 +10,7 @@ reward, validation reward and throughput.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ from agl_core.tracking import MetricSink, SinkContext, open_sinks, sink_names
 from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE, RunLog
 
 __all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "replay_step", "resolve_config", "run"]
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -122,8 +125,15 @@ def preflight(config: Any, manager: PluginManager) -> tuple[dict[str, int], list
     ):
         registry.entry(name)
     counts = {}
+    rewriters = manager.implementations("agl_on_enqueue")
     if config.data.train_files:  # a backend that reads no dataset files has none to check
-        counts = check_datasets(config, check_env_map=not manager.implementations("agl_on_enqueue"))
+        counts = check_datasets(config, check_env_map=not rewriters)
+        if rewriters and config.agentlightning.local.env_map:
+            logger.warning(
+                "agentlightning.local.env_map is not checked against the dataset rows: agl_on_enqueue of %s may "
+                "rewrite them (agl check says so too)",
+                ", ".join(rewriters),
+            )
     return counts, [(name, manager.metric_sinks.get(name)) for name in sink_names(config)]
 
 
@@ -149,8 +159,10 @@ def replay_step(
     scratch = Path(scratch)
     config_file, dataset = scratch / "config.yaml", scratch / "samples.jsonl"
     OmegaConf.save(OmegaConf.create(recording.core_config()), config_file)
-    samples = {r.group_id: thaw(r.input) for r in rollouts}
-    dataset.write_text("".join(json.dumps(s if isinstance(s, Mapping) else {}) + "\n" for s in samples.values()))
+    rows = [s if isinstance(s, Mapping) else {} for s in {r.group_id: thaw(r.input) for r in rollouts}.values()] or [{}]
+    while len(rows) < int(recording.core_config().get("data", {}).get("train_batch_size") or 1):
+        rows += rows  # the torch backend's data order needs a whole batch; replay reads none of it
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     replayed = [
         f"agentlightning.replay={recording.path}",
         "agentlightning.record_rollouts=false",

@@ -51,6 +51,7 @@ from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError  # noqa: E402
 from agl_core.train import run  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
+from tests.helpers.gateway_fixtures import list_rollouts  # noqa: E402
 from tests.helpers.gateway_server import Controller, GatewayServer  # noqa: E402
 
 CONFIG = REPO_ROOT / "examples" / "corridor" / "config.yaml"
@@ -147,7 +148,7 @@ class Soak:
     def ledger(self) -> float:
         """Rollouts the gateway holds, in any state (the trainer deletes each one it has read)."""
         try:
-            return float(sum(len(self.client.list_rollouts([state], limit=100000)) for state in STATES))
+            return float(len(list_rollouts(self.client, STATES, limit=100000)))
         except GatewayError:
             return float("nan")
 

@@ -84,8 +84,8 @@ class SimulatedGateway:
         return self.done_at[-1][0]
 
 
-def run_side(folder: Path, window: float) -> dict[str, Any]:
-    """One step of the source (in the tree first on ``sys.path``) against the simulated gateway."""
+def run_side(tree: Path, folder: Path, window: float) -> dict[str, Any]:
+    """One step of the source of ``tree`` (first on ``sys.path``) against the simulated gateway."""
     import httpx
     import torch
 
@@ -94,7 +94,10 @@ def run_side(folder: Path, window: float) -> dict[str, Any]:
     from agl_core.rollouts.gateway_client import GatewayClient
     from agl_core.rollouts.gateway_sync import GatewayRolloutSource
     from agl_core.stages.aggregation import AggregationSettings
-    from agl_core.builtins.aggregators import trajectory
+    if (tree / "agl_core" / "builtins").is_dir():
+        from agl_core.builtins.aggregators import trajectory
+    else:  # a revision from before the built-ins moved
+        from agl_core.stages.levels import trajectory
     from agl_core.stages.tensorize import tensorize
     from gateway_bodies import Bodies
 
@@ -166,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.side_tree:
         sys.path[:0] = [str(args.side_tree), str(Path(__file__).parent)]
-        print(json.dumps(run_side(args.folder, args.window)))
+        print(json.dumps(run_side(args.side_tree, args.folder, args.window)))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from gateway_bodies import WORKLOADS, Bodies

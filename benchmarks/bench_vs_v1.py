@@ -28,7 +28,9 @@ carries its whole prompt's ids, so the bodies grow with the square of the turns 
 response, so no row is dropped and v1.0's fixed padding is as small as it can be.
 
 For each workload and level it prints each side's decode, processing and total time, the total as a
-multiple of the floor, the peak RSS (and how much of it came after the imports), the ratios, and checks that v1.0 and both agl runs train the
+multiple of the floor, the peak RSS (and how much of it came after the imports), the padded/real
+ratio of its batch (tensor elements per real token; in brackets, of the same rows in micro-batches
+of 16,384 tokens, as the reference backend pads them), the ratios, and checks that v1.0 and both agl runs train the
 same tokens (equal response ids under the response mask, row by row) with the same log-probs. v1.0
 is skipped (and said so) where what it holds (its copy of the events, the models built from them
 and its padded batch) would not fit in ``--v1-max-gib``.
@@ -63,6 +65,7 @@ V1_SITE = Path(os.environ.get("AGL_V1_SITE", REPO_ROOT / ".venvs" / "agentlightn
 from agl_core.data import RolloutRequest, TrainingRow  # noqa: E402
 from agl_core.rollouts.events import completed_rollout_from_record, decode_events  # noqa: E402
 from agl_core.stages.aggregation import AggregationSettings  # noqa: E402
+from agl_core.stages.micro_batches import micro_batches, padded_elements  # noqa: E402
 from agl_core.builtins.aggregators import trajectory, transition  # noqa: E402
 from agl_core.stages.tensorize import tensorize  # noqa: E402
 from gateway_bodies import WORKLOADS, Bodies, rollout_record  # noqa: E402
@@ -70,6 +73,7 @@ from gateway_bodies import WORKLOADS, Bodies, rollout_record  # noqa: E402
 REPEAT = {"256x8": 3, "1024x16": 1}  # the larger one once: ~0.7 GB of bodies per side and level
 LEVELS = {"transition": transition, "trajectory": trajectory}
 SIDES = ("agl-after", "agl-before", "floor", "v1")  # agl-after first: it finds the limits
+MICRO_BATCH_TOKENS = 16384  # verl's default ppo_max_token_len_per_gpu
 V1_BYTES_PER_ELEMENT = 80  # v1.0's peak memory per padded element: int lists + ~6 int64 tensors
 V1_BYTES_PER_EVENT_INT = 72  # its own copy of the events plus the models built from them, per JSON int
 
@@ -240,10 +244,10 @@ def run_side(side: str, folder: Path, level: str, max_lengths: tuple[int, int] |
         total = time.process_time() - start - bodies.read_s
         if best is None or total < best["total"]:
             best = {"decode": timer["decode"], "process": total - timer["decode"], "total": total}
-        trained_tokens = trained(tensors)
+        trained_tokens, padding = trained(tensors), padded_per_real(tensors)
         del tensors
     np.savez(folder / f"{side}-{level}.npz", *[a for pair in trained_tokens for a in pair])
-    return {**best, "limits": list(max_lengths), "rows": len(trained_tokens), "peak_mb": _peak_mb(), "start_mb": start_rss / 1024}
+    return {**best, "limits": list(max_lengths), "rows": len(trained_tokens), "padding": padding, "peak_mb": _peak_mb(), "start_mb": start_rss / 1024}
 
 
 def _peak_mb() -> float:
@@ -255,6 +259,17 @@ def trained(tensors: dict[str, torch.Tensor]) -> list[tuple[np.ndarray, np.ndarr
     mask = tensors["response_mask"].bool()
     ids, lps = tensors["responses"], tensors["rollout_log_probs"]
     return [(ids[i][mask[i]].numpy(), lps[i][mask[i]].numpy()) for i in range(len(mask))]
+
+
+def padded_per_real(tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Tensor elements per real token of the batch, and of the same rows in token-budget
+    micro-batches (what the reference backend pads)."""
+    width = tensors["prompts"].shape[1]
+    prompts = tensors["attention_mask"][:, :width].sum(1).tolist()
+    responses = tensors["attention_mask"][:, width:].sum(1).tolist()
+    groups = micro_batches(prompts, responses, MICRO_BATCH_TOKENS, key="MICRO_BATCH_TOKENS")
+    real = sum(prompts) + sum(responses)
+    return tensors["input_ids"].numel() / real, padded_elements(prompts, responses, groups) / real
 
 
 def same_training(folder: Path, level: str, a: str, b: str) -> str:
@@ -279,6 +294,14 @@ def side(name: str, folder: Path, level: str, max_lengths: tuple[int, int] | Non
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def padding(result: dict[str, Any]) -> str:
+    """``batch (micro-batched)`` padded/real of a side's tensors; the floor builds none."""
+    if "padding" not in result:
+        return ""
+    batch, micro = result["padding"]
+    return f"{batch:.2f} ({micro:.2f})"
+
+
 def measure(v1: V1, name: str, n_rollouts: int, n_turns: int, levels: list[str], repeat: int, v1_max_gib: float) -> None:
     with tempfile.TemporaryDirectory(prefix="agl-bench-") as tmp:
         folder = Path(tmp)
@@ -300,14 +323,14 @@ def measure(v1: V1, name: str, n_rollouts: int, n_turns: int, levels: list[str],
             floor = results["floor"]
             print(f"{level:>10} (limits {max_lengths[0]}/{max_lengths[1]}, {rows} rows); floor: {floor['decoder']} "
                   + ", ".join(f"{k} {v:.3f} s" for k, v in floor["decoders"].items()))
-            print(f"    {'':22} {'decode s':>9} {'process s':>10} {'total s':>9} {'x floor':>8} {'peak RSS MB':>12} {'above start':>12}")
+            print(f"    {'':22} {'decode s':>9} {'process s':>10} {'total s':>9} {'x floor':>8} {'peak RSS MB':>12} {'above start':>12} {'padded/real':>12}")
             labels = {"v1": "v1.0 (2 bodies, json)", "agl-before": "agl before (json)", "agl-after": "agl after (msgspec)", "floor": f"floor ({floor['decoder']})"}
             for key in ("v1", "agl-before", "agl-after", "floor"):
                 if key not in results:
                     print(f"    {labels[key]:22} skipped: it would need ~{v1_gib:.0f} GiB (> --v1-max-gib {v1_max_gib:g})")
                     continue
                 r = results[key]
-                print(f"    {labels[key]:22} {r['decode']:9.3f} {r['process']:10.3f} {r['total']:9.3f} {r['total'] / floor['total']:8.2f} {r['peak_mb']:12.0f} {r['peak_mb'] - r['start_mb']:12.0f}")
+                print(f"    {labels[key]:22} {r['decode']:9.3f} {r['process']:10.3f} {r['total']:9.3f} {r['total'] / floor['total']:8.2f} {r['peak_mb']:12.0f} {r['peak_mb'] - r['start_mb']:12.0f} {padding(r):>12}")
             after = results["agl-after"]["total"]
             line = f"    agl after vs before {results['agl-before']['total'] / after:5.1f}x faster"
             if "v1" in results:

@@ -18,9 +18,10 @@ Runs agl from the source tree (nothing of agl is installed) and writes ``DIR/rep
    checkpointing, set by verl's keys): peak device memory, seconds per step of generation, log-probs
    and update, tokens per second, and which of them fit a 24 GiB and an 80 GiB card.
 
-The first four sections train in float32. Nothing is downloaded. ``agl train``'s own run driver also draws ``metrics.png`` (matplotlib); these runs go
-through :func:`agl_core.train.resolve_config` and the backend registry instead, so matplotlib is not
-needed, and write each step's metrics to ``DIR/<section>/metrics.jsonl``.
+The first four sections train in float32. Nothing is downloaded. ``agl train``'s own run driver also
+draws ``metrics.png`` (matplotlib); these runs go through :func:`agl_core.train.resolve_config` and
+the backend registry instead, so matplotlib is not needed, and write each step's metrics to
+``DIR/<section>/metrics.jsonl``.
 
 Usage: ``python scripts/device_check.py --out DIR [--device cuda|cpu] [--size full|tiny]
 [--deadline-s S] [--sections NAME ...]``. Exit status 0 whenever the report was written (``passed`` and each section's
@@ -52,9 +53,8 @@ import attrs
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # agl and the examples from the source tree
 
-import torch  # noqa: E402
-
 import device_numerics  # noqa: E402  (this script's folder is on sys.path)
+import torch  # noqa: E402
 from device_workload import AGENT_CLASS, build_policy, write_dataset  # noqa: E402
 
 GIB = 2**30
@@ -96,7 +96,11 @@ SIZES = {
 MODE_SHAPES = {"full": {"0.5B": QWEN2_0_5B, "1.5B": QWEN2_1_5B}, "tiny": {"tiny": TINY, "tiny-wide": TINY_WIDE}}
 MODE_STEPS = 3  # per mode; the timings are means over the steps after the first
 BF16 = ["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]
-LORA = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=64", "actor_rollout_ref.model.target_modules=all-linear"]
+LORA = [
+    "actor_rollout_ref.model.lora_rank=32",
+    "actor_rollout_ref.model.lora_alpha=64",
+    "actor_rollout_ref.model.target_modules=all-linear",
+]
 # The training modes compared, as verl's keys set them (LoRA over bf16 base weights; PEFT keeps the adapter in fp32).
 MODES = {
     "full fp32": [],
@@ -305,8 +309,13 @@ def synthetic(size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
     return {
         "status": "passed" if complete else "failed",
         "model": {**model, "dtype": "float32"},
-        "workload": {"prompts_per_step": size.prompts, "rollouts_per_prompt": size.n, "turns": size.turns,
-                     "observation_words": size.observation_words, "max_tokens_per_reply": size.max_tokens},  # fmt: skip
+        "workload": {
+            "prompts_per_step": size.prompts,
+            "rollouts_per_prompt": size.n,
+            "turns": size.turns,
+            "observation_words": size.observation_words,
+            "max_tokens_per_reply": size.max_tokens,
+        },  # fmt: skip
         "per_step": per_step,
         **throughput(per_step),
         "timing": timing(steps),
@@ -322,7 +331,8 @@ def step_summary(step: Mapping[str, Any]) -> dict[str, Any]:
         "step_s": step.get("timing/step_s"),
         "log_prob_s": step.get("timing/log_prob_s"),
         "actor_update_s": step.get("timing/actor_update_s"),
-        "generated_tokens": (step.get("response_length/training/avg_by_turn") or 0.0) * (step.get("training/n_turns") or 0),
+        "generated_tokens": (step.get("response_length/training/avg_by_turn") or 0.0)
+        * (step.get("training/n_turns") or 0),
         "trained_tokens": step.get("perf/total_num_tokens") or 0.0,
         "rollouts_succeeded": step.get("training/rollouts/n_succeeded"),
         "reward": step.get("training/reward"),
@@ -335,7 +345,9 @@ def throughput(per_step: list[dict[str, Any]]) -> dict[str, Any]:
     """Means over the steps after the first (which also warms the device up) when there are several."""
     warm = per_step[1:] if len(per_step) > 1 else per_step
     return {
-        "mean_after_first_step": {k: _mean([p[k] for p in warm]) for k in ("gen_s", "log_prob_s", "actor_update_s", "update_s", "step_s")},
+        "mean_after_first_step": {
+            k: _mean([p[k] for p in warm]) for k in ("gen_s", "log_prob_s", "actor_update_s", "update_s", "step_s")
+        },
         "generated_tokens_per_s": _mean([p["generated_tokens"] / p["gen_s"] for p in warm if p["gen_s"]]),
         "trained_tokens_per_s": _mean([p["trained_tokens"] / p["update_s"] for p in warm if p["update_s"]]),
     }
@@ -357,15 +369,29 @@ def modes(size_name: str, size: Size, device: str, work: Path, out: Path) -> dic
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             try:
-                steps = [s for s in train(None, [*synthetic_overrides(size, device, work, name, folder, MODE_STEPS), *keys], out / name) if s["step"] > 0]
+                steps = [
+                    s
+                    for s in train(
+                        None, [*synthetic_overrides(size, device, work, name, folder, MODE_STEPS), *keys], out / name
+                    )
+                    if s["step"] > 0
+                ]
             except Exception:
                 runs[mode] = {"status": "failed", "error": traceback.format_exc(limit=-4)}
                 continue
             per_step = [step_summary(s) for s in steps]
-            runs[mode] = {"status": "passed" if len(steps) == MODE_STEPS else "failed", "keys": keys, **mode_summary(per_step, device)}
+            runs[mode] = {
+                "status": "passed" if len(steps) == MODE_STEPS else "failed",
+                "keys": keys,
+                **mode_summary(per_step, device),
+            }
         shapes[shape_name] = {"model": model, "modes": runs}
     statuses = [run["status"] for shape in shapes.values() for run in shape["modes"].values()]
-    return {"status": "passed" if all(s == "passed" for s in statuses) else "failed", "cards_gib": list(CARDS_GIB), "shapes": shapes}
+    return {
+        "status": "passed" if all(s == "passed" for s in statuses) else "failed",
+        "cards_gib": list(CARDS_GIB),
+        "shapes": shapes,
+    }
 
 
 def mode_summary(per_step: list[dict[str, Any]], device: str) -> dict[str, Any]:
@@ -407,7 +433,9 @@ def environment(device: str) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
-        "device_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / GIB, 1) if device == "cuda" else None,
+        "device_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / GIB, 1)
+        if device == "cuda"
+        else None,
         "cpu_count": os.cpu_count(),
         "agl_commit": commit,
     }
@@ -418,8 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for report.json and the runs' metrics")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--size", choices=tuple(SIZES), default="full")
-    parser.add_argument("--deadline-s", type=float, help="end the check (report written) after this long (default: by size)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the sections to run (default: all)")
+    parser.add_argument(
+        "--deadline-s", type=float, help="end the check (report written) after this long (default: by size)"
+    )
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the sections to run (default: all)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (use --device cpu)")

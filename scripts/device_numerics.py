@@ -110,7 +110,7 @@ def check_losses(
     a token whose ratio sits on a clip bound may flip sides under rounding, which a max-norm would
     count as a whole token's gradient) and the metrics (absolute)."""
     results = []
-    for entry in (plugins or PluginManager()).policy_losses:
+    for entry in (plugins or PluginManager()).policy_losses.entries():
         for seed in range(seeds):
             weighted = seed % 2 == 1
             for dtype_name, dtype in DTYPES.items():
@@ -174,7 +174,7 @@ def estimator_rows(seed: int, groups: int = 6, n: int = 4, width: int = 24) -> l
 
 def check_estimators(device: str, plugins: PluginManager | None = None, seeds: int = 3) -> dict[str, Any]:
     results, unchecked = [], []
-    for entry in (plugins or PluginManager()).advantage_estimators:
+    for entry in (plugins or PluginManager()).advantage_estimators.entries():
         for norm in (True, False):
             closed_form = _closed_forms(norm).get(entry.name)
             if closed_form is None:
@@ -222,11 +222,11 @@ def _summary(results: list[dict[str, Any]], **shape: Any) -> dict[str, Any]:
 
 def check_verl(device: str, rows: int = 16, width: int = 64, seeds: int = 2) -> dict[str, Any]:
     try:
+        from verl.trainer.ppo.core_algos import get_policy_loss_fn
+        from verl.workers.config import ActorConfig, PolicyLossConfig
         from verl.workers.utils.losses import ppo_loss  # first: an import error is then verl's own
 
         import agl_backend_verl.verl_plugins as verl_plugins
-        from verl.trainer.ppo.core_algos import get_policy_loss_fn
-        from verl.workers.config import ActorConfig, PolicyLossConfig
     except Exception:
         missing = [m for m in VERL_LOSS_MODULES if importlib.util.find_spec(m) is None]
         return {"status": "unavailable", "import_error": traceback.format_exc(limit=-6), "missing_modules": missing}
@@ -242,7 +242,8 @@ def check_verl(device: str, rows: int = 16, width: int = 64, seeds: int = 2) -> 
             config = ActorConfig(
                 strategy="fsdp", ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows, rollout_n=1,
                 clip_ratio=settings.clip_ratio, clip_ratio_low=settings.low, clip_ratio_high=settings.high,
-                clip_ratio_c=settings.clip_ratio_c, loss_agg_mode="token-mean", policy_loss=PolicyLossConfig(loss_mode=name),
+                clip_ratio_c=settings.clip_ratio_c, loss_agg_mode="token-mean",
+                policy_loss=PolicyLossConfig(loss_mode=name),
             )  # fmt: skip
             log_probs, data = verl_micro_batch(old, new, adv, mask, batch["lengths"].to(device))
             through_verl = float(ppo_loss(config, {"log_probs": log_probs}, data)[0])
@@ -255,11 +256,16 @@ def check_verl(device: str, rows: int = 16, width: int = 64, seeds: int = 2) -> 
             error = max(comparisons.values())
             results.append(
                 {
-                    "loss": name, "dtype": dtype_name, "seed": seed, "errors": {"loss": error}, "comparisons": comparisons,
+                    "loss": name, "dtype": dtype_name, "seed": seed, "errors": {"loss": error},
+                    "comparisons": comparisons,
                     "passed": error <= TOLERANCES[dtype_name]["loss"],
                 }
             )  # fmt: skip
-    return {**_summary(results, rows=rows, width=width), "verl": verl.__version__, "registered": verl_plugins.REGISTERED}
+    return {
+        **_summary(results, rows=rows, width=width),
+        "verl": verl.__version__,
+        "registered": verl_plugins.REGISTERED,
+    }
 
 
 def verl_micro_batch(

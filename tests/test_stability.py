@@ -20,8 +20,10 @@ STABLE = REPO / "tests" / "fixtures" / "stable_api.txt"
 
 # What each moved module's __all__ held before layout v2 (git show 6538969^:agl_core/<module>.py).
 PREVIOUS_PUBLIC = {
-    "agl_core.advantage": "AdvantageError AdvantageSettings Advantages RolloutGroups group_rollouts grpo rloo reinforce reinforce_baseline turn_grpo",
-    "agl_core.aggregation": "MISMATCH_KINDS Aggregation AggregationCounts AggregationSettings Mismatch Segment merged_row rollout_reward settings_from_config write_mismatches_jsonl",
+    "agl_core.advantage": "AdvantageError AdvantageSettings Advantages RolloutGroups group_rollouts "
+    "grpo rloo reinforce reinforce_baseline turn_grpo",
+    "agl_core.aggregation": "MISMATCH_KINDS Aggregation AggregationCounts AggregationSettings Mismatch Segment "
+    "merged_row rollout_reward settings_from_config write_mismatches_jsonl",
     "agl_core.aggregators": "Align aggregate_trajectories exact_prefix trajectory transition",
     "agl_core.batch_shaping": "ShapingSettings ShapedBatch shape_batch",
     "agl_core.losses": "LossSettings PolicyLoss ppo_token_losses per_rollout_mean token_mean as_verl_policy_loss",
@@ -49,7 +51,9 @@ def test_an_old_module_path_imports_with_a_warning_naming_the_new_one(old):
     assert any(f"{old} has moved to {MOVED[old][0]}" in m and REMOVED_IN in m for m in messages), messages
 
 
-@pytest.mark.parametrize(("old", "name"), [(old, name) for old, names in sorted(PREVIOUS_PUBLIC.items()) for name in names.split()])
+@pytest.mark.parametrize(
+    ("old", "name"), [(old, name) for old, names in sorted(PREVIOUS_PUBLIC.items()) for name in names.split()]
+)
 def test_every_name_of_the_previous_release_is_still_there(old, name):
     module, _ = fresh_import(old)
     home, value = new_import(old, name)
@@ -59,7 +63,8 @@ def test_every_name_of_the_previous_release_is_still_there(old, name):
 
 def test_a_plugin_written_against_the_previous_release_still_loads(tmp_path):
     """In a fresh interpreter, with warnings as pytest shows them: it imports, registers and runs."""
-    (tmp_path / "old_plugin.py").write_text(textwrap.dedent("""
+    (tmp_path / "old_plugin.py").write_text(
+        textwrap.dedent("""
         from agl_core import hookimpl
         from agl_core.advantage import AdvantageSettings, grpo
         from agl_core.aggregation import Aggregation, AggregationCounts
@@ -68,7 +73,8 @@ def test_a_plugin_written_against_the_previous_release_still_loads(tmp_path):
         @hookimpl
         def agl_register_advantage_estimators(register):
             register("old_grpo", grpo)
-    """))
+    """)
+    )
     script = (
         "import warnings; warnings.simplefilter('default')\n"
         "import old_plugin\n"
@@ -76,12 +82,24 @@ def test_a_plugin_written_against_the_previous_release_still_loads(tmp_path):
         "m = PluginManager(load_entrypoints=False); m.register(old_plugin)\n"
         "print('registered', 'old_grpo' in m.advantage_estimators)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "registered True"
-    assert "DeprecationWarning: agl_core.advantage.grpo has moved: use 'from agl_core.builtins.estimators import grpo'" in out.stderr
-    assert "DeprecationWarning: agl_core.event_writer.EventWriter has moved: use 'from agl_core import EventWriter'" in out.stderr
+    assert (
+        "DeprecationWarning: agl_core.advantage.grpo has moved: use 'from agl_core.builtins.estimators import grpo'"
+        in out.stderr
+    )
+    assert (
+        "DeprecationWarning: agl_core.event_writer.EventWriter has moved: use 'from agl_core import EventWriter'"
+        in out.stderr
+    )
 
 
 def test_a_name_that_is_gone_says_so():
@@ -110,7 +128,9 @@ def test_the_stable_surface_keeps_every_name(module, name):
     deprecation period of one minor release; this list only grows."""
     loaded = importlib.import_module(module)
     if module != "agl_core.hookspecs":
-        assert name in loaded.__all__, f"{module}.{name} left __all__: stable names stay (see CHANGELOG.md, Stability policy)"
+        assert name in loaded.__all__, (
+            f"{module}.{name} left __all__: stable names stay (see CHANGELOG.md, Stability policy)"
+        )
     assert hasattr(loaded, name)
 
 
@@ -139,7 +159,11 @@ def test_a_broken_entry_point_is_listed_with_its_error(broken_installed):
     (info,) = manager.broken()
     assert info.name == "shiny" and info.error == "ModuleNotFoundError: No module named 'agl_shiny_missing'"
     assert info in manager.list_plugins() and "aggregators" in {i.name for i in manager.list_plugins()}
-    with pytest.raises(PluginError, match=r"plugin 'shiny' \(entry point agl_shiny_missing:plugin \(agl-shiny 1.2.3\)\) failed to import: .*AGL_BLOCKED_PLUGINS=shiny"):
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'shiny' \(entry point agl_shiny_missing:plugin \(agl-shiny 1.2.3\)\) failed to import: "
+        r".*AGL_BLOCKED_PLUGINS=shiny",
+    ):
         manager.refuse_broken()
 
 
@@ -148,11 +172,15 @@ def test_agl_plugins_lists_it_and_check_refuses_it(broken_installed, capsys):
 
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "shiny  [entry point agl_shiny_missing:plugin (agl-shiny 1.2.3)]  BROKEN\n  error: ModuleNotFoundError" in out
+    assert (
+        "shiny  [entry point agl_shiny_missing:plugin (agl-shiny 1.2.3)]  BROKEN\n  error: ModuleNotFoundError" in out
+    )
     assert "aggregators  [built-in]" in out
     assert main(["check", "examples/corridor/config.yaml"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("agl: error: plugin 'shiny' (entry point agl_shiny_missing:plugin (agl-shiny 1.2.3)) failed to import")
+    assert err.startswith(
+        "agl: error: plugin 'shiny' (entry point agl_shiny_missing:plugin (agl-shiny 1.2.3)) failed to import"
+    )
     assert "AGL_BLOCKED_PLUGINS=shiny" in err
 
 
@@ -167,15 +195,21 @@ def test_blocking_it_lets_the_run_go_on(broken_installed, monkeypatch):
 def test_a_contract_on_an_unregistered_name_fails_before_any_example(tmp_path):
     """The lookup is an autouse fixture, remembered per class: every test errors in setup, before
     hypothesis draws an example, and the manager is built once."""
-    (tmp_path / "test_missing.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_missing.py").write_text(
+        textwrap.dedent("""
         from agl_core.testing.contracts import AggregatorContract
 
         class TestMissing(AggregatorContract):
             aggregator_name = "not_registered_anywhere"
-    """))
+    """)
+    )
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_missing.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 1, out.stdout[-2000:]
     assert "errors" in out.stdout and " passed" not in out.stdout and " failed" not in out.stdout, out.stdout[-2000:]

@@ -78,7 +78,7 @@ class CpuPolicyServer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(1)
-        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.server = AbortablePolicyServer(model, tokenizer, model_name, seed=seed)
         self.server.start()

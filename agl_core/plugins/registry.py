@@ -6,7 +6,8 @@ listing what is registered. A :class:`Registry` is a read-only mapping of name -
 (``registry["trajectory"]``, ``"trajectory" in registry``, ``list(registry)``, ``registry.items()``);
 ``registry.get(name)`` without a default raises :class:`RegistryError` like ``registry[name]``
 (a name a config selects must exist), with a default it returns the default;
-:meth:`Registry.entry` / :meth:`Registry.entries` add the plugin that registered each name. What an entry declares beside its function (a policy loss's
+:meth:`Registry.entry` / :meth:`Registry.entries` add the plugin that registered each name. What an
+entry declares beside its function (a policy loss's
 :class:`~agl_core.stages.policy_loss.PolicyLossSpec`) travels in the entry object itself.
 """
 
@@ -54,7 +55,9 @@ class Registry(Mapping[str, Any]):
         if not isinstance(name, str) or not name:
             raise RegistryError(f"plugin {plugin_name!r} registered a {self.kind} with an invalid name {name!r}")
         if not callable(obj):
-            raise RegistryError(f"plugin {plugin_name!r} registered {self.kind} {name!r} as {obj!r}, which cannot be called")
+            raise RegistryError(
+                f"plugin {plugin_name!r} registered {self.kind} {name!r} as {obj!r}, which cannot be called"
+            )
         previous = self._entries.get(name)
         if previous is not None:
             raise RegistryError(
@@ -80,7 +83,9 @@ class Registry(Mapping[str, Any]):
             known = ", ".join(sorted(self._entries)) or "none"
             match = closest(str(name), self._entries)
             hint = f"; did you mean {match!r}?" if match else ""
-            raise RegistryError(f"unknown {self.kind} {name!r} (set by {self.config_key}); registered: {known}{hint}") from None
+            raise RegistryError(
+                f"unknown {self.kind} {name!r} (set by {self.config_key}); registered: {known}{hint}"
+            ) from None
 
     def names(self) -> list[str]:
         return sorted(self._entries)

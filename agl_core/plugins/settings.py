@@ -79,7 +79,9 @@ class PluginSettings(Mapping[str, Any]):
         except KeyError:
             match = closest(str(section), self._values)
             hint = f"; did you mean {match!r}?" if match else ""
-            raise KeyError(f"no plugin declares settings {section!r}{hint} (declared: {', '.join(sorted(self._values)) or 'none'})") from None
+            raise KeyError(
+                f"no plugin declares settings {section!r}{hint} (declared: {', '.join(sorted(self._values)) or 'none'})"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
@@ -106,12 +108,16 @@ def _build_one(declaration: SettingsDeclaration, values: Any) -> Any:
         if "not in" in message and key:
             known = _field_defaults(declaration.cls)
             match = closest(key, known)
-            message = f"unknown setting of plugin {declaration.plugin_name!r}" + (f"; did you mean {match!r}?" if match else f" (known: {', '.join(known)})")
+            message = f"unknown setting of plugin {declaration.plugin_name!r}" + (
+                f"; did you mean {match!r}?" if match else f" (known: {', '.join(known)})"
+            )
         raise ConfigError(f"{prefix}.{key}" if key else prefix, message) from None
     except (TypeError, ValueError) as exc:  # the class's own validation
         message = str(exc.args[0]) if exc.args else type(exc).__name__
         field = _named_field(exc, message, _field_defaults(declaration.cls))
-        raise ConfigError(f"{prefix}.{field}" if field else prefix, f"{message} (plugin {declaration.plugin_name!r})") from None
+        raise ConfigError(
+            f"{prefix}.{field}" if field else prefix, f"{message} (plugin {declaration.plugin_name!r})"
+        ) from None
 
 
 def _named_field(exc: Exception, message: str, fields: Mapping[str, bool]) -> str | None:
@@ -126,7 +132,11 @@ def _named_field(exc: Exception, message: str, fields: Mapping[str, bool]) -> st
 def build_settings(declarations: Mapping[str, SettingsDeclaration], section: Any) -> PluginSettings:
     """Every declared section built from ``section`` (the config's ``agentlightning.plugins``), or
     from its class's defaults where the config leaves it out."""
-    given = {} if section is None else (OmegaConf.to_container(section) if isinstance(section, DictConfig) else dict(section))
+    given = (
+        {}
+        if section is None
+        else (OmegaConf.to_container(section) if isinstance(section, DictConfig) else dict(section))
+    )
     for name in given:
         if name not in declarations:
             match = closest(str(name), declarations)

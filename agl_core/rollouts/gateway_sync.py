@@ -387,8 +387,9 @@ class GatewayRolloutSource(RolloutSource):
         if not self.model_name:
             raise ConfigError("actor_rollout_ref.model.path", "needed to register models with the gateway")
         previous = self.registered
-        if previous is not None and not set(previous[0]) <= set(endpoints):
-            self.client.delete_models()  # stale endpoints; the gateway only clears all at once
+        if previous is None or not set(previous[0]) <= set(endpoints):
+            # stale endpoints (a previous run's too: its engines are gone); the gateway only clears all at once
+            self.client.delete_models()
         self.client.register_models(self.model_name, endpoints, version)
         self.registered = (list(endpoints), int(version))
 

@@ -2,7 +2,7 @@
 
 Step ``N`` of the run gets the rollouts recorded for step ``N`` (:mod:`agl_core.recording`), exactly
 as the recording run's pipeline received them: no agent, gateway or generation runs, and the dataset
-samples handed to :meth:`ReplayRolloutSource.collect` are not used. A recording of another model or
+samples handed to ``collect`` are not used. A recording of another model or
 tokenizer is refused before the first step; a step the recording does not hold, and validation
 (a recording holds training steps only), are errors naming the file.
 """
@@ -36,10 +36,8 @@ class ReplayRolloutSource(RolloutSource):
                 f"{self.recording.path} holds training steps only: a replayed run cannot validate "
                 "(unset data.val_files, or set trainer.val_before_train=false and trainer.test_freq=-1)",
             )
-        return RolloutBatch(
-            self.recording.rollouts(step),
-            {"training/replay/n_rollouts_replayed": float(len(self.recording.rollouts(step)))},
-        )
+        rollouts = self.recording.rollouts(step)
+        return RolloutBatch(rollouts, {"training/replay/n_rollouts_replayed": float(len(rollouts))})
 
     def before_weight_update(self) -> dict[str, float]:
         return {}

@@ -247,8 +247,9 @@ class VllmEngine:
     # -- weights --------------------------------------------------------------------------------
 
     def push_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Save ``model`` as safetensors (a PEFT model merged, :func:`~agl_core.serving.weights.save_served`) and reload the server from it: pause (in-flight requests
-        finish) → ``reload_weights`` → reset the prefix cache → resume."""
+        """Save ``model`` as safetensors (a PEFT model merged, :func:`~agl_core.serving.weights.save_served`)
+        and reload the server from it: pause (in-flight requests finish) → ``reload_weights`` → reset the
+        prefix cache → resume."""
         target = self.weights_dir / f"step_{version:08d}"
         staging = self.weights_dir / f".staging_{version:08d}"
         shutil.rmtree(staging, ignore_errors=True)

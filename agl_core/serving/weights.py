@@ -47,7 +47,9 @@ def served_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             key = f"{owner}.{rest[len(BASE_LAYER) :]}"
             if key == f"{owner}.weight":
                 layer = layers[owner]
-                value = value + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters).to(value.dtype)
+                value = value + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters).to(
+                    value.dtype
+                )
             out[key] = value
     return out
 

@@ -22,4 +22,6 @@ def has_hypothesis() -> bool:
 
 def hypothesis_missing(module: str) -> ImportError:
     """The error ``module`` fails its import with when hypothesis is missing: what to install."""
-    return ImportError(f"{module} needs hypothesis, which agl's test extra installs: {TEST_EXTRA_INSTALL}", name="hypothesis")
+    return ImportError(
+        f"{module} needs hypothesis, which agl's test extra installs: {TEST_EXTRA_INSTALL}", name="hypothesis"
+    )

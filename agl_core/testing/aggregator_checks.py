@@ -68,13 +68,22 @@ class _RowView:
         here = row.response_turns == j
         mask = row.response_mask[here]
         if mask.size and np.any(np.diff(mask.astype(np.int8)) < 0):
-            _fail(f"call {j}: its tokens must be its observation (mask 0) then its response (mask 1); the mask is {shorten(mask)}", row)
+            _fail(
+                f"call {j}: its tokens must be its observation (mask 0) then its response (mask 1); the mask is {shorten(mask)}",
+                row,
+            )
         if j == row.turn_index and mask.size and mask[0] == 0:
-            _fail(f"call {j}: the first merged call's observation belongs to the prompt, yet the response starts with mask {shorten(mask)}", row)
+            _fail(
+                f"call {j}: the first merged call's observation belongs to the prompt, yet the response starts with mask {shorten(mask)}",
+                row,
+            )
         trained_ids = row.response_ids[here][mask == 1]
         n = len(trained_ids)
         if not np.array_equal(trained_ids, call.response_ids[:n]):
-            _fail(f"call {j}: trained tokens are {shorten(trained_ids)}, expected the call's response {shorten(call.response_ids)}", row)
+            _fail(
+                f"call {j}: trained tokens are {shorten(trained_ids)}, expected the call's response {shorten(call.response_ids)}",
+                row,
+            )
         if n < len(call.response_ids):
             self._check_cut(j, len(call.response_ids) - n, len(call.response_ids))
         if row.log_probs is not None:
@@ -84,7 +93,10 @@ class _RowView:
             if not np.all(lp[mask == 0] == 0):
                 _fail(f"call {j}: observation tokens carry log-probs {shorten(lp[mask == 0])}, expected 0", row)
             if not np.array_equal(lp[mask == 1], call.response_log_probs[:n]):
-                _fail(f"call {j}: log-probs are {shorten(lp[mask == 1])}, expected the call's {shorten(call.response_log_probs[:n])}", row)
+                _fail(
+                    f"call {j}: log-probs are {shorten(lp[mask == 1])}, expected the call's {shorten(call.response_log_probs[:n])}",
+                    row,
+                )
 
     def _check_cut(self, j: int, missing: int, total: int) -> None:
         """Call ``j`` lost ``missing`` of its ``total`` response tokens: only a cut at the limit may do that."""
@@ -135,7 +147,9 @@ def check_identity(rollouts, result, agg_settings) -> None:
         covered = sorted(j for view in rows for j in view.calls)
         twice = sorted({j for j in covered if covered.count(j) > 1})
         if twice:
-            _fail(f"rollout {rollout_id!r}: calls {twice} are merged into more than one row; each call belongs to at most one row")
+            _fail(
+                f"rollout {rollout_id!r}: calls {twice} are merged into more than one row; each call belongs to at most one row"
+            )
 
 
 def check_tokens(rollouts, result, agg_settings) -> None:
@@ -146,19 +160,34 @@ def check_tokens(rollouts, result, agg_settings) -> None:
         for view in rows:
             row = view.row
             if not row.response_mask.any():
-                _fail("row has no trained token; it should have been skipped and counted in training/n_skipped_empty_rows", row)
+                _fail(
+                    "row has no trained token; it should have been skipped and counted in training/n_skipped_empty_rows",
+                    row,
+                )
             merged_have_log_probs = all(calls[j].response_log_probs is not None for j in view.calls)
             if merged_have_log_probs and row.log_probs is None:
-                _fail(f"every merged call ({view.calls.start}..{view.calls.stop - 1}) has log-probs, so the row should keep them", row)
+                _fail(
+                    f"every merged call ({view.calls.start}..{view.calls.stop - 1}) has log-probs, so the row should keep them",
+                    row,
+                )
             n_prompt = len(row.prompt_ids)
             if row.dropped:
                 if n_prompt <= agg_settings.max_prompt_length:
-                    _fail(f"row marked dropped, but its {n_prompt}-token prompt is within max_prompt_length = {agg_settings.max_prompt_length}", row)
+                    _fail(
+                        f"row marked dropped, but its {n_prompt}-token prompt is within max_prompt_length = {agg_settings.max_prompt_length}",
+                        row,
+                    )
                 continue
             if n_prompt > agg_settings.max_prompt_length:
-                _fail(f"the {n_prompt}-token prompt is over max_prompt_length = {agg_settings.max_prompt_length}, so the row should be marked dropped", row)
+                _fail(
+                    f"the {n_prompt}-token prompt is over max_prompt_length = {agg_settings.max_prompt_length}, so the row should be marked dropped",
+                    row,
+                )
             if len(row.response_ids) > agg_settings.max_response_length:
-                _fail(f"response of {len(row.response_ids)} tokens, expected it cut at max_response_length = {agg_settings.max_response_length}", row)
+                _fail(
+                    f"response of {len(row.response_ids)} tokens, expected it cut at max_response_length = {agg_settings.max_response_length}",
+                    row,
+                )
 
 
 def check_context(rollouts, result, agg_settings, exact_token_context: bool = True) -> None:
@@ -186,7 +215,10 @@ def check_context(rollouts, result, agg_settings, exact_token_context: bool = Tr
             else:
                 got_text, want_text = tokenizer.decode(got.tolist()), tokenizer.decode(want.tolist())
                 if not (got_text == want_text or (view.at_limit and want_text.startswith(got_text))):
-                    _fail(f"prompt + response decodes to {shorten(got_text)}, expected the last merged call's {shorten(want_text)}", row)
+                    _fail(
+                        f"prompt + response decodes to {shorten(got_text)}, expected the last merged call's {shorten(want_text)}",
+                        row,
+                    )
 
 
 def _check_ids_context(view: _RowView, got: np.ndarray, want: np.ndarray) -> None:
@@ -213,17 +245,26 @@ def _missing_runs(n_calls: int, covered: set[int]) -> tuple[int, int]:
     return runs, len(missing)
 
 
-def check_metrics(rollouts, result, agg_settings, exact_token_context: bool = True, leaves_calls_out: bool = False) -> None:
+def check_metrics(
+    rollouts, result, agg_settings, exact_token_context: bool = True, leaves_calls_out: bool = False
+) -> None:
     """The metrics count what the rows show: drops, truncations, skipped and left-out calls, calls, breaks."""
     by_id, views = _views(rollouts, result, agg_settings)
     metrics = result.metrics
-    for name in ("training/n_sample_dropped/marked", "training/n_truncated_sample", "training/n_skipped_empty_rows", "training/n_turns"):
+    for name in (
+        "training/n_sample_dropped/marked",
+        "training/n_truncated_sample",
+        "training/n_skipped_empty_rows",
+        "training/n_turns",
+    ):
         if name not in metrics:
             _fail(f"metric {name!r} is missing")
     kept = [view for rows in views.values() for view in rows if not view.row.dropped]
     n_dropped = sum(view.row.dropped for rows in views.values() for view in rows)
     if metrics["training/n_sample_dropped/marked"] != n_dropped:
-        _fail(f"training/n_sample_dropped/marked is {metrics['training/n_sample_dropped/marked']}, expected {n_dropped} (the rows marked dropped)")
+        _fail(
+            f"training/n_sample_dropped/marked is {metrics['training/n_sample_dropped/marked']}, expected {n_dropped} (the rows marked dropped)"
+        )
 
     truncated = metrics["training/n_truncated_sample"]
     if exact_token_context:
@@ -279,7 +320,9 @@ def _check_calls_in_no_row(by_id, views, metrics, leaves_calls_out: bool) -> Non
 def _check_mismatch_metrics(rollouts, result, agg_settings, views) -> None:
     metrics = result.metrics
     if len(result.mismatches) > agg_settings.mismatch_sample_size:
-        _fail(f"{len(result.mismatches)} mismatches kept, expected at most mismatch_sample_size = {agg_settings.mismatch_sample_size}")
+        _fail(
+            f"{len(result.mismatches)} mismatches kept, expected at most mismatch_sample_size = {agg_settings.mismatch_sample_size}"
+        )
     breaks = metrics.get("training/n_trace_merge_mismatch_rows")
     if breaks is None:
         if result.mismatches:
@@ -287,7 +330,9 @@ def _check_mismatch_metrics(rollouts, result, agg_settings, views) -> None:
         return
     by_class = [metrics.get(f"training/trace_merge_mismatch/{kind}", 0.0) for kind in MISMATCH_KINDS]
     if sum(by_class) != breaks:
-        _fail(f"per-class mismatch counts {dict(zip(MISMATCH_KINDS, by_class))} should add up to training/n_trace_merge_mismatch_rows = {breaks}")
+        _fail(
+            f"per-class mismatch counts {dict(zip(MISMATCH_KINDS, by_class))} should add up to training/n_trace_merge_mismatch_rows = {breaks}"
+        )
     low = sum(max(len(rows) - 1, 0) for rows in views.values())
     high = sum(max(len(r.triplets) - 1, 0) for r in rollouts)
     if not low <= breaks <= high:
@@ -296,11 +341,18 @@ def _check_mismatch_metrics(rollouts, result, agg_settings, views) -> None:
         if sum(m.kind == kind for m in result.mismatches) > count:
             _fail(f"more {kind} mismatches sampled than counted ({count})")
     for m in result.mismatches:
-        if len(m.context_ids) > agg_settings.mismatch_max_length or len(m.prompt_ids) > agg_settings.mismatch_max_length:
-            _fail(f"mismatch sample of rollout {m.rollout_id!r} keeps more ids than mismatch_max_length = {agg_settings.mismatch_max_length}")
+        if (
+            len(m.context_ids) > agg_settings.mismatch_max_length
+            or len(m.prompt_ids) > agg_settings.mismatch_max_length
+        ):
+            _fail(
+                f"mismatch sample of rollout {m.rollout_id!r} keeps more ids than mismatch_max_length = {agg_settings.mismatch_max_length}"
+            )
         for text in (m.context_text, m.prompt_text):
             if text is not None and len(text) > agg_settings.mismatch_max_length:
-                _fail(f"mismatch sample of rollout {m.rollout_id!r} keeps more text than mismatch_max_length = {agg_settings.mismatch_max_length}")
+                _fail(
+                    f"mismatch sample of rollout {m.rollout_id!r} keeps more text than mismatch_max_length = {agg_settings.mismatch_max_length}"
+                )
     unmerged = metrics.get("training/n_unmerged_rollouts")
     if unmerged is not None:
         low = sum(len(rows) > 1 for rows in views.values())

@@ -112,7 +112,8 @@ def check_trained_calls(
         missing = sorted(j for j in declared - got if len(rollout.triplets[j].response_ids))
         if extra or missing:
             raise AssertionError(
-                f"rollout {rollout.rollout_id!r} ({len(rollout.triplets)} calls): the rows train calls {sorted(got)}, the "
+                f"rollout {rollout.rollout_id!r} ({len(rollout.triplets)} calls): "
+                f"the rows train calls {sorted(got)}, the "
                 f"declaration (trained_calls) says {sorted(declared)}"
                 + (f"; calls {extra} should be in no row" if extra else "")
                 + (f"; calls {missing} should be trained" if missing else "")
@@ -128,7 +129,9 @@ def check_matches_reference(batch: Sequence[CompletedRollout], result: Aggregati
     got_rows, want_rows = snapshot(_row_order(result)), snapshot(_row_order(want))
     change = describe_change(want_rows, got_rows, "rows", "rollout_id")
     if change:
-        raise AssertionError(f"the rows differ from the reference's ('was' is the reference, 'now' the plugin): {change}")
+        raise AssertionError(
+            f"the rows differ from the reference's ('was' is the reference, 'now' the plugin): {change}"
+        )
     diff = mapping_diff(result.metrics, want.metrics, keys=sorted(want.metrics))
     if diff:
         raise AssertionError(f"the metrics differ from the reference's:\n{diff}")
@@ -154,7 +157,9 @@ class AggregatorContract(PluginContract):
     def aggregate(self, rollouts: Sequence[CompletedRollout], agg_settings: AggregationSettings) -> Aggregation:
         result = self.plugin_under_test()(rollouts, agg_settings)
         if not isinstance(result, Aggregation):
-            raise AssertionError(f"aggregator {self.aggregator_name!r} returned {type(result).__name__}, not an Aggregation")
+            raise AssertionError(
+                f"aggregator {self.aggregator_name!r} returned {type(result).__name__}, not an Aggregation"
+            )
         return result
 
     @_given_batch

@@ -98,18 +98,25 @@ def check_advantages(rows: Sequence[TrainingRow], result: Any) -> None:
     if not isinstance(result, Advantages):
         raise AssertionError(f"an estimator must return an Advantages, got {type(result).__name__}")
     if len(result.per_row) != len(rows):
-        raise AssertionError(f"{len(result.per_row)} advantage arrays for {len(rows)} rows; expected one per row, in row order")
+        raise AssertionError(
+            f"{len(result.per_row)} advantage arrays for {len(rows)} rows; expected one per row, in row order"
+        )
     for row, values in zip(rows, result.per_row):
         if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.shape != row.response_mask.shape:
             got = f"{type(values).__name__} {getattr(values, 'dtype', '')} {getattr(values, 'shape', '')}"
-            raise AssertionError(f"{_where(row)}: advantages are {got}, expected float32 of shape {row.response_mask.shape}")
+            raise AssertionError(
+                f"{_where(row)}: advantages are {got}, expected float32 of shape {row.response_mask.shape}"
+            )
         if values.flags.writeable:
-            raise AssertionError(f"{_where(row)}: the advantage array is writeable; return read-only arrays (agl_core.broadcast does)")
+            raise AssertionError(
+                f"{_where(row)}: the advantage array is writeable; return read-only arrays (agl_core.broadcast does)"
+            )
         if not np.all(np.isfinite(values)):
             raise AssertionError(f"{_where(row)}: advantages {shorten(values)} are not all finite")
         if np.any(values[row.response_mask == 0] != 0):
             raise AssertionError(
-                f"{_where(row)}: untrained tokens (mask {shorten(row.response_mask)}) get advantages {shorten(values)}; expected 0 there"
+                f"{_where(row)}: untrained tokens (mask {shorten(row.response_mask)}) get advantages "
+                f"{shorten(values)}; expected 0 there"
             )
     for name, value in result.metrics.items():
         if not isinstance(name, str) or not np.isfinite(float(value)):
@@ -140,14 +147,17 @@ def _per_row(estimate: Estimate, rows: Sequence[TrainingRow], settings: Advantag
     return list(result.per_row)
 
 
-def check_order_does_not_matter(estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, order: Sequence[int]) -> None:
+def check_order_does_not_matter(
+    estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, order: Sequence[int]
+) -> None:
     """The rows in ``order`` get the advantages they got in their original order."""
     first = _per_row(estimate, rows, settings)
     again = _per_row(estimate, [rows[i] for i in order], settings)
     for position, i in enumerate(order):
         if not np.allclose(again[position], first[i], rtol=TOLERANCE, atol=TOLERANCE):
             raise AssertionError(
-                f"{_where(rows[i])}: advantages {shorten(first[i])} become {shorten(again[position])} when the rows are "
+                f"{_where(rows[i])}: advantages {shorten(first[i])} become {shorten(again[position])} when the "
+                "rows are "
                 f"reordered; an estimator must not depend on the order of rows, rollouts or groups"
             )
 
@@ -156,14 +166,18 @@ def check_equal_rewards_give_zero(estimate: Estimate, rows: Sequence[TrainingRow
     """With one reward per group and no per-call rewards (``gamma`` 1), every advantage is 0."""
     reward_of: dict[str, float] = {}
     equal = [
-        attrs.evolve(row, reward=reward_of.setdefault(row.group_id, row.reward), turn_rewards=(None,) * len(row.turn_rewards))
+        attrs.evolve(
+            row, reward=reward_of.setdefault(row.group_id, row.reward), turn_rewards=(None,) * len(row.turn_rewards)
+        )
         for row in rows
     ]
     for row, values in zip(equal, _per_row(estimate, equal, attrs.evolve(settings, gamma=1.0))):
         if np.max(np.abs(values), initial=0.0) > 1e-6:
             raise AssertionError(
-                f"{_where(row)}: every rollout of group {row.group_id!r} has reward {row.reward}, yet the advantages are "
-                f"{shorten(values)}; a baseline estimator gives such a group 0 (set baseline = False if it has no baseline)"
+                f"{_where(row)}: every rollout of group {row.group_id!r} has reward {row.reward}, yet the "
+                "advantages are "
+                f"{shorten(values)}; a baseline estimator gives such a group 0 (set baseline = False if it has "
+                "no baseline)"
             )
 
 
@@ -193,12 +207,30 @@ def check_errors_name_the_rollout_or_group(
     below ``min_group_size`` rollouts is refused naming the group."""
     row = rows[0]
     rid = row.rollout_id
-    _refused(estimate, [*rows, attrs.evolve(row, reward=row.reward + 1.0)], settings, rid, f"rows of rollout {rid!r} disagree on reward")
-    _refused(estimate, [*rows, attrs.evolve(row, group_id=str(uuid.uuid4()))], settings, rid, f"rows of rollout {rid!r} disagree on group")
+    _refused(
+        estimate,
+        [*rows, attrs.evolve(row, reward=row.reward + 1.0)],
+        settings,
+        rid,
+        f"rows of rollout {rid!r} disagree on reward",
+    )
+    _refused(
+        estimate,
+        [*rows, attrs.evolve(row, group_id=str(uuid.uuid4()))],
+        settings,
+        rid,
+        f"rows of rollout {rid!r} disagree on group",
+    )
     if min_group_size > 1:
         lonely = f"lonely-{uuid.uuid4()}"
         moved = [attrs.evolve(r, group_id=lonely) if r.rollout_id == rid else r for r in rows]
-        _refused(estimate, moved, settings, lonely, f"group {lonely!r} has 1 rollout, fewer than min_group_size = {min_group_size}")
+        _refused(
+            estimate,
+            moved,
+            settings,
+            lonely,
+            f"group {lonely!r} has 1 rollout, fewer than min_group_size = {min_group_size}",
+        )
 
 
 def _rollout_values(rows: Sequence[TrainingRow], result: Advantages) -> dict[str, float]:
@@ -220,7 +252,9 @@ def _groups(rows: Sequence[TrainingRow]) -> dict[str, list[str]]:
     return groups
 
 
-def check_matches_reference(estimate: Estimate, reference: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings) -> None:
+def check_matches_reference(
+    estimate: Estimate, reference: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings
+) -> None:
     """The estimator's advantages equal the reference's on every row (a differential property)."""
     got = _per_row(estimate, rows, settings)
     want = reference(list(rows), settings).per_row
@@ -228,12 +262,15 @@ def check_matches_reference(estimate: Estimate, reference: Estimate, rows: Seque
         diff = array_diff(g, w, rtol=TOLERANCE, atol=TOLERANCE)
         if diff:
             raise AssertionError(
-                f"{_where(row)} (reward {row.reward}, {row.n_trained_tokens} trained tokens, settings {settings}): the advantages "
+                f"{_where(row)} (reward {row.reward}, {row.n_trained_tokens} trained tokens, settings "
+                f"{settings}): the advantages "
                 f"differ from the reference's: {diff}"
             )
 
 
-def check_shift_invariance(estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, shift: float) -> None:
+def check_shift_invariance(
+    estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, shift: float
+) -> None:
     """A group-relative estimator: adding ``shift`` to every reward of the first group changes nothing."""
     group = rows[0].group_id
     shifted = [attrs.evolve(row, reward=row.reward + shift) if row.group_id == group else row for row in rows]
@@ -247,7 +284,9 @@ def check_shift_invariance(estimate: Estimate, rows: Sequence[TrainingRow], sett
             )
 
 
-def check_leave_one_out(estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, raise_by: float) -> None:
+def check_leave_one_out(
+    estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, raise_by: float
+) -> None:
     """Raising one rollout's reward by ``raise_by`` raises its advantage by exactly that and lowers
     each other rollout of its group by ``raise_by / (n - 1)``: its baseline leaves it out."""
     groups = _groups(rows)
@@ -264,8 +303,10 @@ def check_leave_one_out(estimate: Estimate, rows: Sequence[TrainingRow], setting
         if abs(change - expected) > 1e-4 * max(1.0, abs(raise_by)):
             who = "its own" if rid == target else f"rollout {rid!r}'s (same group)"
             raise AssertionError(
-                f"raising the reward of rollout {target!r} (group {group!r}, {n} rollouts) by {raise_by} changes {who} advantage "
-                f"by {change:.6g}, expected {expected:.6g}: a leave-one-out baseline is the mean of the others' rewards, without the "
+                f"raising the reward of rollout {target!r} (group {group!r}, {n} rollouts) by {raise_by} "
+                f"changes {who} advantage "
+                f"by {change:.6g}, expected {expected:.6g}: a leave-one-out baseline is the mean of the others' "
+                "rewards, without the "
                 f"rollout's own (advantage = reward - mean of the other {n - 1})"
             )
 
@@ -274,7 +315,9 @@ def _identical_group(rows: Sequence[TrainingRow]) -> list[TrainingRow]:
     """Every rollout of each group replaced by a copy of the group's first rollout (ids kept)."""
     groups = _groups(rows)
     template = {g: [row for row in rows if row.rollout_id == members[0]] for g, members in groups.items()}
-    return [attrs.evolve(row, rollout_id=rid) for g, members in groups.items() for rid in members for row in template[g]]
+    return [
+        attrs.evolve(row, rollout_id=rid) for g, members in groups.items() for rid in members for row in template[g]
+    ]
 
 
 def _lengthened(row: TrainingRow, n: int, trained: bool) -> TrainingRow:
@@ -290,18 +333,23 @@ def _lengthened(row: TrainingRow, n: int, trained: bool) -> TrainingRow:
     )
 
 
-def check_identical_rollouts_give_zero(estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings) -> None:
+def check_identical_rollouts_give_zero(
+    estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings
+) -> None:
     """A group of identical rollouts (same reward, same tokens) gets zero advantage everywhere."""
     same = _identical_group(rows)
     for row, values in zip(same, _per_row(estimate, same, attrs.evolve(settings, gamma=1.0))):
         if np.max(np.abs(values), initial=0.0) > 1e-6:
             raise AssertionError(
-                f"{_where(row)}: every rollout of group {row.group_id!r} is identical (reward {row.reward}, same tokens), yet the "
+                f"{_where(row)}: every rollout of group {row.group_id!r} is identical (reward {row.reward}, "
+                "same tokens), yet the "
                 f"advantages are {shorten(values)}; a baseline estimator gives such a group 0"
             )
 
 
-def check_length_penalty(estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, extra: int) -> None:
+def check_length_penalty(
+    estimate: Estimate, rows: Sequence[TrainingRow], settings: AdvantageSettings, extra: int
+) -> None:
     """In a group of identical rollouts, ``extra`` more trained tokens on one make its advantage the
     lowest of the group; ``extra`` more untrained tokens change nothing."""
     same = _identical_group(rows)
@@ -318,13 +366,17 @@ def check_length_penalty(estimate: Estimate, rows: Sequence[TrainingRow], settin
         others = [values[rid] for rid in ids if rid != target]
         if not trained and any(abs(v) > 1e-6 for v in values.values() if v is not None):
             raise AssertionError(
-                f"in group {group!r} of identical rollouts, {extra} more untrained (observation) tokens on rollout {target!r} give "
-                f"advantages {shorten({rid: values[rid] for rid in ids})}, expected all 0: a length penalty counts only trained tokens"
+                f"in group {group!r} of identical rollouts, {extra} more untrained (observation) tokens on "
+                f"rollout {target!r} give "
+                f"advantages {shorten({rid: values[rid] for rid in ids})}, expected all 0: a length penalty "
+                "counts only trained tokens"
             )
         if trained and not values[target] < min(others) - 1e-7:
             raise AssertionError(
-                f"in group {group!r} of identical rollouts, rollout {target!r} with {extra} more trained tokens gets advantage "
-                f"{values[target]:.6g}, the others {shorten(others)}; a length penalty must give the longer rollout the lower advantage"
+                f"in group {group!r} of identical rollouts, rollout {target!r} with {extra} more trained tokens "
+                "gets advantage "
+                f"{values[target]:.6g}, the others {shorten(others)}; a length penalty must give the longer "
+                "rollout the lower advantage"
             )
 
 
@@ -340,8 +392,14 @@ class EstimatorCase:
     def rows(self) -> list[TrainingRow]:
         return [
             TrainingRow(
-                prompt_ids=[1], response_ids=[2] * n, response_mask=[1] * n, reward=reward,
-                rollout_id=f"{group}-{i}", group_id=group, response_turns=[0] * n, turn_rewards=(None,),
+                prompt_ids=[1],
+                response_ids=[2] * n,
+                response_mask=[1] * n,
+                reward=reward,
+                rollout_id=f"{group}-{i}",
+                group_id=group,
+                response_turns=[0] * n,
+                turn_rewards=(None,),
             )
             for group, members in self.groups.items()
             for i, (reward, n) in enumerate(members)
@@ -356,7 +414,10 @@ def check_case(estimate: Estimate, case: EstimatorCase) -> None:
         values = [got[f"{group}-{i}"] for i in range(len(expected))]
         diff = array_diff(values, expected, rtol=1e-4, atol=1e-5)
         if diff:
-            raise AssertionError(f"group {group!r} (reward, trained tokens) = {list(case.groups[group])}, settings {case.settings}: {diff}")
+            raise AssertionError(
+                f"group {group!r} (reward, trained tokens) = {list(case.groups[group])}, settings "
+                f"{case.settings}: {diff}"
+            )
 
 
 class AdvantageEstimatorContract(PluginContract):
@@ -376,7 +437,7 @@ class AdvantageEstimatorContract(PluginContract):
     length_penalty: ClassVar[bool] = False
     #: a slow, obviously-correct estimator to compare with on every generated batch.
     reference: ClassVar[Estimate | None] = None
-    #: hand-computed cases (:class:`EstimatorCase`) the estimator must reproduce.
+    #: hand-computed cases (:class:`~agl_core.testing.estimator_contract.EstimatorCase`) the estimator must reproduce.
     cases: ClassVar[Sequence[EstimatorCase]] = ()
 
     def estimate(self, rows: Sequence[TrainingRow], settings: AdvantageSettings) -> Advantages:

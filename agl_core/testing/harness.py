@@ -171,7 +171,9 @@ def training_runner(root: Path) -> Callable[..., TrainingRun]:
     """:func:`run_training` with each run's folder under ``root`` (what the ``agl_training`` fixture gives)."""
     runs = iter(range(1_000_000))
 
-    def train(plugins: Iterable[Any] = (), overrides: Mapping[str, Any] | Sequence[str] = (), steps: int = 2, seed: int = 0) -> TrainingRun:
+    def train(
+        plugins: Iterable[Any] = (), overrides: Mapping[str, Any] | Sequence[str] = (), steps: int = 2, seed: int = 0
+    ) -> TrainingRun:
         return run_training(plugins, overrides, steps, root / f"harness-{next(runs)}", seed)
 
     return train

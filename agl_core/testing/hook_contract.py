@@ -48,8 +48,16 @@ from agl_core.testing.strategies import CONTRACT_SETTINGS, completed_rollouts
 __all__ = ["HookContract", "call_hook", "check_enqueue", "check_rollout_hooks", "event_maps", "rollout_requests"]
 
 _JSON = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-100, 100), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)),
-    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(st.text(max_size=6), children, max_size=3)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-100, 100),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=8),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3), st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
     max_leaves=8,
 )
 
@@ -71,7 +79,11 @@ def rollout_requests(draw: st.DrawFn) -> RolloutRequest:
 def event_maps(attempt_id: str = "attempt-0") -> st.SearchStrategy[dict[str, list[dict[str, Any]]]]:
     """A rollout's raw events by attempt: none, or a few with ``event_type``, ``data``, ``timestamp``."""
     event = st.fixed_dictionaries(
-        {"event_type": st.sampled_from(["span", "reward", "message"]), "data": st.dictionaries(st.text(max_size=5), _JSON, max_size=3), "timestamp": st.floats(0, 1e9)}
+        {
+            "event_type": st.sampled_from(["span", "reward", "message"]),
+            "data": st.dictionaries(st.text(max_size=5), _JSON, max_size=3),
+            "timestamp": st.floats(0, 1e9),
+        }
     )
     return st.one_of(st.just({}), st.lists(event, max_size=4).map(lambda events: {attempt_id: events}))
 
@@ -94,10 +106,16 @@ def check_enqueue(plugin: Any, request: RolloutRequest, expected: Any = None, re
     if not implemented:
         return
     if request.to_dict() != before:
-        raise AssertionError(f"agl_on_enqueue changed its input request: {describe_change([before], [request.to_dict()], 'requests', 'rollout_id')}")
+        raise AssertionError(
+            "agl_on_enqueue changed its input request: "
+            f"{describe_change([before], [request.to_dict()], 'requests', 'rollout_id')}"
+        )
     if result is not None:
         if not isinstance(result, RolloutRequest):
-            raise AssertionError(f"agl_on_enqueue returned {type(result).__name__} ({shorten(result)}); expected a RolloutRequest or None")
+            raise AssertionError(
+                f"agl_on_enqueue returned {type(result).__name__} ({shorten(result)}); "
+                "expected a RolloutRequest or None"
+            )
         if (result.rollout_id, result.group_id) != (request.rollout_id, request.group_id):
             raise AssertionError(
                 f"agl_on_enqueue changed the ids: ({request.rollout_id!r}, {request.group_id!r}) became "
@@ -106,12 +124,20 @@ def check_enqueue(plugin: Any, request: RolloutRequest, expected: Any = None, re
         try:
             json.dumps(result.to_dict(), allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise AssertionError(f"agl_on_enqueue returned a request that is not JSON ({exc}): {shorten(result.to_dict(), 300)}") from None
+            raise AssertionError(
+                f"agl_on_enqueue returned a request that is not JSON ({exc}): {shorten(result.to_dict(), 300)}"
+            ) from None
     if reference:  # None means "keep the request", for the hook as for the reference
-        got, want = (request if result is None else result).to_dict(), (request if expected is None else expected).to_dict()
+        got, want = (
+            (request if result is None else result).to_dict(),
+            (request if expected is None else expected).to_dict(),
+        )
         if got != want:
             change = describe_change([want], [got], "requests", "rollout_id")
-            raise AssertionError(f"agl_on_enqueue's request differs from expected_request's ('was' the expected, 'now' the hook's): {change}")
+            raise AssertionError(
+                "agl_on_enqueue's request differs from expected_request's "
+                f"('was' the expected, 'now' the hook's): {change}"
+            )
 
 
 def check_rollout_hooks(plugin: Any, rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]]) -> None:
@@ -127,10 +153,16 @@ def check_rollout_hooks(plugin: Any, rollout: CompletedRollout, events: dict[str
     if change:
         raise AssertionError(f"the hook changed the rollout it was given: {change}")
     if events != before_events:
-        raise AssertionError(f"agl_on_succeeded changed the rollout's events: {shorten(before_events, 200)} became {shorten(events, 200)}")
+        raise AssertionError(
+            f"agl_on_succeeded changed the rollout's events: {shorten(before_events, 200)} "
+            f"became {shorten(events, 200)}"
+        )
     for event in writer.pending:
         if event.rollout_id != rollout.rollout_id:
-            raise AssertionError(f"the hook wrote event {event.event_type!r} for rollout {event.rollout_id!r}, not for the rollout it was given ({rollout.rollout_id!r})")
+            raise AssertionError(
+                f"the hook wrote event {event.event_type!r} for rollout {event.rollout_id!r}, "
+                f"not for the rollout it was given ({rollout.rollout_id!r})"
+            )
 
 
 class HookContract:

@@ -105,7 +105,12 @@ def _tensors(batch: LossBatch, dtype: torch.dtype = torch.float64) -> dict[str, 
 
 def _call(loss: Any, inputs: Mapping[str, torch.Tensor | None], settings: LossSettings) -> Evaluation:
     value, metrics = loss(
-        inputs["old_log_prob"], inputs["log_prob"], inputs["advantages"], inputs["response_mask"], settings, inputs["rollout_is_weights"]
+        inputs["old_log_prob"],
+        inputs["log_prob"],
+        inputs["advantages"],
+        inputs["response_mask"],
+        settings,
+        inputs["rollout_is_weights"],
     )
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         raise AssertionError(f"the loss must be a scalar tensor, got {shorten(value)}")
@@ -128,7 +133,10 @@ def check_finite_and_padding(loss: Any, batch: LossBatch, settings: LossSettings
     settings = _batch_settings(batch, settings)
     result = evaluate(loss, batch, settings)
     if not torch.isfinite(result.loss):
-        raise AssertionError(f"the loss is {result.loss.item()}; expected a finite number (padded positions hold NaN: select, do not multiply)")
+        raise AssertionError(
+            f"the loss is {result.loss.item()}; expected a finite number (padded positions hold NaN: select, do "
+            "not multiply)"
+        )
     if not isinstance(result.metrics, Mapping) or not all(np.isfinite(float(v)) for v in result.metrics.values()):
         raise AssertionError(f"metrics {shorten(result.metrics)} should map names to finite floats")
     if not torch.all(torch.isfinite(result.grad)):
@@ -139,7 +147,9 @@ def check_finite_and_padding(loss: Any, batch: LossBatch, settings: LossSettings
     refilled = _with_padding(batch, -3.0)
     other = evaluate(loss, refilled, settings)
     if not torch.allclose(other.loss, result.loss, rtol=RTOL, atol=ATOL):
-        raise AssertionError(f"the loss changes from {result.loss.item()} to {other.loss.item()} when only padded positions change")
+        raise AssertionError(
+            f"the loss changes from {result.loss.item()} to {other.loss.item()} when only padded positions change"
+        )
 
 
 def _with_padding(batch: LossBatch, value: float) -> LossBatch:
@@ -152,7 +162,11 @@ def _with_padding(batch: LossBatch, value: float) -> LossBatch:
         out[padding] = value
         return out
 
-    return LossBatch(*(refill(a) for a in (batch.old_log_prob, batch.log_prob, batch.advantages)), batch.response_mask, refill(batch.rollout_is_weights))
+    return LossBatch(
+        *(refill(a) for a in (batch.old_log_prob, batch.log_prob, batch.advantages)),
+        batch.response_mask,
+        refill(batch.rollout_is_weights),
+    )
 
 
 def check_zero_advantage_zero_gradient(loss: Any, batch: LossBatch, settings: LossSettings) -> None:
@@ -160,7 +174,9 @@ def check_zero_advantage_zero_gradient(loss: Any, batch: LossBatch, settings: Lo
     zero = attrs.evolve(batch, advantages=np.where(batch.response_mask == 1, 0.0, batch.advantages))
     grad = evaluate(loss, zero, _batch_settings(batch, settings)).grad
     if torch.any(grad.abs() > ATOL):
-        raise AssertionError(f"with all advantages 0 the gradient by log_prob is {shorten(grad.tolist())}; expected 0 everywhere")
+        raise AssertionError(
+            f"with all advantages 0 the gradient by log_prob is {shorten(grad.tolist())}; expected 0 everywhere"
+        )
 
 
 def check_clip_bounds(loss: Any, batch: LossBatch, settings: LossSettings) -> None:
@@ -172,24 +188,41 @@ def check_clip_bounds(loss: Any, batch: LossBatch, settings: LossSettings) -> No
         ratio = np.exp(np.clip(batch.log_prob - batch.old_log_prob, -20, 20))
     adv, low, high, dual = batch.advantages, 1 - settings.low, 1 + settings.high, settings.clip_ratio_c
     clipped = trained & (
-        ((adv > 0) & (ratio > high + MARGIN)) | ((adv < 0) & (ratio < low - MARGIN)) | ((adv < 0) & (ratio > dual + MARGIN))
+        ((adv > 0) & (ratio > high + MARGIN))
+        | ((adv < 0) & (ratio < low - MARGIN))
+        | ((adv < 0) & (ratio > dual + MARGIN))
     )
     inside = trained & (np.abs(adv) > MARGIN) & (ratio > low + MARGIN) & (ratio < min(high, dual) - MARGIN)
     for where, why in (
         (clipped & (np.abs(grad) > ATOL), "is clipped yet gets gradient"),
-        (inside & ~(np.sign(grad) == -np.sign(adv)), "is inside the clip bounds yet its gradient does not follow the advantage's sign"),
+        (
+            inside & ~(np.sign(grad) == -np.sign(adv)),
+            "is inside the clip bounds yet its gradient does not follow the advantage's sign",
+        ),
     ):
         if where.any():
             i, j = (int(k) for k in np.argwhere(where)[0])
             raise AssertionError(
-                f"token [{i}, {j}] (ratio {ratio[i, j]:.4g}, advantage {adv[i, j]:.4g}, bounds [{low:.4g}, {high:.4g}], "
+                f"token [{i}, {j}] (ratio {ratio[i, j]:.4g}, advantage {adv[i, j]:.4g}, bounds [{low:.4g}, "
+                f"{high:.4g}], "
                 f"clip_ratio_c {dual:.4g}) {why}: d loss / d log_prob = {grad[i, j]:.4g}"
             )
 
 
 def _rows(batch: LossBatch, rows: slice | np.ndarray) -> LossBatch:
     pick = lambda a: None if a is None else a[rows]  # noqa: E731
-    return LossBatch(*(pick(a) for a in (batch.old_log_prob, batch.log_prob, batch.advantages, batch.response_mask, batch.rollout_is_weights)))
+    return LossBatch(
+        *(
+            pick(a)
+            for a in (
+                batch.old_log_prob,
+                batch.log_prob,
+                batch.advantages,
+                batch.response_mask,
+                batch.rollout_is_weights,
+            )
+        )
+    )
 
 
 def check_micro_batches_add_up(loss: Any, batch: LossBatch, settings: LossSettings, cuts: Sequence[int]) -> None:
@@ -204,7 +237,8 @@ def check_micro_batches_add_up(loss: Any, batch: LossBatch, settings: LossSettin
         raise AssertionError(
             f"micro-batches cut at rows {bounds[1:-1]} have losses summing to {total.item():.6g}, the whole batch "
             f"{whole.loss.item():.6g}; with settings.batch_num_tokens = {settings.batch_num_tokens} (the mini-batch's) "
-            f"they must add up, or the update depends on the micro-batch size (declare additive_over_micro_batches=False if it must)"
+            "they must add up, or the update depends on the micro-batch size (declare "
+            "additive_over_micro_batches=False if it must)"
         )
     grads = torch.cat([part.grad for part in parts])
     if not torch.allclose(grads, whole.grad, rtol=RTOL, atol=ATOL):
@@ -220,7 +254,8 @@ def check_sums_tokens(loss: Any, batch: LossBatch, settings: LossSettings) -> No
     if not torch.allclose(doubled, 2 * once, rtol=RTOL, atol=ATOL):
         raise AssertionError(
             f"the batch repeated twice has loss {doubled.item():.6g}, not twice {once.item():.6g}: a loss declaring "
-            f"scale_advantages_per_rollout gets advantages already divided per rollout and must sum, not average, its tokens"
+            "scale_advantages_per_rollout gets advantages already divided per rollout and must sum, not "
+            "average, its tokens"
         )
 
 
@@ -236,7 +271,9 @@ def check_inputs_unchanged(loss: Any, batch: LossBatch, settings: LossSettings) 
         same = (new == old) | (torch.isnan(new.to(torch.float64)) & torch.isnan(old.to(torch.float64)))
         if not torch.all(same):
             i, j = (int(k) for k in torch.nonzero(~same)[0])
-            raise AssertionError(f"the loss changed its input {name}: [{i}, {j}] was {old[i, j].item()}, now {new[i, j].item()}")
+            raise AssertionError(
+                f"the loss changed its input {name}: [{i}, {j}] was {old[i, j].item()}, now {new[i, j].item()}"
+            )
 
 
 def _per_row_advantages(batch: LossBatch) -> LossBatch:
@@ -268,8 +305,10 @@ def check_sequence_clip_bounds(loss: Any, batch: LossBatch, settings: LossSettin
             why = "is inside the clip bounds yet its gradient does not follow the advantage's sign"
         if why:
             raise AssertionError(
-                f"row {i} (sequence ratio {ratio[i]:.4g} = exp(mean log-ratio {log_ratio[i]:.4g}), advantage {adv[i]:.4g}, bounds "
-                f"[{low:.4g}, {high:.4g}]) {why}: d loss / d log_prob summed over the row = {total:.4g} ({shorten(row_grad[i].tolist())})"
+                f"row {i} (sequence ratio {ratio[i]:.4g} = exp(mean log-ratio {log_ratio[i]:.4g}), advantage "
+                f"{adv[i]:.4g}, bounds "
+                f"[{low:.4g}, {high:.4g}]) {why}: d loss / d log_prob summed over the row = {total:.4g} "
+                f"({shorten(row_grad[i].tolist())})"
             )
 
 
@@ -285,10 +324,14 @@ def check_dtypes(loss: Any, batch: LossBatch, settings: LossSettings) -> None:
         result = evaluate(loss, batch, settings, dtype)
         value = float(result.loss.to(torch.float64))
         if not np.isfinite(value) or not torch.all(torch.isfinite(result.grad.to(torch.float64))):
-            raise AssertionError(f"in {dtype} the loss is {value} and its gradient {shorten(result.grad.tolist())}; expected finite (float64: {exact.loss.item():.6g})")
+            raise AssertionError(
+                f"in {dtype} the loss is {value} and its gradient {shorten(result.grad.tolist())}; expected "
+                f"finite (float64: {exact.loss.item():.6g})"
+            )
         if abs(value - exact.loss.item()) > rtol * scale * 4:
             raise AssertionError(
-                f"in {dtype} the loss is {value:.6g}, in float64 {exact.loss.item():.6g}: more than the dtype's rounding apart "
+                f"in {dtype} the loss is {value:.6g}, in float64 {exact.loss.item():.6g}: more than the dtype's "
+                "rounding apart "
                 f"(compute in the inputs' dtype, or upcast, but do not lose the value)"
             )
 
@@ -303,7 +346,8 @@ def check_large_log_ratios(loss: Any, batch: LossBatch, settings: LossSettings, 
         result = evaluate(loss, huge, _batch_settings(huge, settings), dtype)
         if not torch.isfinite(result.loss) or not torch.all(torch.isfinite(result.grad)):
             raise AssertionError(
-                f"with a log-ratio of {log_ratio} on some tokens ({dtype}) the loss is {result.loss.item()} and its gradient "
+                f"with a log-ratio of {log_ratio} on some tokens ({dtype}) the loss is {result.loss.item()} and "
+                "its gradient "
                 f"{shorten(result.grad.tolist())}; clamp the log-ratio before exp (verl clamps at +-20)"
             )
 
@@ -326,8 +370,10 @@ def check_data_parallel(loss: Any, batch: LossBatch, settings: LossSettings, ran
         diff = array_diff(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-9)
         if diff:
             raise AssertionError(
-                f"on {ranks} ranks (dp_size = {ranks}, batch_num_tokens = {batch.n_tokens} for the whole mini-batch) the "
-                f"all-reduced {what} differs from one rank's: {diff}\n(a data-parallel loss multiplies by settings.dp_size, "
+                f"on {ranks} ranks (dp_size = {ranks}, batch_num_tokens = {batch.n_tokens} for the whole "
+                "mini-batch) the "
+                f"all-reduced {what} differs from one rank's: {diff}\n(a data-parallel loss multiplies by "
+                "settings.dp_size, "
                 "since the ranks' gradients are averaged)"
             )
 
@@ -387,7 +433,9 @@ class PolicyLossContract(PluginContract):
             pytest.skip("the loss declares no normalisation to check")
         if spec.additive_over_micro_batches:
             n = len(batch.response_mask)
-            check_micro_batches_add_up(spec, batch, settings, data.draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3), "cuts"))
+            check_micro_batches_add_up(
+                spec, batch, settings, data.draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3), "cuts")
+            )
         if spec.scale_advantages_per_rollout:
             check_sums_tokens(spec, batch, settings)
 
@@ -401,7 +449,9 @@ class PolicyLossContract(PluginContract):
     def test_float32_and_bfloat16_agree_with_float64(self, batch, settings):
         check_dtypes(self.spec(), batch, settings)
 
-    @given(batch=loss_batches(), settings=loss_settings(), log_ratio=st.sampled_from([-800.0, -60.0, 30.0, 500.0, 800.0]))
+    @given(
+        batch=loss_batches(), settings=loss_settings(), log_ratio=st.sampled_from([-800.0, -60.0, 30.0, 500.0, 800.0])
+    )
     @CONTRACT_SETTINGS
     def test_large_log_ratios_stay_finite(self, batch, settings, log_ratio):
         check_large_log_ratios(self.spec(), batch, settings, log_ratio)

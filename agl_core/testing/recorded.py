@@ -15,9 +15,9 @@ rollouts that real agents produced, without agents, a gateway or a model.
 Agent Lightning gateway (``{"scenarios": {NAME: {"rollout": ..., "events": ...}}}``, the layout of the
 repository's ``tests/fixtures/gateway_traces/traces.json``) with agl's own events parser.
 :func:`run_pipeline` runs the step pipeline every backend runs
-(:class:`~agl_core.stages.pipeline.StepPipeline`: vocabulary check with a tokenizer, aggregation,
+(``agl_core.stages.pipeline.StepPipeline``: vocabulary check with a tokenizer, aggregation,
 advantages, batch shaping, per-rollout normalisation) and returns its
-:class:`~agl_core.stages.pipeline.PreparedBatch`: the kept rows, their advantages and the metrics.
+``agl_core.stages.pipeline.PreparedBatch``: the kept rows, their advantages and the metrics.
 """
 
 from __future__ import annotations

@@ -210,7 +210,9 @@ def _rollout_rows(draw: st.DrawFn, rollout_id: str, group_id: str, max_rows: int
         turn_rewards = []
         n_calls = draw(st.integers(1, 3))
         for k in range(n_calls):
-            observation, response = (0, draw(st.integers(1, 4))) if k == 0 else (draw(st.integers(0, 3)), draw(st.integers(0, 4)))
+            observation, response = (
+                (0, draw(st.integers(1, 4))) if k == 0 else (draw(st.integers(0, 3)), draw(st.integers(0, 4)))
+            )
             mask += [0] * observation + [1] * response
             turns += [call + k] * (observation + response)
             turn_rewards.append(draw(st.one_of(st.none(), REWARDS)))
@@ -233,11 +235,17 @@ def _rollout_rows(draw: st.DrawFn, rollout_id: str, group_id: str, max_rows: int
 
 @st.composite
 def grouped_rows(
-    draw: st.DrawFn, min_group_size: int = 1, max_groups: int = 3, max_group_size: int = 4, max_rows_per_rollout: int = 3
+    draw: st.DrawFn,
+    min_group_size: int = 1,
+    max_groups: int = 3,
+    max_group_size: int = 4,
+    max_rows_per_rollout: int = 3,
 ) -> list[TrainingRow]:
     """Rows of 1..``max_groups`` groups of ``min_group_size``..``max_group_size`` rollouts (uuid
     ids), every rollout 1..``max_rows_per_rollout`` rows sharing its group and reward, all shuffled."""
-    sizes = draw(st.lists(st.integers(min_group_size, max(min_group_size, max_group_size)), min_size=1, max_size=max_groups))
+    sizes = draw(
+        st.lists(st.integers(min_group_size, max(min_group_size, max_group_size)), min_size=1, max_size=max_groups)
+    )
     group_ids = draw(distinct_ids(len(sizes)))
     rollout_ids = iter(draw(distinct_ids(sum(sizes))))
     rows = []
@@ -275,7 +283,9 @@ class LossBatch:
 
 
 def _matrix(draw: st.DrawFn, shape: tuple[int, int], values: st.SearchStrategy[float]) -> np.ndarray:
-    return np.array(draw(st.lists(values, min_size=shape[0] * shape[1], max_size=shape[0] * shape[1])), dtype=np.float64).reshape(shape)
+    return np.array(
+        draw(st.lists(values, min_size=shape[0] * shape[1], max_size=shape[0] * shape[1])), dtype=np.float64
+    ).reshape(shape)
 
 
 @st.composite

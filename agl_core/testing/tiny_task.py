@@ -62,7 +62,9 @@ class TinyWordAgent:
                 rewards.append({"value": (1.0 if correct else 0.0) / len(words), "call_index": index})
             reward = sum(r["value"] for r in rewards)
             for data in [*rewards, {"value": reward}]:
-                client.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
+                client.post(
+                    os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": data}
+                ).raise_for_status()
         return reward
 
 

@@ -33,7 +33,11 @@ def word_tokenizer(corpus: Iterable[str], vocab_size: int | None = None) -> Any:
     options = {} if vocab_size is None else {"vocab_size": vocab_size}
     words.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, **options))
     return PreTrainedTokenizerFast(
-        tokenizer_object=words, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="[UNK]", chat_template=CHAT_TEMPLATE
+        tokenizer_object=words,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="[UNK]",
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -14,7 +14,10 @@ TRAIN_REFUSES = [
     ("algorithm.adv_estimator=grpp", "unknown advantage estimator 'grpp' (set by algorithm.adv_estimator)"),
     ("agentlightning.trace_aggregator.level=trajectry", "unknown aggregator 'trajectry'"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=token_man", "unknown policy loss 'token_man'"),
-    ("agentlightning.plugins.nobody.key=1", "config key agentlightning.plugins.nobody: no plugin declares these settings"),
+    (
+        "agentlightning.plugins.nobody.key=1",
+        "config key agentlightning.plugins.nobody: no plugin declares these settings",
+    ),
     ("data.train_files=/nonexistent/train.jsonl", "config key data.train_files: dataset file not found"),
     ("agentlightning.hook_timeout_seconds=often", "config key agentlightning.hook_timeout_seconds"),
 ]
@@ -35,3 +38,17 @@ def test_check_refuses_what_train_refuses(override, message, capsys, tmp_path):
     train, check = outcomes
     assert message in train and check == train
     assert not (tmp_path / "run").exists(), "nothing was trained"
+
+
+def test_train_says_which_hook_turns_the_env_map_check_off(caplog):
+    from agl_core import hookimpl
+    from agl_core.train import preflight, resolve_config
+
+    plugin = type("Rewriter", (), {"agl_on_enqueue": hookimpl(lambda self, request: None)})()
+    config, manager = resolve_config(CONFIG, [], [plugin])
+    assert config.agentlightning.local.env_map, "the example config names env_map fields"
+    with caplog.at_level("WARNING", logger="agl_core.train"):
+        preflight(config, manager)
+    (name,) = manager.implementations("agl_on_enqueue")
+    expected = f"agentlightning.local.env_map is not checked against the dataset rows: agl_on_enqueue of {name}"
+    assert expected in caplog.text

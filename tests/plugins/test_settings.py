@@ -76,11 +76,23 @@ def test_configure_rebuilds_the_registries_with_the_new_settings():
 @pytest.mark.parametrize(
     "section, key, message",
     [
-        ({"windowed": {"window_k": "many"}}, "agentlightning.plugins.windowed.window_k", "could not be converted to Integer"),
-        ({"windowed": {"window_k": 0}}, "agentlightning.plugins.windowed.window_k", "'window_k' must be at least 1, got 0"),
+        (
+            {"windowed": {"window_k": "many"}},
+            "agentlightning.plugins.windowed.window_k",
+            "could not be converted to Integer",
+        ),
+        (
+            {"windowed": {"window_k": 0}},
+            "agentlightning.plugins.windowed.window_k",
+            "'window_k' must be at least 1, got 0",
+        ),
         ({"penalty": {"coef": -1.0}}, "agentlightning.plugins.penalty.coef", "'coef' must be >= 0.0: -1.0"),
         ({"windowed": {"window": 2}}, "agentlightning.plugins.windowed.window", "unknown setting of plugin"),
-        ({"windowd": {"window_k": 2}}, "agentlightning.plugins.windowd", "no plugin declares these settings; did you mean 'windowed'?"),
+        (
+            {"windowd": {"window_k": 2}},
+            "agentlightning.plugins.windowd",
+            "no plugin declares these settings; did you mean 'windowed'?",
+        ),
         ({"windowed": 3}, "agentlightning.plugins.windowed", "must be a mapping of settings"),
     ],
 )
@@ -142,10 +154,20 @@ def test_agl_check_refuses_a_wrong_setting_naming_the_key(tmp_path, capsys, monk
         "@dataclasses.dataclass\nclass Tagging:\n    tag: str = 'x'\n    every: int = 1\n\n"
         "@hookimpl\ndef agl_plugin_settings():\n    return {'tagging': Tagging}\n"
     )
-    code = main(["check", "examples/corridor/config.yaml", f"agentlightning.hooks={hooks}", "agentlightning.plugins.tagging.every=often"])
+    code = main(
+        [
+            "check",
+            "examples/corridor/config.yaml",
+            f"agentlightning.hooks={hooks}",
+            "agentlightning.plugins.tagging.every=often",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith("agl: error: config key agentlightning.plugins.tagging.every: Value 'often' of type 'str' could not be converted to Integer"), err
+    assert err.startswith(
+        "agl: error: config key agentlightning.plugins.tagging.every: "
+        "Value 'often' of type 'str' could not be converted to Integer"
+    ), err
 
 
 def test_train_resolves_the_settings_of_its_config(tmp_path, monkeypatch):

@@ -138,11 +138,13 @@ def test_hook_events_are_flushed_and_reread(gateway):
 
 def test_after_weight_update_registers_versioned_endpoints(gateway):
     source = gateway_source(gateway_config(gateway), plugin_manager())
+    source.client.register_models(MODEL_NAME, ["http://127.0.0.1:7000/v1"], 0)  # a previous run's engine, gone
     source.after_weight_update(["http://127.0.0.1:7001/v1", "http://127.0.0.1:7002/v1"], 1)
+    assert source.client.requests_sent["models"] == 3  # the first registration clears what a previous run left
     source.after_weight_update(["http://127.0.0.1:7001/v1", "http://127.0.0.1:7002/v1"], 2)
-    assert source.client.requests_sent["models"] == 2  # same endpoints: upserted, never cleared
+    assert source.client.requests_sent["models"] == 4  # same endpoints: upserted, never cleared
     source.after_weight_update(["http://127.0.0.1:7003/v1"], 3)
-    assert source.client.requests_sent["models"] == 4  # a stale endpoint: cleared, then registered
+    assert source.client.requests_sent["models"] == 6  # a stale endpoint: cleared, then registered
     assert source.registered == (["http://127.0.0.1:7003/v1"], 3)
     source.close()
 

@@ -27,7 +27,10 @@ def test_an_unknown_break_kind_is_refused():
 
 def test_trajectory_counts_its_breaks_through_the_same_methods():
     broken = CompletedRollout(
-        rollout_id="r", group_id="g", state="succeeded", final_reward=1.0,
+        rollout_id="r",
+        group_id="g",
+        state="succeeded",
+        final_reward=1.0,
         triplets=[Triplet(prompt_ids=[1, 2], response_ids=[3]), Triplet(prompt_ids=[9, 9], response_ids=[4])],
     )
     trajectory = PluginManager(load_entrypoints=False).aggregators["trajectory"]

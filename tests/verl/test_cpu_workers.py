@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.verl, pytest.mark.ray, pytest.mark.slow]
 ray = pytest.importorskip("ray")
 pytest.importorskip("verl")
 
+from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
 from tests.helpers.verl_cpu_workers import WorkerCallsProbe, cpu_config  # noqa: E402
 
@@ -38,7 +39,8 @@ def probe(tmp_path_factory):
     from agl_backend_verl.run import check_gpus, init_ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["AGL_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # Ray's workers inherit it: only agl's built-ins, whatever is installed
+    autoload = os.environ.get(DISABLE_AUTOLOAD_ENV)
+    os.environ[DISABLE_AUTOLOAD_ENV] = "1"  # Ray's workers inherit it: only agl's built-ins, whatever is installed
     work = tmp_path_factory.mktemp("verl-cpu")
     policy = build(work / "policy", seed=0)
     config = cpu_config(policy, work / "run", *CRITIC_KEYS, f"critic.model.path={policy}")
@@ -53,6 +55,10 @@ def probe(tmp_path_factory):
     finally:
         ray.kill(actor)
         ray.shutdown()
+        if autoload is None:
+            os.environ.pop(DISABLE_AUTOLOAD_ENV, None)
+        else:
+            os.environ[DISABLE_AUTOLOAD_ENV] = autoload
 
 
 def test_rollout_endpoints_serve_the_policy_as_vllm_does(probe):

@@ -52,7 +52,13 @@ import torch
 
 from agl_core.backends.contract import OnStep
 from agl_core.backends.loop import LoopSettings, run_steps
-from agl_core.backends.torch.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from agl_core.backends.torch.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_states,
+    rng_states,
+    save_checkpoint,
+)
 from agl_core.backends.torch.data_order import DataOrder
 from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
 from agl_core.backends.torch.precision import Precision
@@ -96,7 +102,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_policy(folder: Path, device: torch.device, *, frozen: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_policy(
+    folder: Path, device: torch.device, *, frozen: bool = False, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """The causal LM in ``folder`` in ``dtype`` on ``device``; ``frozen``: in eval mode, without gradients."""
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +114,9 @@ def load_policy(folder: Path, device: torch.device, *, frozen: bool = False, dty
     return model
 
 
-def build_policy(config: DictConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def build_policy(
+    config: DictConfig, folder: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The policy to train and its reference (``actor.use_kl_loss``; else ``None``) as
     ``actor_rollout_ref.model`` says: gradient checkpointing (``enable_gradient_checkpointing``), LoRA
     (``lora_rank`` > 0; the reference is then the policy itself with its adapters disabled), else a
@@ -141,7 +151,8 @@ class TorchBackend:
         if config.agentlightning.async_rollout.enabled and not config.agentlightning.agl_base_url:
             raise ConfigError(
                 "agentlightning.async_rollout.enabled",
-                "async rollout runs through the gateway: set agentlightning.agl_base_url (the embedded source is sync only)",
+                "async rollout runs through the gateway: set agentlightning.agl_base_url"
+                " (the embedded source is sync only)",
             )
         self.data = DataOrder.from_config(config)
         steps = config.trainer.total_training_steps
@@ -157,7 +168,9 @@ class TorchBackend:
         settings = ActorSettings.from_config(config.actor_rollout_ref)
         self.model, ref_model = build_policy(config, folder, device, settings.precision.param_dtype)
         self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
-        self.actor_update = ActorUpdate(self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id)
+        self.actor_update = ActorUpdate(
+            self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id
+        )
         self.pipeline = StepPipeline(config, plugins, self.tokenizer)
         self.run_dir = Path(config.trainer.default_local_dir)
         self.step = 0
@@ -171,7 +184,9 @@ class TorchBackend:
         if self.config.agentlightning.engine == "vllm":
             from agl_core.serving.vllm_engine import VllmEngine
 
-            return VllmEngine.from_config(self.config.agentlightning.vllm, self.config.actor_rollout_ref.model.path, name)
+            return VllmEngine.from_config(
+                self.config.agentlightning.vllm, self.config.actor_rollout_ref.model.path, name
+            )
         from agl_core.serving.policy_server import PolicyServer
 
         return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))

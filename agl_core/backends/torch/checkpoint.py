@@ -3,8 +3,9 @@
 A checkpoint is a folder ``global_step_{N}`` under the run directory (``trainer.default_local_dir``)
 holding ``model/`` (the policy and tokenizer, loadable by any Hugging Face tool or inference server)
 or, in a LoRA run, ``adapter/`` (the PEFT adapter and tokenizer alone, loadable with PEFT or as
-``actor_rollout_ref.model.lora_adapter_path``; the base weights never change) and ``trainer_state.pt`` (optimizer, lr scheduler, step, data position, every RNG state and, in
-async mode, the rollout source's groups in flight and waiting samples, as plain data).
+``actor_rollout_ref.model.lora_adapter_path``; the base weights never change) and
+``trainer_state.pt`` (optimizer, lr scheduler, step, data position, every RNG state and, in async
+mode, the rollout source's groups in flight and waiting samples, as plain data).
 ``latest_checkpointed_iteration.txt`` names the newest step, as verl's does. A checkpoint is written
 to a temporary folder and renamed into place, so a run killed while saving leaves the previous one
 intact.
@@ -82,7 +83,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     adapted, has_adapter = is_adapted(model), (path / ADAPTER_DIR).is_dir()
     if adapted != has_adapter:
         held, runs = ("a LoRA adapter", "without LoRA") if has_adapter else ("a full model", "with LoRA")
-        raise ValueError(f"checkpoint {path} holds {held}, but this run trains {runs} (actor_rollout_ref.model.lora_rank)")
+        raise ValueError(
+            f"checkpoint {path} holds {held}, but this run trains {runs} (actor_rollout_ref.model.lora_rank)"
+        )
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted((path / (ADAPTER_DIR if adapted else MODEL_DIR)).glob("*.safetensors")):
         weights.update(load_file(shard))
@@ -92,7 +95,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {name for name in missing if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in name}
     if set(missing) - tied or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+        raise ValueError(
+            f"checkpoint {path} does not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
     return torch.load(path / STATE_FILE, weights_only=False)
 
 

@@ -38,7 +38,11 @@ class DataOrder:
     def next_batch(self) -> list[Mapping[str, Any]]:
         if self.index >= self.steps_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows)) if self.shuffle else np.arange(len(self.rows))
+        order = (
+            np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+            if self.shuffle
+            else np.arange(len(self.rows))
+        )
         picked = order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
         self.index += 1
         return [self.rows[i] for i in picked]

@@ -59,13 +59,23 @@ def _adapter_config(path: str, model_cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(key, f"{path} has no {ADAPTER_CONFIG} (a PEFT adapter folder is needed)")
     saved = json.loads(file.read_text())
     if saved.get("peft_type") != "LORA":
-        raise ConfigError(key, f"the adapter at {path} is a {saved.get('peft_type')} adapter; the torch backend trains LoRA only")
-    for option, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("target_parameters", "target_parameters")):
+        raise ConfigError(
+            key, f"the adapter at {path} is a {saved.get('peft_type')} adapter; the torch backend trains LoRA only"
+        )
+    for option, what in (
+        ("use_dora", "DoRA"),
+        ("modules_to_save", "modules_to_save"),
+        ("target_parameters", "target_parameters"),
+    ):
         if saved.get(option):
             raise ConfigError(key, f"the adapter at {path} uses {what}, which the torch backend does not train")
     for name, saved_name in (("lora_rank", "r"), ("lora_alpha", "lora_alpha")):
         if saved.get(saved_name) != model_cfg[name]:
-            raise ConfigError(f"{KEY}.{name}", f"is {model_cfg[name]!r}, but the adapter at {path} has {saved_name}={saved.get(saved_name)!r}; set them equal")
+            raise ConfigError(
+                f"{KEY}.{name}",
+                f"is {model_cfg[name]!r}, but the adapter at {path} has {saved_name}={saved.get(saved_name)!r};"
+                " set them equal",
+            )
     return saved
 
 
@@ -76,7 +86,9 @@ def check_lora_keys(model_cfg: DictConfig) -> None:
         raise ConfigError(f"{KEY}.lora_rank", f"must be 0 (LoRA off) or a positive integer, got {rank!r}")
     if rank == 0:
         if model_cfg.lora_adapter_path:
-            raise ConfigError(f"{KEY}.lora_adapter_path", "is set, but lora_rank is 0 (LoRA off); set lora_rank to the adapter's rank")
+            raise ConfigError(
+                f"{KEY}.lora_adapter_path", "is set, but lora_rank is 0 (LoRA off); set lora_rank to the adapter's rank"
+            )
         return
     alpha = model_cfg.lora_alpha
     if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha <= 0:

@@ -60,6 +60,8 @@ def split(tensors: Mapping[str, torch.Tensor], max_tokens: int, key: str) -> lis
     prompts = attention[:, :prompt_width].sum(1).cpu().numpy()
     responses = attention[:, prompt_width:].sum(1).cpu().numpy()
     return [
-        MicroBatch(torch.as_tensor(group, device=attention.device), int(prompts[group].max()), int(responses[group].max()))
+        MicroBatch(
+            torch.as_tensor(group, device=attention.device), int(prompts[group].max()), int(responses[group].max())
+        )
         for group in micro_batches(prompts, responses, max_tokens, key=key)
     ]

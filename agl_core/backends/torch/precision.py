@@ -31,7 +31,13 @@ __all__ = ["MIXED_PRECISION_KEY", "MODEL_DTYPE_KEY", "Precision", "parse_dtype"]
 MODEL_DTYPE_KEY = "actor_rollout_ref.actor.fsdp_config.model_dtype"
 MIXED_PRECISION_KEY = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
 # verl's names for the dtypes this backend trains in (verl.utils.torch_dtypes.PrecisionType's spellings).
-DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 FP16_NAMES = ("fp16", "float16", "16")
 
 
@@ -55,15 +61,21 @@ class Precision:
     @classmethod
     def from_config(cls, fsdp_config: DictConfig) -> Precision:
         param_dtype = parse_dtype(fsdp_config.model_dtype, MODEL_DTYPE_KEY)
-        mixed = fsdp_config.mixed_precision
+        mixed = fsdp_config.get("mixed_precision")  # verl's own config leaves the key out
         if mixed is None:
             return cls(param_dtype)
         for field in ("reduce_dtype", "buffer_dtype"):
             if parse_dtype(mixed[field], f"{MIXED_PRECISION_KEY}.{field}") != torch.float32:
-                raise ConfigError(f"{MIXED_PRECISION_KEY}.{field}", "the torch backend keeps it in fp32 (one process, buffers not cast); set fp32 or leave it out")
+                raise ConfigError(
+                    f"{MIXED_PRECISION_KEY}.{field}",
+                    "the torch backend keeps it in fp32 (one process, buffers not cast); set fp32 or leave it out",
+                )
         compute = parse_dtype(mixed.param_dtype, f"{MIXED_PRECISION_KEY}.param_dtype")
         if compute == torch.float32 and param_dtype != torch.float32:
-            raise ConfigError(f"{MIXED_PRECISION_KEY}.param_dtype", f"fp32 compute over {MODEL_DTYPE_KEY} bf16 weights is not done; set model_dtype fp32")
+            raise ConfigError(
+                f"{MIXED_PRECISION_KEY}.param_dtype",
+                f"fp32 compute over {MODEL_DTYPE_KEY} bf16 weights is not done; set model_dtype fp32",
+            )
         return cls(param_dtype, None if compute in (torch.float32, param_dtype) else compute)
 
     def autocast(self, device: torch.device) -> AbstractContextManager[object]:

@@ -42,7 +42,13 @@ import torch
 
 from agl_core.backends.torch.lora import base_policy
 from agl_core.backends.torch.micro_batching import MicroBatch, split
-from agl_core.backends.torch.model_ops import chosen_log_probs, low_var_kl, response_distributions, response_log_probs, token_entropy
+from agl_core.backends.torch.model_ops import (
+    chosen_log_probs,
+    low_var_kl,
+    response_distributions,
+    response_log_probs,
+    token_entropy,
+)
 from agl_core.backends.torch.precision import Precision
 from agl_core.config import ConfigError
 from agl_core.serving.weights import is_adapted
@@ -67,7 +73,9 @@ def lr_lambda(optim: DictConfig, total_steps: int) -> Callable[[int], float]:
     ``min_lr_ratio``."""
     kind = optim.lr_scheduler_type
     if kind not in ("constant", "cosine"):
-        raise ConfigError("actor_rollout_ref.actor.optim.lr_scheduler_type", f"must be constant or cosine, got {kind!r}")
+        raise ConfigError(
+            "actor_rollout_ref.actor.optim.lr_scheduler_type", f"must be constant or cosine, got {kind!r}"
+        )
     warmup = max(0, int(optim.lr_warmup_steps))
     floor = float(optim.min_lr_ratio)
 
@@ -87,11 +95,15 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def make_optimizer(model: torch.nn.Module, optim: DictConfig, total_steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model: torch.nn.Module, optim: DictConfig, total_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over ``model``'s trainable parameters as ``actor_rollout_ref.actor.optim`` says, and its lr
     schedule over ``total_steps``."""
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay))
+    optimizer = torch.optim.AdamW(
+        params, lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay)
+    )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
 
 
@@ -120,7 +132,9 @@ class ActorSettings:
             grad_clip=float(actor.grad_clip),
             loss=LossSettings.from_actor_config(actor),
             update_max_tokens=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
-            old_log_prob_max_tokens=int(rollout.log_prob_max_token_len_per_gpu) if rollout.log_prob_use_dynamic_bsz else None,
+            old_log_prob_max_tokens=int(rollout.log_prob_max_token_len_per_gpu)
+            if rollout.log_prob_use_dynamic_bsz
+            else None,
             ref_log_prob_max_tokens=int(ref.log_prob_max_token_len_per_gpu) if ref.log_prob_use_dynamic_bsz else None,
             precision=Precision.from_config(actor.fsdp_config),
         )
@@ -176,7 +190,8 @@ class ActorUpdate:
         if settings.update_max_tokens is not None and not policy_loss_spec(loss_fn).additive_over_micro_batches:
             raise ConfigError(
                 "actor_rollout_ref.actor.use_dynamic_bsz",
-                "the policy loss declares additive_over_micro_batches=False, so micro-batches would change its update; turn it off",
+                "the policy loss declares additive_over_micro_batches=False, so micro-batches would change its update;"
+                " turn it off",
             )
         if ref_model is model and not is_adapted(model):
             raise ValueError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
@@ -218,11 +233,15 @@ class ActorUpdate:
         tensors = {k: v.to(self.device) for k, v in padded.tensors.items()}
         with torch.no_grad():
             self.model.eval()
-            old_log_prob = self.log_probs(self.model, tensors, self.settings.old_log_prob_max_tokens, OLD_LOG_PROB_BUDGET_KEY)
+            old_log_prob = self.log_probs(
+                self.model, tensors, self.settings.old_log_prob_max_tokens, OLD_LOG_PROB_BUDGET_KEY
+            )
             ref_log_prob = None
             if self.ref_model is not None:
                 with self.reference() as ref_model:
-                    ref_log_prob = self.log_probs(ref_model, tensors, self.settings.ref_log_prob_max_tokens, REF_LOG_PROB_BUDGET_KEY)
+                    ref_log_prob = self.log_probs(
+                        ref_model, tensors, self.settings.ref_log_prob_max_tokens, REF_LOG_PROB_BUDGET_KEY
+                    )
         self.model.train()
         return UpdateBatch(
             tensors,
@@ -236,7 +255,9 @@ class ActorUpdate:
         assert self.ref_model is not None
         return base_policy(self.model) if self.ref_model is self.model else nullcontext(self.ref_model)
 
-    def log_probs(self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str) -> torch.Tensor:
+    def log_probs(
+        self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str
+    ) -> torch.Tensor:
         """``model``'s response log-probs of a batch, ``[rows, response_len]`` (0 past each micro-batch's
         widths): in one pass, or in micro-batches of at most ``max_tokens`` padded elements (``key``'s)."""
         with self.settings.precision.autocast(self.device):
@@ -253,7 +274,9 @@ class ActorUpdate:
         the other metrics weighted by their share of the trained tokens, as one pass would give them)."""
         loss_settings, parts = self.settings.loss, [mini]
         if self.settings.update_max_tokens is not None:
-            parts = [mini.cut(micro) for micro in split(mini.tensors, self.settings.update_max_tokens, UPDATE_BUDGET_KEY)]
+            parts = [
+                mini.cut(micro) for micro in split(mini.tensors, self.settings.update_max_tokens, UPDATE_BUDGET_KEY)
+            ]
             if loss_settings.batch_num_tokens is None:
                 loss_settings = attrs.evolve(loss_settings, batch_num_tokens=int(mini.mask.sum()))
         n_tokens = float(mini.mask.sum())

@@ -39,7 +39,9 @@ class RetokenMergeSettings:
 
     #: tokens tried past the first end whose text is long enough: a multi-byte character may need
     #: several byte-level tokens to complete.
-    lookahead_tokens: int = attrs.field(default=4, validator=attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0)))
+    lookahead_tokens: int = attrs.field(
+        default=4, validator=attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0))
+    )
 
 
 def _decode(tokenizer, ids: np.ndarray) -> str:
@@ -73,7 +75,9 @@ def realigned_start(context: np.ndarray, prompt_ids: np.ndarray, tokenizer, look
     return None
 
 
-def retoken_merge(rollouts: Sequence[CompletedRollout], settings: AggregationSettings, lookahead_tokens: int = 4) -> Aggregation:
+def retoken_merge(
+    rollouts: Sequence[CompletedRollout], settings: AggregationSettings, lookahead_tokens: int = 4
+) -> Aggregation:
     """Trajectory aggregation that re-aligns retokenized context on decoded text."""
     realigned = 0
 

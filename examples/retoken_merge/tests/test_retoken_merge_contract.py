@@ -1,6 +1,7 @@
 """retoken_merge keeps every invariant agl asks of an aggregator (the shipped contract suite)."""
 
 import agl_retoken_merge
+
 from agl_core.testing.contracts import AggregatorContract
 
 

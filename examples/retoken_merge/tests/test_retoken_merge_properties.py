@@ -5,11 +5,11 @@ from pathlib import Path
 
 import attrs
 import transformers
+from agl_retoken_merge import REALIGNED_METRIC, retoken_merge
 from hypothesis import given, settings
 
 from agl_core import AggregationSettings, CompletedRollout, PluginManager, Triplet
 from agl_core.testing.strategies import TOY_TOKENIZER, aggregation_settings, rollout_batches
-from agl_retoken_merge import REALIGNED_METRIC, retoken_merge
 
 # agl's built-in trajectory aggregation, looked up by name as a run would.
 trajectory = PluginManager(load_entrypoints=False).aggregators.get("trajectory")
@@ -34,9 +34,10 @@ def test_every_trajectory_break_is_either_realigned_or_still_a_break(batch, agg_
     ours, plain = retoken_merge(batch, agg_settings), trajectory(batch, agg_settings)
     breaks = "training/n_trace_merge_mismatch_rows"
     assert plain.metrics[breaks] == ours.metrics[breaks] + ours.metrics[REALIGNED_METRIC]
-    assert ours.metrics["training/trace_merge_mismatch/retokenization"] <= plain.metrics[
-        "training/trace_merge_mismatch/retokenization"
-    ]
+    assert (
+        ours.metrics["training/trace_merge_mismatch/retokenization"]
+        <= plain.metrics["training/trace_merge_mismatch/retokenization"]
+    )
     assert len(ours.rows) <= len(plain.rows)
 
 

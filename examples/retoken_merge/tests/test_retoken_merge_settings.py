@@ -1,10 +1,10 @@
 """retoken_merge's one setting, set from the run config and refused when wrong."""
 
-import pytest
-
 import agl_retoken_merge
-from agl_core import ConfigError, PluginManager
+import pytest
 from agl_retoken_merge import RetokenMergeSettings
+
+from agl_core import ConfigError, PluginManager
 
 
 def manager(section):
@@ -27,5 +27,6 @@ def test_a_negative_lookahead_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as err:
         manager({"lookahead_tokens": -1})
     assert str(err.value) == (
-        "config key agentlightning.plugins.retoken_merge.lookahead_tokens: 'lookahead_tokens' must be >= 0: -1 (plugin 'agl_retoken_merge')"
+        "config key agentlightning.plugins.retoken_merge.lookahead_tokens: "
+        "'lookahead_tokens' must be >= 0: -1 (plugin 'agl_retoken_merge')"
     )

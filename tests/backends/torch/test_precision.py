@@ -30,9 +30,22 @@ def _batch(pad):
     generator = torch.Generator().manual_seed(0)
     rows = []
     for k in range(4):
-        prompt = torch.randint(3, 34, (int(torch.randint(4, 12, (1,), generator=generator)),), generator=generator).tolist()
-        response = torch.randint(3, 34, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator).tolist()
-        rows.append(TrainingRow(prompt_ids=prompt, response_ids=response, response_mask=[1] * len(response), reward=0.0, rollout_id=f"r{k}", group_id="g"))
+        prompt = torch.randint(
+            3, 34, (int(torch.randint(4, 12, (1,), generator=generator)),), generator=generator
+        ).tolist()
+        response = torch.randint(
+            3, 34, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator
+        ).tolist()
+        rows.append(
+            TrainingRow(
+                prompt_ids=prompt,
+                response_ids=response,
+                response_mask=[1] * len(response),
+                reward=0.0,
+                rollout_id=f"r{k}",
+                group_id="g",
+            )
+        )
     tensors = tensorize(rows, pad_token_id=pad).tensors
     advantages = torch.randn(tensors["responses"].shape, generator=generator) * tensors["response_mask"]
     return tensors, advantages
@@ -79,9 +92,15 @@ def test_checkpointed_gradients_equal_the_plain_ones(policy, tmp_path, extra):
 # bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2 %) through two layers and the head.
 # Measured (full / LoRA): loss relative difference 0.5 % / 1.1 % with autocast, 0.6 % / 3.0 % with bf16
 # weights; gradient relative L2 difference 1.2-1.5 % (cosine 0.9999) in all four.
-@pytest.mark.parametrize("dtype_keys, loss_tol, grad_tol", [(BF16_AUTOCAST, 5e-2, 3e-2), (BF16_WEIGHTS, 5e-2, 3e-2)], ids=["autocast", "weights"])
+@pytest.mark.parametrize(
+    "dtype_keys, loss_tol, grad_tol",
+    [(BF16_AUTOCAST, 5e-2, 3e-2), (BF16_WEIGHTS, 5e-2, 3e-2)],
+    ids=["autocast", "weights"],
+)
 @pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
-def test_a_bf16_step_matches_the_fp32_step_with_fp32_loss_and_log_probs(policy, tmp_path, dtype_keys, loss_tol, grad_tol, extra):
+def test_a_bf16_step_matches_the_fp32_step_with_fp32_loss_and_log_probs(
+    policy, tmp_path, dtype_keys, loss_tol, grad_tol, extra
+):
     seed = 0 if extra else None
     loss, grads, old = _step(_backend(policy, tmp_path, *extra), lora_seed=seed)
     bf16 = _backend(policy, tmp_path, *extra, *dtype_keys)
@@ -102,9 +121,18 @@ def test_a_bf16_step_matches_the_fp32_step_with_fp32_loss_and_log_probs(policy, 
     [
         ("actor_rollout_ref.actor.fsdp_config.model_dtype=fp16", "actor_rollout_ref.actor.fsdp_config.model_dtype"),
         ("actor_rollout_ref.actor.fsdp_config.model_dtype=int8", "actor_rollout_ref.actor.fsdp_config.model_dtype"),
-        ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp16", "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"),
-        ("actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16", "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype"),
-        ("actor_rollout_ref.actor.fsdp_config.mixed_precision.cast_forward_inputs=true", "actor_rollout_ref.actor.fsdp_config.mixed_precision.cast_forward_inputs"),
+        (
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp16",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+        ),
+        (
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype",
+        ),
+        (
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.cast_forward_inputs=true",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.cast_forward_inputs",
+        ),
     ],
 )
 def test_a_dtype_the_backend_cannot_honour_is_an_error_naming_its_key(policy, tmp_path, override, key):
@@ -142,7 +170,12 @@ def test_the_verl_backend_hands_the_same_keys_to_verl_and_its_dataclasses_accept
     ]
     cfg = load_verl_config(overrides=overrides)
     model = to_dataclass(cfg.actor_rollout_ref.model, HFModelConfig)
-    assert (model.lora_rank, model.lora_alpha, model.target_modules, model.exclude_modules) == (8, 32, "all-linear", "down_proj")
+    assert (model.lora_rank, model.lora_alpha, model.target_modules, model.exclude_modules) == (
+        8,
+        32,
+        "all-linear",
+        "down_proj",
+    )
     assert model.lora_adapter_path == str(tmp_path / "adapter") and model.enable_gradient_checkpointing is False
     actor = to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, FSDPActorConfig) and actor.fsdp_config.model_dtype == "bf16"
@@ -152,8 +185,8 @@ def test_the_verl_backend_hands_the_same_keys_to_verl_and_its_dataclasses_accept
 # being closed: verl's dataclasses take both values.
 VERL_LOADER_GAPS = {
     "mixed_precision": (
-        "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: fp32, buffer_dtype: fp32}",
-        "the flattened ppo_trainer defaults it composes from lack fsdp_config.mixed_precision, so struct mode refuses it",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}",
+        "the flattened ppo_trainer defaults it composes lack fsdp_config.mixed_precision: struct mode refuses it",
     ),
     "target_modules_list": (
         "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
@@ -164,7 +197,10 @@ VERL_LOADER_GAPS = {
 
 @pytest.mark.parametrize(
     "override",
-    [pytest.param(o, id=name, marks=pytest.mark.xfail(strict=True, raises=ConfigError, reason=why)) for name, (o, why) in VERL_LOADER_GAPS.items()],
+    [
+        pytest.param(o, id=name, marks=pytest.mark.xfail(strict=True, raises=ConfigError, reason=why))
+        for name, (o, why) in VERL_LOADER_GAPS.items()
+    ],
 )
 def test_the_verl_backend_hands_every_form_verl_takes_to_verl(policy, override):
     to_dataclass, HFModelConfig, FSDPActorConfig = _verl_dataclasses()
