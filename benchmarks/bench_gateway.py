@@ -26,12 +26,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agl_core.config import load_config  # noqa: E402
+from agl_core.plugins import PluginManager  # noqa: E402
 from agl_core.rollouts.gateway_client import GatewayClient  # noqa: E402
 from agl_core.rollouts.gateway_sync import GatewayRolloutSource  # noqa: E402
-from agl_core.plugins import PluginManager  # noqa: E402
 from agl_core.rollouts.source import make_requests  # noqa: E402
-from tests.gateway_fixtures import Plan, SimulatedController  # noqa: E402
-from tests.gateway_server import MODEL_NAME, GatewayServer  # noqa: E402
+from tests.helpers.gateway_fixtures import Plan, SimulatedController  # noqa: E402
+from tests.helpers.gateway_server import MODEL_NAME, GatewayServer  # noqa: E402
 
 N_PER_GROUP = 4
 

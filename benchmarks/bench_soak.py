@@ -21,7 +21,7 @@ reached a terminal state the hooks saw; each epoch enqueued every row once.
 
 Run: ``.venv/bin/python benchmarks/bench_soak.py [--steps 1000] [--every 20] [--out DIR]`` (a
 1,000-step run takes one to two hours on 2 CPU cores; run it at low priority). Interrupted with
-Ctrl-C (SIGINT), it stops the gateway and controller and reports the steps that ran. ``tests/test_soak.py`` runs a
+Ctrl-C (SIGINT), it stops the gateway and controller and reports the steps that ran. ``tests/e2e/test_soak.py`` runs a
 60-step version with the same checks.
 """
 
@@ -51,8 +51,8 @@ from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError  # noqa: E402
 from agl_core.train import run  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
-from tests.gateway_fixtures import list_rollouts  # noqa: E402
-from tests.gateway_server import Controller, GatewayServer  # noqa: E402
+from tests.helpers.gateway_fixtures import list_rollouts  # noqa: E402
+from tests.helpers.gateway_server import Controller, GatewayServer  # noqa: E402
 
 CONFIG = REPO_ROOT / "examples" / "corridor" / "config.yaml"
 DATASET = REPO_ROOT / "examples" / "corridor" / "dataset.jsonl"

@@ -9,7 +9,7 @@ batch and two steps. It checks that two steps finished with every rollout traced
 metrics, and stops every process it started, by PID, whatever happens.
 
 Not yet run on a GPU (none was available where it was written): its command is checked on CPU by
-``tests/test_verl_gpu_check.py`` (every key exists with verl's type; verl's ``validate_config`` and
+``tests/verl/test_gpu_check.py`` (every key exists with verl's type; verl's ``validate_config`` and
 worker config dataclasses accept the config).
 
 Needs: an NVIDIA GPU, ``pip install -e '.[vllm]'`` (verl 0.9.1 + vLLM), and Python 3.12 for the
@@ -35,9 +35,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from examples.corridor.build_policy import build  # noqa: E402
 from agl_core.serving.processes import stop_process_group  # noqa: E402
-from tests.gateway_server import Controller, GatewayServer  # noqa: E402
+from examples.corridor.build_policy import build  # noqa: E402
+from tests.helpers.gateway_server import Controller, GatewayServer  # noqa: E402
 
 RUN_VERL = REPO_ROOT / "examples" / "corridor" / "run_verl.sh"
 STEPS = 2

@@ -18,7 +18,7 @@ echo "py312 lane install: $(( $(date +%s) - t )) s"
 "$venv/bin/python" -c "import agentlightning, torch, transformers, tensordict, packaging, verl; print('py312 lane:', 'agentlightning', agentlightning.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'tensordict', tensordict.__version__, 'packaging', packaging.__version__, 'verl', verl.__version__)"
 t=$(date +%s)
 RAY_AUTH_MODE=disabled "$venv/bin/python" -m pytest -q \
-    tests/test_hook_files.py tests/test_hook_calls.py tests/test_config.py tests/test_field_configs.py \
-    tests/test_verl_config.py tests/test_al_v1_configs.py tests/test_parquet_datasets.py \
-    tests/test_migration_guide.py tests/test_pipeline.py tests/test_device_check.py
+    tests/hooks/test_hook_files.py tests/plugins/test_calls.py tests/config/test_schema.py tests/config/test_field_configs.py \
+    tests/verl/test_config.py tests/verl/test_al_v1_configs.py tests/test_parquet_datasets.py \
+    tests/test_migration_guide.py tests/stages/test_pipeline.py tests/scripts/test_device_check.py
 echo "py312 lane tests: $(( $(date +%s) - t )) s"

@@ -1,4 +1,6 @@
-"""Shared test fixtures. The recorded gateway traces and their tiny model live in tests/fixtures/."""
+"""Fixtures every test package shares: the recorded gateway traces (tests/fixtures/) and a real gateway.
+
+Code the tests share that is not a fixture lives in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-GATEWAY_TRACES = Path(__file__).resolve().parent / "fixtures" / "gateway_traces"
+from tests.helpers.gateway_server import GatewayServer
+from tests.helpers.paths import GATEWAY_TRACES
+
 # A third-party package whose tests run against the installed wheel (scripts/wheel_smoke.sh), not here.
 collect_ignore = ["wheel_smoke"]
 
@@ -22,3 +26,10 @@ def gateway_traces() -> dict:
 def tiny_model_dir() -> Path:
     """The tiny Qwen2 model and tokenizer that produced the recorded traces."""
     return GATEWAY_TRACES / "tiny_qwen2"
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    """A real ``agl-server`` on 127.0.0.1 for the module's tests; stopped by PID afterwards."""
+    with GatewayServer() as server:
+        yield server

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 from agl_core.scaffold import FILES as PLUGIN_TEMPLATE_FILES
+from tests.helpers.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 CITED = re.compile(r"`((?:\.ci|tests|scripts|examples|benchmarks|docs|agl_core|agl_hooks|agl_backend_verl)/[^`\s]*)`")
 

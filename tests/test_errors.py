@@ -11,8 +11,8 @@ import pytest
 from agl_core.config import ConfigError
 from agl_core.errors import AglError
 from agl_core.plugins import PluginError, RegistryError
+from tests.helpers.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)}
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from agl_core import hookspecs
+from tests.helpers.paths import TESTS
 
 HOOKSPECS = sorted(name for name, obj in vars(hookspecs).items() if name.startswith("agl_") and inspect.isfunction(obj))
-TESTS = Path(__file__).parent
 
 
 def test_there_are_hookspecs():

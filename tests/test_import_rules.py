@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO_ROOT
+
 PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 
 # Top-level agl_core modules everything may use: the data model, the config, the hookspecs, helpers.

@@ -8,16 +8,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import tomllib
 
-from tests.gateway_server import GatewayServer
+from tests.helpers.gateway_server import GatewayServer
+from tests.helpers.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.gateway, pytest.mark.verl, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 GUIDE = REPO_ROOT / "docs" / "migrating-from-agent-lightning.md"
 FENCE = re.compile(r"^```(\S*)[ \t]*(\S*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 

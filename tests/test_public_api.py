@@ -5,13 +5,12 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import agl_core
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.imports import private_imports
+from tests.helpers.paths import REPO_ROOT as REPO
 
 # Removing a name from this list is a breaking change for every plugin: it needs a major version.
 PUBLIC_NAMES = [
@@ -110,24 +109,6 @@ def test_import_agl_core_does_not_import_torch():
     assert out.stdout.split() == ["False", "True"]
 
 
-def private_imports(source: str) -> list[str]:
-    """Imports of agl modules other than ``agl_core`` and the public test helpers ``agl_core.testing[.x]``."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            modules = [node.module]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        else:
-            continue
-        for module in modules:
-            parts = module.split(".")
-            if parts[0] not in ("agl_core", "agl_hooks", "agl_backend_verl"):
-                continue
-            public = module == "agl_core" or (parts[:2] == ["agl_core", "testing"] and not any(p.startswith("_") for p in parts))
-            if not public:
-                found.append(module)
-    return found
 
 
 def test_the_import_check_finds_a_private_import():

@@ -9,14 +9,13 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 
 from agl_core._moved import MOVED, REMOVED_IN, new_import
 from agl_core.plugins import PluginError, PluginManager
+from tests.helpers.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 STABLE = REPO / "tests" / "fixtures" / "stable_api.txt"
 
 # What each moved module's __all__ held before layout v2 (git show 6538969^:agl_core/<module>.py).

@@ -15,7 +15,7 @@
 # key=value arguments override any config key (verl's keys included).
 #
 # Not yet run on a GPU: the settings are written from verl 0.9.1's code and config, and checked on
-# CPU (every key exists with verl's type, verl's validate_config passes) by tests/test_verl_gpu_check.py.
+# CPU (every key exists with verl's type, verl's validate_config passes) by tests/verl/test_gpu_check.py.
 set -euo pipefail
 : "${MODEL_PATH:?set MODEL_PATH to the policy folder}"
 : "${AGL_BASE_URL:?set AGL_BASE_URL to the gateway URL, e.g. http://127.0.0.1:4747}"

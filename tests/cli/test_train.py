@@ -1,0 +1,91 @@
+"""``agl train``: clear one-line errors for bad input; a short run writes metrics and the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agl_core.cli import main
+from tests.helpers.corridor_policy import build_corridor_policy
+
+CONFIG = "examples/corridor/config.yaml"
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return build_corridor_policy(tmp_path_factory.mktemp("policy"))
+
+
+def _small(policy, run_dir, steps=2):
+    return [
+        f"actor_rollout_ref.model.path={policy}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={steps}",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.model.path: model folder /nonexistent/model does not exist"),
+        ("agentlightning.trace_aggregator.level=nope", "unknown aggregator 'nope' (set by agentlightning.trace_aggregator.level); registered: "),
+        ("algorithm.adv_estimator=nope", "unknown advantage estimator 'nope'"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", "unknown policy loss 'nope'"),
+        ("backend=nope", "unknown backend 'nope' (set by agentlightning.backend); registered: "),
+    ],
+)
+def test_bad_names_and_paths_fail_with_one_clear_line(policy, tmp_path, capsys, override, message):
+    overrides = [o for o in _small(policy, tmp_path) if not o.startswith(override.split("=")[0] + "=")]
+    assert main(["train", CONFIG, *overrides, override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    if "registered" in message and "backend" in message:
+        assert "torch" in err
+
+
+def test_invalid_jsonl_dataset_names_file_and_line(policy, tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"signs": ["left"]}\n{not json\n')
+    assert main(["train", CONFIG, *_small(policy, tmp_path), f"data.train_files={data}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train_files" in err and f"{data} line 2 is not valid JSON" in err
+
+
+def test_a_short_run_writes_metrics_plot_and_checkpoint(policy, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", CONFIG, *_small(policy, run_dir), "trainer.save_freq=2"]) == 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    # the example validates before training (step 0) and after the last step, one rollout per val row
+    assert lines[0]["val/n_rollouts"] == lines[2]["val/n_rollouts"] == 32 and "val/reward" not in lines[1]
+    for line in lines[1:]:
+        assert line["training/n_rollouts"] == 4
+        assert 0.0 <= line["training/reward"] <= 1.0
+        assert line["training/n_sample"] >= line["training/n_rollouts"]
+        assert "actor/pg_loss" in line and "timing/step_s" in line and line["wall_s"] > 0
+    assert (run_dir / "metrics.png").stat().st_size > 1000
+    assert (run_dir / "global_step_2" / "model" / "model.safetensors").is_file()
+    (run_dir / "metrics.png").unlink()
+    assert main(["plot", str(run_dir)]) == 0
+    assert (run_dir / "metrics.png").is_file()
+
+
+def test_the_run_log_replaces_lines_of_steps_a_restart_redoes(tmp_path):
+    """A run killed after logging step 3 but before checkpointing it resumes at step 2 and redoes 3:
+    the log keeps one line per step, the redone one."""
+    import json
+
+    from agl_core.train import MetricsLog
+
+    first = MetricsLog(tmp_path, show_progress=False)
+    for step in (0, 1, 2, 3):
+        first(step, 4, {"training/reward": float(step)})
+    restarted = MetricsLog(tmp_path, show_progress=False)
+    restarted(3, 4, {"training/reward": 30.0})
+    restarted(4, 4, {"training/reward": 40.0})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["training/reward"]) for line in lines] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

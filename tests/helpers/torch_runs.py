@@ -1,0 +1,68 @@
+"""The reference backend on the corridor's tiny policy, started as ``fit`` starts it, and its tensors."""
+
+from __future__ import annotations
+
+import httpx
+
+from agl_core.backends.torch.backend import TorchBackend
+from agl_core.config import load_config
+from agl_core.data import TrainingRow
+from agl_core.plugins import PluginManager
+from agl_core.stages.tensorize import tensorize
+
+CONFIG = "examples/corridor/config.yaml"
+SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["right", "right", "left"]}]
+
+
+def torch_config(policy, run_dir, *extra):
+    """The corridor example's config on ``policy``, writing under ``run_dir``, two rollout groups of four."""
+    return load_config(
+        CONFIG,
+        [
+            f"actor_rollout_ref.model.path={policy}",
+            f"trainer.default_local_dir={run_dir}",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "agentlightning.torch.num_threads=1",
+            *extra,
+        ],
+    )
+
+
+class Running:
+    """A backend with its engine and rollout source started, as ``fit`` starts them."""
+
+    def __init__(self, config, plugins=()):
+        self.backend = TorchBackend(config, PluginManager.from_config(config, plugins, load_entrypoints=False))
+        self.backend.engine = self.backend.make_engine()
+        self.backend.engine.start()
+        self.backend.engine.push_weights(self.backend.model, 0)
+        self.backend.source = self.backend.make_source()
+
+    def close(self):
+        self.backend.source.close()
+        self.backend.engine.close()
+
+
+def served_log_probs(engine, prompt, response):
+    """What the serving engine says the response's log-probs are (greedy decode of ``prompt``)."""
+    body = httpx.post(
+        f"{engine.base_url}/completions",
+        json={"prompt": prompt, "max_tokens": len(response), "temperature": 0, "logprobs": 1, "return_token_ids": True},
+        timeout=60,
+    ).json()
+    return body["choices"][0]["token_ids"], body["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def tensors_of(prompt, response, pad):
+    """The backend's tensors for one prompt + response, every response token trained."""
+    row = TrainingRow(
+        prompt_ids=prompt,
+        response_ids=response,
+        response_mask=[1] * len(response),
+        reward=0.0,
+        rollout_id="r",
+        group_id="g",
+    )
+    return tensorize([row], pad_token_id=pad).tensors

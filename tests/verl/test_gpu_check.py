@@ -1,0 +1,128 @@
+"""What ``scripts/gpu_check.py`` and ``examples/corridor/run_verl.sh`` would hand verl, checked on CPU.
+
+Neither can train here (verl needs GPUs), so the exact command ``gpu_check`` runs is executed with a
+stand-in python that records its arguments; those are then resolved as ``agl train`` resolves them
+and put through verl's own checks (``validate_config`` and the worker config dataclasses, which load
+the built policy), so every key exists, has verl's type and fits one GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.verl
+
+pytest.importorskip("verl")
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
+from agl_core.train import resolve_config  # noqa: E402
+from tests.helpers.paths import REPO_ROOT  # noqa: E402
+
+GPU_CHECK = REPO_ROOT / "scripts" / "gpu_check.py"
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return load_gpu_check()
+
+
+@pytest.fixture(scope="module")
+def policy_dir(gpu_check, tmp_path_factory):
+    return gpu_check.build(tmp_path_factory.mktemp("corridor") / "policy", seed=0)
+
+
+def recorded_train_args(command: list[str], env: dict[str, str], tmp_path: Path) -> list[str]:
+    """Run ``command`` with a python that only writes down its arguments; return them."""
+    shim = tmp_path / "python"
+    out = tmp_path / "args.txt"
+    shim.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {out}\n")
+    shim.chmod(0o755)
+    result = subprocess.run(command, env={**env, "PYTHON": str(shim)}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return out.read_text().splitlines()
+
+
+@pytest.fixture
+def gpu_check_config(gpu_check, policy_dir, tmp_path, monkeypatch):
+    command, env = gpu_check.train_command("http://127.0.0.1:4747", "gpu-key", policy_dir, tmp_path / "run")
+    args = recorded_train_args(command, env, tmp_path)
+    assert args[:3] == ["-m", "agl_core.cli", "train"]
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+    config, _ = resolve_config(str(REPO_ROOT / args[3]), args[4:])
+    return config
+
+
+def test_gpu_check_runs_verl_on_one_gpu_with_vllm(gpu_check_config, policy_dir, tmp_path):
+    config = gpu_check_config
+    assert config.agentlightning.backend == "verl"
+    assert config.agentlightning.agl_base_url == "http://127.0.0.1:4747"
+    assert config.agentlightning.agl_key == "gpu-key"
+    assert config.agentlightning.local.agent_class == "examples.corridor.agent:CorridorAgent"
+    assert dict(config.agentlightning.local.env_map) == {"CORRIDOR_SIGNS": "input.signs"}
+    assert config.actor_rollout_ref.model.path == str(policy_dir)
+    rollout = config.actor_rollout_ref.rollout
+    assert (rollout.name, rollout.tensor_model_parallel_size, rollout.n) == ("vllm", 1, 4)
+    assert 0 < rollout.gpu_memory_utilization <= 0.5
+    assert rollout.max_model_len >= config.data.max_prompt_length + config.data.max_response_length
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (1, 1)
+    assert config.trainer.total_training_steps == 2
+    assert config.trainer.default_local_dir == str(tmp_path / "run")
+    assert list(config.trainer.logger) == ["console"]
+    assert (REPO_ROOT / config.data.train_files).is_file() and (REPO_ROOT / config.data.val_files).is_file()
+
+
+def test_verl_accepts_the_gpu_check_config(gpu_check_config, policy_dir):
+    """verl's own validation and worker config dataclasses, as its task runner builds them."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    config = gpu_check_config
+    OmegaConf.resolve(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+    assert model.hf_config._attn_implementation == "sdpa"  # no flash-attn needed
+    assert model.hf_config.num_attention_heads and model.hf_config.hidden_size // model.hf_config.num_attention_heads >= 32
+    assert omega_conf_to_dataclass(config.actor_rollout_ref.rollout).max_model_len == 512
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert actor.ppo_micro_batch_size_per_gpu == 4 and actor.ppo_mini_batch_size == 2
+
+
+def test_run_verl_asks_for_the_model_path(tmp_path):
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "examples" / "corridor" / "run_verl.sh")],
+        env={"PATH": "/usr/bin:/bin", "AGL_BASE_URL": "http://127.0.0.1:4747"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "MODEL_PATH" in result.stderr
+
+
+def test_check_metrics_wants_two_steps_of_finite_metrics(gpu_check, tmp_path):
+    good = {"training/n_rollouts": 8, "training/n_rollouts_w_trace": 8, "training/reward": 0.5, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, **good}) + "\n" for step in (1, 2)))
+    assert gpu_check.check_metrics(tmp_path) == []
+    # one step only, its loss NaN (agl train writes it as null), two rollouts without a trace
+    path.write_text(json.dumps({**good, "step": 1, "actor/pg_loss": None, "training/n_rollouts_w_trace": 6}) + "\n")
+    problems = gpu_check.check_metrics(tmp_path)
+    assert len(problems) == 3
+    assert "steps logged: [1]" in problems[0]
+    assert "with trace 6" in problems[1]
+    assert "actor/pg_loss = None" in problems[2]
+    assert gpu_check.check_metrics(tmp_path / "missing") == [f"{tmp_path / 'missing' / 'metrics.jsonl'} was not written"]
