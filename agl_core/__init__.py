@@ -19,13 +19,17 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl_core.hookspecs import hookimpl
 from agl_core._moved import install as _serve_moved_modules
+from agl_core.hookspecs import hookimpl
 
 _serve_moved_modules()  # old module paths stay importable, with a warning, for one minor release
 
 if TYPE_CHECKING:
     # the plugin system and the data model
+    # backends: the contract, the step loop, the step pipeline and the rollout sources it drives
+    from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
+    from agl_core.backends.loop import LoopSettings, Step, run_steps
+    from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix
     from agl_core.config import AgentLightningConfig, ConfigError, ConfigFile, default_config, load_config, merge_config
     from agl_core.config.checks import validate as validate_config
     from agl_core.data import (
@@ -37,25 +41,17 @@ if TYPE_CHECKING:
         TrainingRow,
         Triplet,
     )
+    from agl_core.datasets import load_dataset
     from agl_core.errors import AglError
     from agl_core.hookspecs import Register
     from agl_core.plugins import EventWriter, PluginError, PluginManager, PluginSettings, RegistryError
+    from agl_core.rollouts.gateway import gateway_source
+    from agl_core.rollouts.replay import ReplayRolloutSource
+    from agl_core.rollouts.source import RolloutSource
 
-    # aggregators
-    from agl_core.stages.aggregation import (
-        CALLS_LEFT_OUT_METRIC,
-        MISMATCH_KINDS,
-        Aggregation,
-        AggregationCounts,
-        AggregationSettings,
-        Aggregator,
-        Mismatch,
-        Segment,
-        merged_row,
-        rollout_reward,
-    )
-    from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix
-    from agl_core.stages.mismatch import common_prefix_length
+    # serving the policy to agents (what a backend's rollout replica answers with)
+    from agl_core.serving.policy_server import PolicyServer, RequestError
+    from agl_core.serving.sampling import Generation, SamplingParams
 
     # advantage estimators
     from agl_core.stages.advantage import (
@@ -71,25 +67,35 @@ if TYPE_CHECKING:
         rollout_level,
     )
 
+    # aggregators
+    from agl_core.stages.aggregation import (
+        CALLS_LEFT_OUT_METRIC,
+        MISMATCH_KINDS,
+        Aggregation,
+        AggregationCounts,
+        AggregationSettings,
+        Aggregator,
+        Mismatch,
+        Segment,
+        merged_row,
+        rollout_reward,
+    )
+    from agl_core.stages.mismatch import common_prefix_length
+    from agl_core.stages.pipeline import StepPipeline, validation_metrics
+
     # policy losses
-    from agl_core.stages.policy_loss import LossSettings, PolicyLoss, PolicyLossSpec, masked_sum, policy_loss_spec, ppo_token_losses
+    from agl_core.stages.policy_loss import (
+        LossSettings,
+        PolicyLoss,
+        PolicyLossSpec,
+        masked_sum,
+        policy_loss_spec,
+        ppo_token_losses,
+    )
+    from agl_core.stages.tensorize import PaddedBatch, tensorize
 
     # metric sinks
     from agl_core.tracking import MetricSink, SinkContext, SinkFactory
-
-    # backends: the contract, the step loop, the step pipeline and the rollout sources it drives
-    from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
-    from agl_core.backends.loop import LoopSettings, Step, run_steps
-    from agl_core.datasets import load_dataset
-    from agl_core.rollouts.gateway import gateway_source
-    from agl_core.rollouts.replay import ReplayRolloutSource
-    from agl_core.rollouts.source import RolloutSource
-    from agl_core.stages.pipeline import StepPipeline, validation_metrics
-    from agl_core.stages.tensorize import PaddedBatch, tensorize
-
-    # serving the policy to agents (what a backend's rollout replica answers with)
-    from agl_core.serving.policy_server import PolicyServer, RequestError
-    from agl_core.serving.sampling import Generation, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -97,7 +103,9 @@ __version__ = "0.1.0"
 def _type_checking_imports() -> dict[str, tuple[str, str]]:
     """Public name -> (module, name there), read from the ``if TYPE_CHECKING:`` block of this file."""
     tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    block = next(
+        node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+    )
     return {
         alias.asname or alias.name: (statement.module, alias.name)
         for statement in block.body

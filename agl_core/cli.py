@@ -26,7 +26,6 @@ class CommandError(AglError):
     """A command cannot do what it was asked (a missing or unreadable file...); the message says why."""
 
 
-
 def _plugins(args: argparse.Namespace) -> int:
     manager = PluginManager.from_config({"agentlightning": {"hooks": args.hooks or None}})
     for info in manager.list_plugins():
@@ -56,7 +55,7 @@ def dump_stacks_on_sigusr1() -> bool:
 
 def _overrides(args: argparse.Namespace) -> list[str]:
     """The overrides, with the ``backend=NAME`` shorthand for ``agentlightning.backend=NAME``."""
-    return [f"agentlightning.backend={o[len('backend='):]}" if o.startswith("backend=") else o for o in args.overrides]
+    return [f"agentlightning.backend={o[len('backend=') :]}" if o.startswith("backend=") else o for o in args.overrides]
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -170,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         command = sub.add_parser(name, help=text.split(".")[0].split(":")[0].lower(), description=text)
         command.add_argument("config", help="YAML config file")
-        command.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (backend=NAME selects the backend)")
+        command.add_argument(
+            "overrides", nargs="*", metavar="key=value", help="config overrides (backend=NAME selects the backend)"
+        )
         command.set_defaults(func=func)
     plot = sub.add_parser("plot", help="draw a run's metrics per step as a PNG")
     plot.add_argument("run", help="run directory (trainer.default_local_dir) or metrics.jsonl file")
@@ -217,7 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         expected, hint = _expected(exc)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         message = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"  # a report's gist
-        print(f"agl: error: {message if expected else f'internal error: {type(exc).__name__}: {message}'}", file=sys.stderr)
+        print(
+            f"agl: error: {message if expected else f'internal error: {type(exc).__name__}: {message}'}",
+            file=sys.stderr,
+        )
         if hint is None and len(lines) > 1:
             hint = "run again with --traceback for the whole report"
         if hint:

@@ -165,7 +165,9 @@ def _ids_item_by_item(field: str, value: Sequence[Any]) -> np.ndarray:
         if not is_int(v):
             raise DataValidationError(f"{field}[{i}]", f"token id must be an int, got {_brief(v)}")
         if not _INT64_MIN <= v <= _INT64_MAX:
-            raise DataValidationError(f"{field}[{i}]", f"token id must be non-negative and below 2**63, got {_brief(v)}")
+            raise DataValidationError(
+                f"{field}[{i}]", f"token id must be non-negative and below 2**63, got {_brief(v)}"
+            )
     return np.array(value, dtype=np.int64) if len(value) else np.zeros(0, dtype=np.int64)
 
 
@@ -267,7 +269,9 @@ def log_probs(field: str, value: Any, length: int) -> np.ndarray:
             array = np.asarray(value, dtype=np.float32)
     except OverflowError:  # an integer beyond float range
         i = next(i for i, v in enumerate(value) if not _fits_float(v))
-        raise DataValidationError(f"{field}[{i}]", f"log-prob must be finite and <= 0, got {_brief(value[i])}") from None
+        raise DataValidationError(
+            f"{field}[{i}]", f"log-prob must be finite and <= 0, got {_brief(value[i])}"
+        ) from None
     if array.ndim != 1:
         raise DataValidationError(field, f"expected a 1-D sequence, got shape {array.shape}")
     if array.shape[0] != length:
@@ -295,7 +299,12 @@ def timestamp(field: str, value: Any) -> float:
     are refused."""
     if type(value) is float and math.isfinite(value):  # the common case, decided at once
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _fits_float(value) or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not _fits_float(value)
+        or not math.isfinite(value)
+    ):
         raise DataValidationError(field, f"must be a finite timestamp in seconds, got {_brief(value)}")
     return float(value)
 

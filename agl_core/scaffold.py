@@ -39,7 +39,9 @@ def _builtin_names() -> set[str]:
 
     manager = PluginManager(load_entrypoints=False)
     registries = (manager.aggregators, manager.advantage_estimators, manager.policy_losses, manager.backends)
-    return {name for registry in registries for name in registry.names()} | {info.name for info in manager.list_plugins()}
+    return {name for registry in registries for name in registry.names()} | {
+        info.name for info in manager.list_plugins()
+    }
 
 
 def new_plugin(name: str, directory: str | Path = ".") -> Path:
@@ -49,7 +51,9 @@ def new_plugin(name: str, directory: str | Path = ".") -> Path:
     ``name`` with ``-``, the import package and the registry names ``name`` with ``_``.
     """
     if not _NAME.match(name):
-        raise ScaffoldError(f"plugin name {name!r} must be lower-case letters and digits, words joined by '-' or '_' (e.g. my-judge)")
+        raise ScaffoldError(
+            f"plugin name {name!r} must be lower-case letters and digits, words joined by '-' or '_' (e.g. my-judge)"
+        )
     package = name.replace("-", "_")
     if package in _builtin_names():
         raise ScaffoldError(f"plugin name {name!r} is taken by an agl built-in; choose another")
@@ -61,7 +65,9 @@ def new_plugin(name: str, directory: str | Path = ".") -> Path:
     for relative, template in FILES.items():
         path = target / relative.format(package=package)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(string.Template((templates / template).read_text(encoding="utf-8")).substitute(values), encoding="utf-8")
+        path.write_text(
+            string.Template((templates / template).read_text(encoding="utf-8")).substitute(values), encoding="utf-8"
+        )
     return target
 
 

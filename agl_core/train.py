@@ -52,7 +52,9 @@ class MetricsLog:
         self.started = time.monotonic()
         self.bar = tqdm(desc="agl train", unit="step", disable=not show_progress, dynamic_ncols=True)
 
-    def __call__(self, step: int, total_steps: int, metrics: Mapping[str, float], samples: StepSamples | None = None) -> None:
+    def __call__(
+        self, step: int, total_steps: int, metrics: Mapping[str, float], samples: StepSamples | None = None
+    ) -> None:
         if self._opener is not None:
             opener, self._opener = self._opener, None
             self.sinks.extend(opener())
@@ -103,7 +105,9 @@ def run(
     config, manager = resolve_config(config_path, overrides, plugins)
     _, factories = preflight(config, manager)
     backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
-    log = MetricsLog(Path(config.trainer.default_local_dir), show_progress, opener=lambda: open_sinks(factories, config))
+    log = MetricsLog(
+        Path(config.trainer.default_local_dir), show_progress, opener=lambda: open_sinks(factories, config)
+    )
     try:
         backend.fit(log)
     finally:

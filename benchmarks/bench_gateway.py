@@ -93,7 +93,14 @@ def run_naive(server: GatewayServer, n_rollouts: int, spread: float, seed: int) 
                 time.sleep(1.0)
         wall = time.monotonic() - start
     client.close()
-    return summary("naive (GET per pending per second)", completed, sum(client.requests_sent.values()), latencies, wall, client.requests_sent)
+    return summary(
+        "naive (GET per pending per second)",
+        completed,
+        sum(client.requests_sent.values()),
+        latencies,
+        wall,
+        client.requests_sent,
+    )
 
 
 def summary(name, completed, requests, latencies, wall, by_kind) -> dict:
@@ -122,7 +129,9 @@ def main() -> None:
             run_naive(server, args.rollouts, args.spread, args.seed),
         ]
     print(f"{args.rollouts} rollouts finishing at random times over {args.spread:.0f} s, real agl-server\n")
-    print(f"{'strategy':38} {'done':>5} {'HTTP req':>9} {'req/rollout':>12} {'pickup p50':>11} {'pickup p90':>11} {'wall':>7}")
+    print(
+        f"{'strategy':38} {'done':>5} {'HTTP req':>9} {'req/rollout':>12} {'pickup p50':>11} {'pickup p90':>11} {'wall':>7}"
+    )
     for r in results:
         print(
             f"{r['name']:38} {r['completed']:>5} {r['requests']:>9} {r['per_rollout']:>12.2f} "

@@ -70,13 +70,20 @@ class SimulatedGateway:
         if path == "/api/rollouts/terminal":
             after, limit = int(request.url.params["after"]), int(request.url.params["limit"])
             terminal = sum(1 for at, _ in self.done_at if at <= now)
-            items = [{"rollout_id": rid, "state": "succeeded"} for _, rid in self.done_at[after : min(terminal, after + limit)]]
-            return httpx.Response(200, json={"items": items, "next_after": after + len(items), "total_terminal": terminal})
+            items = [
+                {"rollout_id": rid, "state": "succeeded"}
+                for _, rid in self.done_at[after : min(terminal, after + limit)]
+            ]
+            return httpx.Response(
+                200, json={"items": items, "next_after": after + len(items), "total_terminal": terminal}
+            )
         rid = path.split("/")[3]
         if request.method == "DELETE":
             return httpx.Response(204)
         if path.endswith("/events"):
-            return httpx.Response(200, content=self.bodies.get("raw", self.index[rid]), headers={"content-type": "application/json"})
+            return httpx.Response(
+                200, content=self.bodies.get("raw", self.index[rid]), headers={"content-type": "application/json"}
+            )
         return httpx.Response(404, json={"detail": "Rollout not found"})
 
     @property
@@ -94,12 +101,14 @@ def run_side(tree: Path, folder: Path, window: float) -> dict[str, Any]:
     from agl_core.rollouts.gateway_client import GatewayClient
     from agl_core.rollouts.gateway_sync import GatewayRolloutSource
     from agl_core.stages.aggregation import AggregationSettings
+
     if (tree / "agl_core" / "builtins").is_dir():
         from agl_core.builtins.aggregators import trajectory
     else:  # a revision from before the built-ins moved
         from agl_core.stages.levels import trajectory
-    from agl_core.stages.tensorize import tensorize
     from gateway_bodies import Bodies
+
+    from agl_core.stages.tensorize import tensorize
 
     torch.set_num_threads(1)
     bodies = Bodies(folder)
@@ -127,7 +136,9 @@ def run_side(tree: Path, folder: Path, window: float) -> dict[str, Any]:
     threading.Thread(target=watch, daemon=True).start()
     batch = source.collect(samples, step=1, is_train=True)
     collected = time.monotonic()
-    aggregation = trajectory(batch.rollouts, AggregationSettings(max_prompt_length=1 << 30, max_response_length=1 << 30))
+    aggregation = trajectory(
+        batch.rollouts, AggregationSettings(max_prompt_length=1 << 30, max_response_length=1 << 30)
+    )
     tensors = tensorize([row for row in aggregation.rows if not row.dropped]).tensors
     ready, cpu_ready = time.monotonic(), time.process_time()
     source.close()
@@ -145,7 +156,9 @@ def run_side(tree: Path, folder: Path, window: float) -> dict[str, Any]:
 def extract(revision: str, into: Path) -> Path:
     """The repository's packages as of ``revision``, in ``into``."""
     packages = ["agl_core", "agl_hooks", "agl_backend_verl"]
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", revision, *packages], capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "archive", revision, *packages], capture_output=True, check=True
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
     return into
@@ -161,7 +174,9 @@ def side(tree: Path, folder: Path, window: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default=RUNS, help="comma-separated WORKLOAD:WINDOW, completions spread over WINDOW seconds")
+    parser.add_argument(
+        "--runs", default=RUNS, help="comma-separated WORKLOAD:WINDOW, completions spread over WINDOW seconds"
+    )
     parser.add_argument("--window", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--before", default=BEFORE, help="git revision of the 'before' source")
     parser.add_argument("--side-tree", type=Path, help=argparse.SUPPRESS)  # one side, in its own process
@@ -186,8 +201,12 @@ def main() -> None:
                 folder.mkdir()
                 written[name] = Bodies.write(folder, n_rollouts, n_turns, None)
             spread = f"completions over {window:g} s" if window else "every rollout finishing at once"
-            print(f"\n== {name}: {n_rollouts} rollouts x {n_turns} turns, {written[name].meta['raw_bytes'] / 1e6:.0f} MB of events, {spread}")
-            print(f"    {'':24} {'tail s':>7} {'of it: collect':>15} {'tail CPU s':>11} {'step CPU s':>11} {'tail/step CPU':>14} {'rows':>5} {'peak RSS MB':>12}")
+            print(
+                f"\n== {name}: {n_rollouts} rollouts x {n_turns} turns, {written[name].meta['raw_bytes'] / 1e6:.0f} MB of events, {spread}"
+            )
+            print(
+                f"    {'':24} {'tail s':>7} {'of it: collect':>15} {'tail CPU s':>11} {'step CPU s':>11} {'tail/step CPU':>14} {'rows':>5} {'peak RSS MB':>12}"
+            )
             results = {}
             for label, tree in ((f"before ({args.before})", before), ("after (working tree)", REPO_ROOT)):
                 r = results[label] = side(tree, folder, window)
@@ -196,7 +215,9 @@ def main() -> None:
                     f"{r['tail_cpu'] / r['cpu']:14.1%} {r['rows']:5d} {r['peak_mb']:12.0f}"
                 )
             first, second = results.values()
-            print(f"    tail {first['tail'] / second['tail']:.1f}x shorter, step CPU {first['cpu'] / second['cpu']:.1f}x less")
+            print(
+                f"    tail {first['tail'] / second['tail']:.1f}x shorter, step CPU {first['cpu'] / second['cpu']:.1f}x less"
+            )
 
 
 if __name__ == "__main__":

@@ -62,13 +62,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).parent)]
 V1_SITE = Path(os.environ.get("AGL_V1_SITE", REPO_ROOT / ".venvs" / "agentlightning-1.0.2"))
 
+from gateway_bodies import WORKLOADS, Bodies, rollout_record  # noqa: E402
+
+from agl_core.builtins.aggregators import trajectory, transition  # noqa: E402
 from agl_core.data import RolloutRequest, TrainingRow  # noqa: E402
 from agl_core.rollouts.events import completed_rollout_from_record, decode_events  # noqa: E402
 from agl_core.stages.aggregation import AggregationSettings  # noqa: E402
 from agl_core.stages.micro_batches import micro_batches, padded_elements  # noqa: E402
-from agl_core.builtins.aggregators import trajectory, transition  # noqa: E402
 from agl_core.stages.tensorize import tensorize  # noqa: E402
-from gateway_bodies import WORKLOADS, Bodies, rollout_record  # noqa: E402
 
 REPEAT = {"256x8": 3, "1024x16": 1}  # the larger one once: ~0.7 GB of bodies per side and level
 LEVELS = {"transition": transition, "trajectory": trajectory}
@@ -84,7 +85,9 @@ def records(n_rollouts: int) -> list[dict]:
 
 def requests_for(n_rollouts: int) -> list[RolloutRequest]:
     return [
-        RolloutRequest(rollout_id=record["rollout_id"], group_id=f"g{i // 8}", input=record["input"], sample_index=i, step=1)
+        RolloutRequest(
+            rollout_id=record["rollout_id"], group_id=f"g{i // 8}", input=record["input"], sample_index=i, step=1
+        )
         for i, record in enumerate(records(n_rollouts))
     ]
 
@@ -92,7 +95,9 @@ def requests_for(n_rollouts: int) -> list[RolloutRequest]:
 # -- agl -------------------------------------------------------------------------------------------
 
 
-def agl_rows(bodies: Bodies, decode: Callable[[bytes], Any], level: str, max_lengths: tuple[int, int], timer: dict) -> list[TrainingRow]:
+def agl_rows(
+    bodies: Bodies, decode: Callable[[bytes], Any], level: str, max_lengths: tuple[int, int], timer: dict
+) -> list[TrainingRow]:
     """Each body decoded (timed into ``timer["decode"]``) and parsed as it arrives, then aggregated."""
     rollouts = []
     for index, (request, record) in enumerate(zip(requests_for(len(bodies)), records(len(bodies)))):
@@ -133,7 +138,9 @@ class V1:
         self.manager_class = agl_rollout_manager.AglRolloutManagerBase
         self.EnqueuedRollout = agl_rollout_manager.EnqueuedRollout
         self.RolloutAdapter = rollout_adapter.RolloutAdapter
-        self._triplets = lambda events: _dedupe_model_requests_by_prompt_token_ids([_to_triplet_format(e) for e in events])
+        self._triplets = lambda events: _dedupe_model_requests_by_prompt_token_ids(
+            [_to_triplet_format(e) for e in events]
+        )
 
     def triplet_view(self, events: list[dict]) -> list[dict]:
         """The gateway's ``format=triplet`` answer for one rollout's raw events."""
@@ -144,7 +151,14 @@ class V1:
         manager.client = _Gateway(bodies, timer)
         completed = []
         for i, record in enumerate(records(len(bodies))):
-            enqueued = self.EnqueuedRollout(data_id=f"g{i // 8}", rollout_id=record["rollout_id"], step=1, sample_idx_in_step=i, enqueue_time=999.0, input=record["input"])
+            enqueued = self.EnqueuedRollout(
+                data_id=f"g{i // 8}",
+                rollout_id=record["rollout_id"],
+                step=1,
+                sample_idx_in_step=i,
+                enqueue_time=999.0,
+                input=record["input"],
+            )
             completed.append(manager._build_completed_rollout(enqueued, self.Rollout.model_validate(record)))
         adapter = self.RolloutAdapter(
             max_prompt_length=max_lengths[0],
@@ -228,7 +242,15 @@ def run_side(side: str, folder: Path, level: str, max_lengths: tuple[int, int] |
                 best = min(best, time.process_time() - start - bodies.read_s)
             result[name] = best
         name = min(result, key=result.get)
-        return {"decode": result[name], "process": 0.0, "total": result[name], "decoder": name, "decoders": result, "peak_mb": _peak_mb(), "start_mb": start_rss / 1024}
+        return {
+            "decode": result[name],
+            "process": 0.0,
+            "total": result[name],
+            "decoder": name,
+            "decoders": result,
+            "peak_mb": _peak_mb(),
+            "start_mb": start_rss / 1024,
+        }
     best: dict[str, float] | None = None
     for _ in range(repeat):
         timer = {"decode": 0.0}
@@ -247,7 +269,14 @@ def run_side(side: str, folder: Path, level: str, max_lengths: tuple[int, int] |
         trained_tokens, padding = trained(tensors), padded_per_real(tensors)
         del tensors
     np.savez(folder / f"{side}-{level}.npz", *[a for pair in trained_tokens for a in pair])
-    return {**best, "limits": list(max_lengths), "rows": len(trained_tokens), "padding": padding, "peak_mb": _peak_mb(), "start_mb": start_rss / 1024}
+    return {
+        **best,
+        "limits": list(max_lengths),
+        "rows": len(trained_tokens),
+        "padding": padding,
+        "peak_mb": _peak_mb(),
+        "start_mb": start_rss / 1024,
+    }
 
 
 def _peak_mb() -> float:
@@ -285,7 +314,18 @@ def same_training(folder: Path, level: str, a: str, b: str) -> str:
 
 
 def side(name: str, folder: Path, level: str, max_lengths: tuple[int, int] | None, repeat: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--side", name, "--folder", str(folder), "--levels", level, "--repeat", str(repeat)]
+    command = [
+        sys.executable,
+        __file__,
+        "--side",
+        name,
+        "--folder",
+        str(folder),
+        "--levels",
+        level,
+        "--repeat",
+        str(repeat),
+    ]
     if max_lengths is not None:
         command += ["--limits", f"{max_lengths[0]},{max_lengths[1]}"]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -302,7 +342,9 @@ def padding(result: dict[str, Any]) -> str:
     return f"{batch:.2f} ({micro:.2f})"
 
 
-def measure(v1: V1, name: str, n_rollouts: int, n_turns: int, levels: list[str], repeat: int, v1_max_gib: float) -> None:
+def measure(
+    v1: V1, name: str, n_rollouts: int, n_turns: int, levels: list[str], repeat: int, v1_max_gib: float
+) -> None:
     with tempfile.TemporaryDirectory(prefix="agl-bench-") as tmp:
         folder = Path(tmp)
         bodies = Bodies.write(folder, n_rollouts, n_turns, v1.triplet_view)
@@ -321,23 +363,39 @@ def measure(v1: V1, name: str, n_rollouts: int, n_turns: int, levels: list[str],
             if v1_gib <= v1_max_gib:
                 results["v1"] = side("v1", folder, level, max_lengths, repeat)
             floor = results["floor"]
-            print(f"{level:>10} (limits {max_lengths[0]}/{max_lengths[1]}, {rows} rows); floor: {floor['decoder']} "
-                  + ", ".join(f"{k} {v:.3f} s" for k, v in floor["decoders"].items()))
-            print(f"    {'':22} {'decode s':>9} {'process s':>10} {'total s':>9} {'x floor':>8} {'peak RSS MB':>12} {'above start':>12} {'padded/real':>12}")
-            labels = {"v1": "v1.0 (2 bodies, json)", "agl-before": "agl before (json)", "agl-after": "agl after (msgspec)", "floor": f"floor ({floor['decoder']})"}
+            print(
+                f"{level:>10} (limits {max_lengths[0]}/{max_lengths[1]}, {rows} rows); floor: {floor['decoder']} "
+                + ", ".join(f"{k} {v:.3f} s" for k, v in floor["decoders"].items())
+            )
+            print(
+                f"    {'':22} {'decode s':>9} {'process s':>10} {'total s':>9} {'x floor':>8} {'peak RSS MB':>12} {'above start':>12} {'padded/real':>12}"
+            )
+            labels = {
+                "v1": "v1.0 (2 bodies, json)",
+                "agl-before": "agl before (json)",
+                "agl-after": "agl after (msgspec)",
+                "floor": f"floor ({floor['decoder']})",
+            }
             for key in ("v1", "agl-before", "agl-after", "floor"):
                 if key not in results:
-                    print(f"    {labels[key]:22} skipped: it would need ~{v1_gib:.0f} GiB (> --v1-max-gib {v1_max_gib:g})")
+                    print(
+                        f"    {labels[key]:22} skipped: it would need ~{v1_gib:.0f} GiB (> --v1-max-gib {v1_max_gib:g})"
+                    )
                     continue
                 r = results[key]
-                print(f"    {labels[key]:22} {r['decode']:9.3f} {r['process']:10.3f} {r['total']:9.3f} {r['total'] / floor['total']:8.2f} {r['peak_mb']:12.0f} {r['peak_mb'] - r['start_mb']:12.0f} {padding(r):>12}")
+                print(
+                    f"    {labels[key]:22} {r['decode']:9.3f} {r['process']:10.3f} {r['total']:9.3f} {r['total'] / floor['total']:8.2f} {r['peak_mb']:12.0f} {r['peak_mb'] - r['start_mb']:12.0f} {padding(r):>12}"
+                )
             after = results["agl-after"]["total"]
             line = f"    agl after vs before {results['agl-before']['total'] / after:5.1f}x faster"
             if "v1" in results:
                 line += f", vs v1.0 {results['v1']['total'] / after:5.1f}x faster"
             print(line)
             checks = [("agl-before", "agl-after")] + ([("v1", "agl-after")] if "v1" in results else [])
-            print("    trained tokens and log-probs: " + ", ".join(f"{a} = {b}: {same_training(folder, level, a, b)}" for a, b in checks))
+            print(
+                "    trained tokens and log-probs: "
+                + ", ".join(f"{a} = {b}: {same_training(folder, level, a, b)}" for a, b in checks)
+            )
 
 
 def main() -> None:
@@ -345,8 +403,12 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {list(WORKLOADS)}")
     parser.add_argument("--levels", default=",".join(LEVELS), help=f"comma-separated, from {list(LEVELS)}")
     parser.add_argument("--scales", default="1", help="rollout-count multipliers, comma-separated")
-    parser.add_argument("--repeat", type=int, default=None, help="timed runs per measurement (best shown; default per workload)")
-    parser.add_argument("--v1-max-gib", type=float, default=8.0, help="skip v1.0 where its events and padded batch need more memory")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="timed runs per measurement (best shown; default per workload)"
+    )
+    parser.add_argument(
+        "--v1-max-gib", type=float, default=8.0, help="skip v1.0 where its events and padded batch need more memory"
+    )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in its own process
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--limits", help=argparse.SUPPRESS)
@@ -360,7 +422,15 @@ def main() -> None:
         n_rollouts, n_turns = WORKLOADS[name]
         for scale in (int(s) for s in args.scales.split(",")):
             label = f"{name} x{scale}" if scale > 1 else name
-            measure(v1, label, n_rollouts * scale, n_turns, args.levels.split(","), args.repeat or REPEAT[name], args.v1_max_gib)
+            measure(
+                v1,
+                label,
+                n_rollouts * scale,
+                n_turns,
+                args.levels.split(","),
+                args.repeat or REPEAT[name],
+                args.v1_max_gib,
+            )
 
 
 if __name__ == "__main__":

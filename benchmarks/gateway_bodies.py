@@ -26,12 +26,24 @@ MODEL = "policy"
 _NO_TOP: list[Any] = []
 
 
-def model_request(rollout_id: str, at: float, prompt: list[int], response: list[int], log_probs: list[float], messages: list[dict]) -> dict:
+def model_request(
+    rollout_id: str, at: float, prompt: list[int], response: list[int], log_probs: list[float], messages: list[dict]
+) -> dict:
     """A chat call as the gateway records it from vLLM (the shape of the recorded traces)."""
-    usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(response), "completion_tokens": len(response)}
+    usage = {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + len(response),
+        "completion_tokens": len(response),
+    }
     content = [{"token": "x", "logprob": lp, "bytes": [120], "top_logprobs": _NO_TOP} for lp in log_probs]
     message = {"role": "assistant", "content": "x" * (4 * len(response)), "refusal": None, "function_call": None}
-    choice = {"index": 0, "message": message, "logprobs": {"content": content}, "finish_reason": "stop", "token_ids": response}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": content},
+        "finish_reason": "stop",
+        "token_ids": response,
+    }
     body = {
         "id": f"chatcmpl-{rollout_id}-{len(prompt)}",
         "object": "chat.completion",
@@ -45,7 +57,13 @@ def model_request(rollout_id: str, at: float, prompt: list[int], response: list[
     data = {
         "model": MODEL,
         "model_version": 3,
-        "request": {"model": MODEL, "messages": messages, "max_tokens": 512, "logprobs": True, "return_token_ids": True},
+        "request": {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": 512,
+            "logprobs": True,
+            "return_token_ids": True,
+        },
         "response": body,
         "server": {"model": MODEL, "endpoint": "http://127.0.0.1:8000/v1", "version": 3},
         "latency_ms": 850.0,
@@ -79,7 +97,15 @@ def rollout_events(rng: np.random.Generator, rollout_id: str, n_turns: int, rewa
             prompt = prompt + response + observation
             messages = messages + [{"role": "assistant", "content": "x" * (4 * len(response))}]
         messages = messages + [{"role": "user", "content": "x" * (4 * len(observation))}]
-    events.append({"event_type": "reward", "rollout_id": rollout_id, "attempt_id": "0", "timestamp": 1000.0 + n_turns, "data": {"value": reward}})
+    events.append(
+        {
+            "event_type": "reward",
+            "rollout_id": rollout_id,
+            "attempt_id": "0",
+            "timestamp": 1000.0 + n_turns,
+            "data": {"value": reward},
+        }
+    )
     return events
 
 
@@ -91,7 +117,14 @@ def rollout_record(rollout_id: str, index: int) -> dict:
         "is_train": True,
         "config": {"timeout_seconds": 3600, "local": None, "k8s": None},
         "metadata": {"batch_idx": 0, "sample_idx_in_batch": index},
-        "status": {"state": "succeeded", "last_attempt_id": "0", "error_message": None, "version": 3, "created_at": 999.0, "updated_at": 1100.0},
+        "status": {
+            "state": "succeeded",
+            "last_attempt_id": "0",
+            "error_message": None,
+            "version": 3,
+            "created_at": 999.0,
+            "updated_at": 1100.0,
+        },
     }
 
 
@@ -115,12 +148,16 @@ class Bodies:
     def __init__(self, folder: Path):
         self.folder = folder
         self.meta = json.loads((folder / "meta.json").read_text())
-        self.offsets = {kind: np.load(folder / f"{kind}.npy") for kind in ("raw", "triplet") if (folder / f"{kind}.npy").exists()}
+        self.offsets = {
+            kind: np.load(folder / f"{kind}.npy") for kind in ("raw", "triplet") if (folder / f"{kind}.npy").exists()
+        }
         self.files = {kind: open(folder / f"{kind}.bin", "rb") for kind in self.offsets}
         self.read_s = 0.0
 
     @classmethod
-    def write(cls, folder: Path, n_rollouts: int, n_turns: int, triplet_view: Callable[[list[dict]], list[dict]] | None) -> Bodies:
+    def write(
+        cls, folder: Path, n_rollouts: int, n_turns: int, triplet_view: Callable[[list[dict]], list[dict]] | None
+    ) -> Bodies:
         kinds = ("raw", "triplet") if triplet_view else ("raw",)
         offsets: dict[str, list[int]] = {kind: [0] for kind in kinds}
         n_ints = 0

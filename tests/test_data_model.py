@@ -37,7 +37,9 @@ def valid_triplets(draw):
     )
     reward = draw(st.none() | st.floats(-10, 10, allow_nan=False))
     metadata = draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3))
-    return Triplet(prompt_ids=prompt, response_ids=response, response_log_probs=log_probs, reward=reward, metadata=metadata)
+    return Triplet(
+        prompt_ids=prompt, response_ids=response, response_log_probs=log_probs, reward=reward, metadata=metadata
+    )
 
 
 @settings(max_examples=200)
@@ -60,12 +62,16 @@ def invalid_triplet_kwargs(draw):
     }
     broken = draw(st.sampled_from(["prompt_ids", "response_ids", "response_log_probs", "reward"]))
     if broken in ("prompt_ids", "response_ids"):
-        bad = draw(
-            st.sampled_from(["negative", "float", "bool", "string", "nested"])
-        )
+        bad = draw(st.sampled_from(["negative", "float", "bool", "string", "nested"]))
         ids = list(kwargs[broken])
         position = draw(st.integers(0, len(ids) - 1))
-        ids[position] = {"negative": -draw(st.integers(1, 10**6)), "float": 1.5, "bool": True, "string": "7", "nested": [1]}[bad]
+        ids[position] = {
+            "negative": -draw(st.integers(1, 10**6)),
+            "float": 1.5,
+            "bool": True,
+            "string": "7",
+            "nested": [1],
+        }[bad]
         kwargs[broken] = ids
         if broken == "response_ids":
             kwargs["response_log_probs"] = [-0.5] * len(ids)
@@ -163,7 +169,13 @@ def test_requests_and_rows_round_trip(input, metadata, step):
     )
     assert TrainingRow.from_dict(json.loads(json.dumps(row.to_dict()))) == row
     rollout = CompletedRollout(
-        rollout_id="r", group_id="g", state="succeeded", step=step, input=input, metadata=metadata,
-        triplets=[Triplet(prompt_ids=[1], response_ids=[2], response_log_probs=[-0.3])], final_reward=1.0,
+        rollout_id="r",
+        group_id="g",
+        state="succeeded",
+        step=step,
+        input=input,
+        metadata=metadata,
+        triplets=[Triplet(prompt_ids=[1], response_ids=[2], response_log_probs=[-0.3])],
+        final_reward=1.0,
     )
     assert CompletedRollout.from_dict(json.loads(json.dumps(rollout.to_dict()))) == rollout

@@ -13,7 +13,9 @@ from agl_core.errors import AglError
 from agl_core.plugins import PluginError, RegistryError
 from tests.helpers.paths import REPO_ROOT as REPO
 
-BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)}
+BUILTIN_ERRORS = {
+    name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)
+}
 
 
 def errors_without_root(root: Path) -> list[str]:
@@ -41,6 +43,8 @@ def test_the_check_finds_an_error_without_root(tmp_path):
     assert errors_without_root(tmp_path) == ["agl_core/oops.py:1 OopsError"]
 
 
-@pytest.mark.parametrize(("error", "builtin"), [(ConfigError, ValueError), (RegistryError, LookupError), (PluginError, Exception)])
+@pytest.mark.parametrize(
+    ("error", "builtin"), [(ConfigError, ValueError), (RegistryError, LookupError), (PluginError, Exception)]
+)
 def test_each_error_keeps_its_builtin_class(error, builtin):
     assert issubclass(error, AglError) and issubclass(error, builtin)

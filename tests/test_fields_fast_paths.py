@@ -44,7 +44,10 @@ def test_booleans_hidden_among_ids_are_still_refused(bad):
     assert str(fast.value) == str(slow.value)
 
 
-@given(values=st.lists(st.floats(-50, 0) | st.integers(-5, 0) | st.just(-(10**40)) | st.booleans(), max_size=20) | st.lists(json_items, max_size=8))
+@given(
+    values=st.lists(st.floats(-50, 0) | st.integers(-5, 0) | st.just(-(10**40)) | st.booleans(), max_size=20)
+    | st.lists(json_items, max_size=8)
+)
 @settings(max_examples=300, deadline=None)
 def test_log_probs_of_plain_numbers_agree_with_the_item_by_item_check(values):
     fast = _outcome(log_probs, "lp", values, len(values))
@@ -76,10 +79,10 @@ def test_objects_built_without_a_second_check_are_what_the_constructors_build(ga
     each through its validating constructor must give an equal object with the same dtypes."""
     import attrs
 
-    from agl_core.data import RolloutRequest, Triplet, TrainingRow
+    from agl_core.builtins.aggregators import trajectory, transition
+    from agl_core.data import RolloutRequest, TrainingRow, Triplet
     from agl_core.rollouts.events import completed_rollout_from_record
     from agl_core.stages.aggregation import AggregationSettings
-    from agl_core.builtins.aggregators import trajectory, transition
 
     rollouts = []
     for name, scenario in sorted(gateway_traces.items()):
@@ -87,7 +90,9 @@ def test_objects_built_without_a_second_check_are_what_the_constructors_build(ga
         request = RolloutRequest(rollout_id=record["rollout_id"], group_id=name, input=record["input"])
         rollouts.append(completed_rollout_from_record(request, record, scenario["events"], reward_fillna_value=0.0)[0])
     triplets = [t for r in rollouts for t in r.triplets]
-    rows = {"transition": transition, "trajectory": trajectory}[level](rollouts, AggregationSettings(max_prompt_length=64, max_response_length=64)).rows
+    rows = {"transition": transition, "trajectory": trajectory}[level](
+        rollouts, AggregationSettings(max_prompt_length=64, max_response_length=64)
+    ).rows
     assert triplets and rows
     for kind, objects in ((Triplet, triplets), (TrainingRow, rows)):
         for built in objects:

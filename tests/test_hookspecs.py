@@ -20,7 +20,9 @@ def test_there_are_hookspecs():
 @pytest.mark.parametrize("name", HOOKSPECS)
 def test_hookspec_has_a_real_docstring(name):
     doc = inspect.getdoc(getattr(hookspecs, name)) or ""
-    assert len(doc.split()) >= 20, f"hookspec {name} needs a docstring saying when it is called, with what, and what it returns"
+    assert len(doc.split()) >= 20, (
+        f"hookspec {name} needs a docstring saying when it is called, with what, and what it returns"
+    )
 
 
 @pytest.mark.parametrize("name", HOOKSPECS)

@@ -21,8 +21,20 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 # The package root (the public API) is its own part; a name imported from it counts as an import of
 # the module that defines the name.
 API = "agl_core"
-BASE = {"agl_core._moved", "agl_core.data", "agl_core.errors", "agl_core.fields", "agl_core.config", "agl_core.hookspecs", "agl_core.recording",
-        "agl_core.jsonl", "agl_core.suggestions", "agl_core.local_http", "agl_core.datasets", "agl_core.plot"}
+BASE = {
+    "agl_core._moved",
+    "agl_core.data",
+    "agl_core.errors",
+    "agl_core.fields",
+    "agl_core.config",
+    "agl_core.hookspecs",
+    "agl_core.recording",
+    "agl_core.jsonl",
+    "agl_core.suggestions",
+    "agl_core.local_http",
+    "agl_core.datasets",
+    "agl_core.plot",
+}
 ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {
@@ -37,7 +49,12 @@ SOURCE_FAMILIES = {
     "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),
     "replay": ("agl_core.rollouts.replay",),
 }
-SHARED_ROLLOUT_MODULES = ("agl_core.rollouts", "agl_core.rollouts.source", "agl_core.rollouts.events", "agl_core.rollouts.finish")
+SHARED_ROLLOUT_MODULES = (
+    "agl_core.rollouts",
+    "agl_core.rollouts.source",
+    "agl_core.rollouts.events",
+    "agl_core.rollouts.finish",
+)
 
 # part -> the parts it may import (its own part always included)
 ALLOWED = {
@@ -75,7 +92,9 @@ def part_of(module: str) -> str:
         return "backend:torch"
     if parts[1] in {"plugins", "stages", "rollouts", "serving", "backends", "tracking", "testing", "builtins"}:
         return parts[1]
-    raise AssertionError(f"{module} is in no part of the package map: add it to tests/test_import_rules.py and docs/architecture.md")
+    raise AssertionError(
+        f"{module} is in no part of the package map: add it to tests/test_import_rules.py and docs/architecture.md"
+    )
 
 
 def source_family(module: str) -> str | None:
@@ -163,7 +182,9 @@ def forbidden_imports(root: Path) -> list[str]:
                 elif source == target == "rollouts":
                     mine, theirs = source_family(importer), source_family(imported)
                     if theirs is not None and mine != theirs:
-                        problems.append(f"{where}: the {mine or 'shared rollout'} code may not import the {theirs} source")
+                        problems.append(
+                            f"{where}: the {mine or 'shared rollout'} code may not import the {theirs} source"
+                        )
     return problems
 
 
@@ -185,7 +206,11 @@ def private_core_imports(root: Path, package: str = "agl_backend_verl") -> list[
                 if node.module != API:
                     problems.append(f"{where} imports {node.module}")
                 else:
-                    problems += [f"{where} imports {API}.{a.name}, which is not public" for a in node.names if a.name not in public]
+                    problems += [
+                        f"{where} imports {API}.{a.name}, which is not public"
+                        for a in node.names
+                        if a.name not in public
+                    ]
     return problems
 
 
@@ -215,14 +240,30 @@ def test_every_rollout_module_is_shared_or_in_one_source_family():
 @pytest.mark.parametrize(
     ("module", "planted", "message"),
     [
-        ("agl_backend_verl/planted.py", "from agl_core.backends.torch.backend import TorchBackend\n", "backend:verl may not import backend:torch"),
+        (
+            "agl_backend_verl/planted.py",
+            "from agl_core.backends.torch.backend import TorchBackend\n",
+            "backend:verl may not import backend:torch",
+        ),
         ("agl_core/stages/planted.py", "import agl_core.rollouts.events\n", "stages may not import rollouts"),
         ("agl_core/plugins/planted.py", "from agl_hooks import loader\n", "plugins may not import agl_hooks"),
-        ("agl_core/rollouts/embedded.py", "from agl_core.rollouts.gateway_client import GatewayClient\n", "may not import the gateway source"),
-        ("agl_core/serving/planted.py", "if True:\n    from agl_core.stages import tensorize\n", "serving may not import stages"),
+        (
+            "agl_core/rollouts/embedded.py",
+            "from agl_core.rollouts.gateway_client import GatewayClient\n",
+            "may not import the gateway source",
+        ),
+        (
+            "agl_core/serving/planted.py",
+            "if True:\n    from agl_core.stages import tensorize\n",
+            "serving may not import stages",
+        ),
         ("agl_core/plugins/planted.py", "from agl_core import Aggregation\n", "plugins may not import stages"),
         ("agl_core/serving/planted.py", "from agl_core import LossSettings\n", "serving may not import stages"),
-        ("agl_core/tracking/planted.py", "from agl_core.plugins import PluginManager\n", "tracking may not import plugins"),
+        (
+            "agl_core/tracking/planted.py",
+            "from agl_core.plugins import PluginManager\n",
+            "tracking may not import plugins",
+        ),
     ],
 )
 def test_a_planted_forbidden_import_is_reported(tmp_path, module, planted, message):

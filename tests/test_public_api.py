@@ -109,8 +109,6 @@ def test_import_agl_core_does_not_import_torch():
     assert out.stdout.split() == ["False", "True"]
 
 
-
-
 def test_the_import_check_finds_a_private_import():
     assert private_imports("from agl_core.builtins.aggregators import trajectory\nimport agl_core.data\n") == [
         "agl_core.builtins.aggregators",
@@ -159,5 +157,6 @@ def test_the_api_reference_documents_every_public_name_by_its_public_name():
     public = {f"agl_core.{name}" for name in agl_core.__all__ if name != "__version__"}
     assert public <= documented, sorted(public - documented)
     modules = {name for name in documented if name.count(".") and name not in public}
-    assert all(m == "agl_core.hookspecs" or m.startswith(("agl_core.testing", "agl_core.scaffold")) for m in modules), modules
-
+    assert all(m == "agl_core.hookspecs" or m.startswith(("agl_core.testing", "agl_core.scaffold")) for m in modules), (
+        modules
+    )

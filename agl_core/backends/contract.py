@@ -18,9 +18,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from agl_core.config import ConfigFile
-
     from agl_core.data import StepSamples
-
     from agl_core.plugins import PluginManager
     from agl_core.plugins.registry import RegistryEntry
 

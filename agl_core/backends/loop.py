@@ -61,7 +61,9 @@ class LoopSettings:
     fill: int = 0
 
     @classmethod
-    def from_config(cls, config: Any, total_steps: int, *, has_validation: bool = True, val_only: bool = False) -> LoopSettings:
+    def from_config(
+        cls, config: Any, total_steps: int, *, has_validation: bool = True, val_only: bool = False
+    ) -> LoopSettings:
         """The settings of a run config (``trainer.*``, ``agentlightning.async_rollout.*``)."""
         async_rollout = config.agentlightning.async_rollout
         return cls(

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from agl_core.data import CompletedRollout, Triplet
+from agl_core.hookspecs import hookimpl
 from agl_core.stages.aggregation import (
     Aggregation,
     AggregationCounts,
@@ -24,8 +26,6 @@ from agl_core.stages.aggregation import (
     merged_row,
     rollout_reward,
 )
-from agl_core.data import CompletedRollout, Triplet
-from agl_core.hookspecs import hookimpl
 from agl_core.stages.mismatch import MismatchLog
 
 __all__ = ["Align", "aggregate_trajectories", "exact_prefix", "trajectory", "transition"]
@@ -46,7 +46,9 @@ def exact_prefix(previous: Triplet, prompt_ids: np.ndarray, settings: Aggregatio
         return None
     # Same lengths by construction, so a plain element-wise comparison decides (array_equal's
     # checks cost more than the comparison on most prompts).
-    if (prompt_ids[:n_prompt] == previous.prompt_ids).all() and (prompt_ids[n_prompt:end] == previous.response_ids).all():
+    if (prompt_ids[:n_prompt] == previous.prompt_ids).all() and (
+        prompt_ids[n_prompt:end] == previous.response_ids
+    ).all():
         return end
     return None
 

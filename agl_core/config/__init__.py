@@ -24,7 +24,13 @@ from agl_core.config.loading import (
     to_yaml,
     with_backend_hint,
 )
-from agl_core.config.schema import LOSS_NORMALIZATION_MODES, SECRET_KEYS, AgentLightningConfig, CoreConfig, default_config
+from agl_core.config.schema import (
+    LOSS_NORMALIZATION_MODES,
+    SECRET_KEYS,
+    AgentLightningConfig,
+    CoreConfig,
+    default_config,
+)
 
 __all__ = [
     "REDACTED",

@@ -143,10 +143,14 @@ def _validate_record_keys(cfg: DictConfig) -> None:
 def _validate_gateway_keys(cfg: DictConfig) -> None:
     low = cfg.agentlightning.gateway.poll_interval_min_seconds
     if cfg.agentlightning.gateway.poll_interval_max_seconds < low:
-        raise ConfigError("agentlightning.gateway.poll_interval_max_seconds", f"must be at least poll_interval_min_seconds ({low})")
+        raise ConfigError(
+            "agentlightning.gateway.poll_interval_max_seconds", f"must be at least poll_interval_min_seconds ({low})"
+        )
     backoff = cfg.agentlightning.gateway.retry_backoff_seconds
     if cfg.agentlightning.gateway.retry_backoff_max_seconds < backoff:
-        raise ConfigError("agentlightning.gateway.retry_backoff_max_seconds", f"must be at least retry_backoff_seconds ({backoff})")
+        raise ConfigError(
+            "agentlightning.gateway.retry_backoff_max_seconds", f"must be at least retry_backoff_seconds ({backoff})"
+        )
 
 
 def _validate_torch_backend_keys(cfg: DictConfig) -> None:

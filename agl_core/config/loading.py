@@ -124,7 +124,9 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
         if "" in key.split("."):
             raise ConfigError(key, f"is not a key path (an empty part between dots, in override {item!r})")
         if not value:
-            raise ConfigError(key, f"override {item!r} has no value: write {key}=null to unset it, or {key}='' for an empty string")
+            raise ConfigError(
+                key, f"override {item!r} has no value: write {key}=null to unset it, or {key}='' for an empty string"
+            )
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as exc:
@@ -167,7 +169,11 @@ def _shape_conflict(base: DictConfig, other: DictConfig, prefix: str = "") -> tu
             if found is not None:
                 return found
         elif isinstance(mine, DictConfig) != isinstance(theirs, DictConfig):
-            shown = "(not shown: it is a secret)" if f"{prefix}{key}" in SECRET_KEYS else repr(OmegaConf.to_container(other)[key])
+            shown = (
+                "(not shown: it is a secret)"
+                if f"{prefix}{key}" in SECRET_KEYS
+                else repr(OmegaConf.to_container(other)[key])
+            )
             return f"{prefix}{key}", _shape(mine), f"{_shape(theirs)} {shown}"
     return None
 
@@ -197,7 +203,11 @@ def _interpolation_error(cfg: DictConfig, exc: OmegaConfBaseException) -> Config
     message = (getattr(error, "msg", None) or str(error)).splitlines()[0]
     if key in SECRET_KEYS:
         variable = re.search(r"Environment variable '([^']+)' not found", message)
-        message = f"environment variable {variable.group(1)!r} is not set" if variable else "details not shown: it is a secret"
+        message = (
+            f"environment variable {variable.group(1)!r} is not set"
+            if variable
+            else "details not shown: it is a secret"
+        )
     return ConfigError(key, f"its interpolation cannot be resolved: {message}")
 
 
@@ -220,7 +230,9 @@ def with_backend_hint(
         except ConfigError as other:
             if other.key == error.key and "; moved to " in other.message:
                 return ConfigError(error.key, f"{other.message}, under backend {name!r}: run with backend={name}")
-            if other.key == error.key or (other.message.startswith("unknown key") and not _holds(loader, name, error.key)):
+            if other.key == error.key or (
+                other.message.startswith("unknown key") and not _holds(loader, name, error.key)
+            ):
                 continue  # that backend does not know the key either (or it is not clear that it does)
         except Exception:
             continue

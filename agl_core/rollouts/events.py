@@ -254,7 +254,10 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Trip
         except (DataValidationError, TypeError, ValueError):
             _count(counts, "training/events/n_calls_bad_log_probs")
     server = data.get("server") if isinstance(data.get("server"), Mapping) else {}
-    metadata = {"call_index": call_index, "model_version": _model_version(server.get("version", data.get("model_version")))}
+    metadata = {
+        "call_index": call_index,
+        "model_version": _model_version(server.get("version", data.get("model_version"))),
+    }
     if data.get("finish_reason") is not None:
         metadata["finish_reason"] = freeze(data["finish_reason"])
     return from_checked(
@@ -372,7 +375,9 @@ def completed_rollout(
         _count(counts, "training/n_rollouts_reward_filled")
     else:
         _count(counts, "training/n_rollouts_w_reward")
-    stamps = [stamp for e in events if isinstance(e, Mapping) if (stamp := _time(e.get("timestamp"), counts)) is not None]
+    stamps = [
+        stamp for e in events if isinstance(e, Mapping) if (stamp := _time(e.get("timestamp"), counts)) is not None
+    ]
     rollout = CompletedRollout(
         rollout_id=request.rollout_id,
         group_id=request.group_id,

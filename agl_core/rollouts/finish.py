@@ -23,7 +23,11 @@ __all__ = ["finish_rollout", "last_attempt_id"]
 
 def last_attempt_id(events: list[dict[str, Any]]) -> str | None:
     """The ``attempt_id`` of the last event that names one (the gateway keeps every attempt's events)."""
-    attempts = [e["attempt_id"] for e in events if isinstance(e, Mapping) and isinstance(e.get("attempt_id"), str) and e["attempt_id"]]
+    attempts = [
+        e["attempt_id"]
+        for e in events
+        if isinstance(e, Mapping) and isinstance(e.get("attempt_id"), str) and e["attempt_id"]
+    ]
     return attempts[-1] if attempts else None
 
 

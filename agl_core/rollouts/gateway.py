@@ -17,7 +17,9 @@ from agl_core.rollouts.gateway_sync import GatewayRolloutSource
 __all__ = ["gateway_source"]
 
 
-def gateway_source(config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None) -> GatewayRolloutSource:
+def gateway_source(
+    config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None
+) -> GatewayRolloutSource:
     """The sync or async gateway source, as ``agentlightning.async_rollout.enabled`` says."""
     if config.agentlightning.async_rollout.enabled:
         return AsyncGatewayRolloutSource(config, plugins, client)

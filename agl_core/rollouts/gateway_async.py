@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins import PluginManager
 from agl_core.rollouts.gateway_client import GatewayClient
-from agl_core.rollouts.gateway_sync import Group, GatewayRolloutSource, _Pending
+from agl_core.rollouts.gateway_sync import GatewayRolloutSource, Group, _Pending
 from agl_core.rollouts.source import RolloutBatch
 
 __all__ = ["AsyncGatewayRolloutSource"]
@@ -139,7 +139,9 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
             self.groups[group.group_id] = group
         for saved in state["pending"]:
             request = RolloutRequest.from_dict(saved["request"])
-            self.pending[request.rollout_id] = _Pending(request, saved["queued_at"], now + self.deadline_seconds, saved["reenqueues"])
+            self.pending[request.rollout_id] = _Pending(
+                request, saved["queued_at"], now + self.deadline_seconds, saved["reenqueues"]
+            )
         self.backlog = list(state["backlog"]) + self.backlog
         self.cursor = 0  # what finished while no trainer ran is in the terminal log from its start
         kept = len(self.pending)
@@ -149,4 +151,3 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
         self.counts["training/async/n_resumed_finished_rollouts"] += sum(len(g["done"]) for g in state["groups"])
         self.counts["training/async/n_resumed_backlog_samples"] += len(state["backlog"])
         return len(state["groups"]) + len(state["backlog"])
-

@@ -23,8 +23,8 @@ import httpx
 from omegaconf import DictConfig
 
 from agl_core.data import RolloutRequest
-from agl_core.rollouts.events import decode_events
 from agl_core.fields import thaw
+from agl_core.rollouts.events import decode_events
 from agl_core.rollouts.gateway_error import GatewayError
 from agl_core.rollouts.retry import RetryPolicy
 
@@ -74,9 +74,7 @@ class GatewayClient:
     ):
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(
-            base_url=self.base_url, headers=headers, timeout=timeout_seconds, transport=transport
-        )
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_seconds, transport=transport)
         self.retry = retry or RetryPolicy()
         self.requests_sent: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
@@ -129,9 +127,7 @@ class GatewayClient:
         with self._count_lock:
             self.retries[kind] += 1
 
-    def _request(
-        self, method: str, path: str, *, kind: str, idempotent: bool = True, **kwargs: Any
-    ) -> httpx.Response:
+    def _request(self, method: str, path: str, *, kind: str, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
         """Send with retries; return a successful response or raise :class:`GatewayError`."""
         return self._retrying(kind, lambda: self._send(method, path, kind=kind, **kwargs), idempotent=idempotent)
 
@@ -143,7 +139,9 @@ class GatewayClient:
             return []
         payload = [rollout_payload(r) for r in requests]
         created = self._request("POST", "/api/rollouts", kind="create", json=payload).json()
-        if len(created) != len(payload) or any(c.get("rollout_id") != p["rollout_id"] for c, p in zip(created, payload)):
+        if len(created) != len(payload) or any(
+            c.get("rollout_id") != p["rollout_id"] for c, p in zip(created, payload)
+        ):
             raise GatewayError("POST /api/rollouts", 201, "the gateway answered with other rollouts than those sent")
         return created
 

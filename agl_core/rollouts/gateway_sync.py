@@ -238,7 +238,9 @@ class GatewayRolloutSource(RolloutSource):
     def _read_terminal(self, rid: str, state: str) -> tuple[list[dict[str, Any]], str | None] | GatewayError:
         try:
             events = self._events(rid, for_hooks=state == "succeeded")
-            error = self.client.get_rollout(rid)["rollout"]["status"].get("error_message") if state == "failed" else None
+            error = (
+                self.client.get_rollout(rid)["rollout"]["status"].get("error_message") if state == "failed" else None
+            )
         except GatewayError as exc:
             return exc
         return events, error
@@ -247,7 +249,10 @@ class GatewayRolloutSource(RolloutSource):
         """``(rid, state, read)`` for each of ``ready`` in order, read concurrently with at most
         ``READ_WORKERS`` reads ahead of the one being consumed, so few decoded bodies are held."""
         queued = iter(ready)
-        ahead = deque((rid, state, self._pool.submit(self._read_terminal, rid, state)) for rid, state in islice(queued, READ_WORKERS))
+        ahead = deque(
+            (rid, state, self._pool.submit(self._read_terminal, rid, state))
+            for rid, state in islice(queued, READ_WORKERS)
+        )
         while ahead:
             rid, state, future = ahead.popleft()
             if (following := next(queued, None)) is not None:
@@ -275,7 +280,9 @@ class GatewayRolloutSource(RolloutSource):
         list(self._pool.map(self._delete, finished))
         return len(finished)
 
-    def _finish(self, rid: str, state: str, events: list[dict[str, Any]], error: str | None, *, held: bool = True) -> None:
+    def _finish(
+        self, rid: str, state: str, events: list[dict[str, Any]], error: str | None, *, held: bool = True
+    ) -> None:
         """Finish a terminal rollout; ``held`` is false when the gateway no longer holds it (lost, or
         timed out and about to be deleted), so what its hooks write cannot be stored and is counted."""
         pending = self.pending[rid]
@@ -345,7 +352,9 @@ class GatewayRolloutSource(RolloutSource):
 
         def post(event: PendingEvent) -> None:
             nonlocal position
-            self.client.append_event(event.rollout_id, event.attempt_id, event.event_type, event.data, position=position)
+            self.client.append_event(
+                event.rollout_id, event.attempt_id, event.event_type, event.data, position=position
+            )
             position += 1
 
         try:

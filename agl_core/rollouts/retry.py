@@ -40,7 +40,11 @@ class RetryPolicy:
     backoff_max_seconds: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
     retryable_status: frozenset[int] = frozenset({408, 429}) | frozenset(range(500, 600))
     not_applied_status: frozenset[int] = frozenset({408, 429, 503})
-    unsent_errors: tuple[type[httpx.TransportError], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+    unsent_errors: tuple[type[httpx.TransportError], ...] = (
+        httpx.ConnectError,
+        httpx.ConnectTimeout,
+        httpx.PoolTimeout,
+    )
 
     @classmethod
     def from_config(cls, config: DictConfig) -> RetryPolicy:
@@ -65,7 +69,9 @@ class RetryPolicy:
             return idempotent or not error.ambiguous
         return error.status in (self.retryable_status if idempotent else self.not_applied_status)
 
-    def run(self, attempt: Callable[[], T], *, idempotent: bool = True, on_retry: Callable[[], None] | None = None) -> T:
+    def run(
+        self, attempt: Callable[[], T], *, idempotent: bool = True, on_retry: Callable[[], None] | None = None
+    ) -> T:
         """Call ``attempt`` until it succeeds, its failure is final, or the attempts run out; call
         ``on_retry`` before each retry. The :class:`GatewayError` raised in the end has ``transient``
         set: whether an idempotent call failing so would have been retried."""

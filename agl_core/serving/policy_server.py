@@ -70,10 +70,10 @@ class _Job:
 class PolicyServer:
     """An :class:`~agl_core.serving.engine.InferenceEngine` serving a Hugging Face causal LM in-process.
 
-    ``model`` is copied (a PEFT model as its base with the adapters merged in,
-:mod:`agl_core.serving.weights`), so the trainer may keep updating its own module; ``tokenizer`` renders chat
-    prompts and decodes. ``max_batch_size`` caps how many queued requests one generation pass takes;
-    ``batch_wait_s`` is how long the generation thread lingers for more requests once one arrives.
+        ``model`` is copied (a PEFT model as its base with the adapters merged in,
+    :mod:`agl_core.serving.weights`), so the trainer may keep updating its own module; ``tokenizer`` renders chat
+        prompts and decodes. ``max_batch_size`` caps how many queued requests one generation pass takes;
+        ``batch_wait_s`` is how long the generation thread lingers for more requests once one arrives.
     """
 
     def __init__(
@@ -224,7 +224,11 @@ class PolicyServer:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
+            if (
+                not isinstance(m, Mapping)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content", ""), str)
+            ):
                 raise RequestError(f"messages[{i}] must be an object with a string role and content", param="messages")
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True)
@@ -271,7 +275,9 @@ class PolicyServer:
             raise RequestError(f"seed must be an integer in [0, 2**63), got {seed!r}", param="seed")
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop), seed=seed)
 
-    def _response(self, body: Mapping[str, Any], chat: bool, prompt_ids: list[int], result: Generation) -> dict[str, Any]:
+    def _response(
+        self, body: Mapping[str, Any], chat: bool, prompt_ids: list[int], result: Generation
+    ) -> dict[str, Any]:
         with_ids = bool(body.get("return_token_ids"))
         choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "stop_reason": None}
         tokens = self.tokenizer.convert_ids_to_tokens(result.token_ids)
@@ -289,7 +295,9 @@ class PolicyServer:
         else:
             choice["text"] = result.text
             choice["logprobs"] = (
-                {"tokens": tokens, "token_logprobs": result.log_probs, "top_logprobs": None} if body.get("logprobs") else None
+                {"tokens": tokens, "token_logprobs": result.log_probs, "top_logprobs": None}
+                if body.get("logprobs")
+                else None
             )
             if with_ids:
                 choice["prompt_token_ids"] = prompt_ids
@@ -343,7 +351,13 @@ def _handler_for(server: PolicyServer) -> type[JSONRequestHandler]:
             if self.path in ("/health", "/v1/health"):
                 self.send_json(200, {})
             elif self.path == "/v1/models":
-                self.send_json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model", "max_model_len": server.max_model_len}]})
+                self.send_json(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": server.model_name, "object": "model", "max_model_len": server.max_model_len}],
+                    },
+                )
             else:
                 self.send_json(404, RequestError(f"unknown route {self.path}", status=404).body())
 

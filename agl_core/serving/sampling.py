@@ -33,7 +33,9 @@ class Generation:
     text: str
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
     """One token per row: greedy where temperature is 0, else nucleus sampling at that temperature.
 
     ``uniforms`` holds one draw in [0, 1) per row; inverting the nucleus's cumulative distribution
@@ -130,13 +132,21 @@ def generate_batch(
         attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
         positions = positions[:, -1:] + 1
         out = model(
-            input_ids=token[:, None], attention_mask=attention, position_ids=positions, past_key_values=out.past_key_values, use_cache=True
+            input_ids=token[:, None],
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=out.past_key_values,
+            use_cache=True,
         )
     return state.results(params, decode)
 
 
 def _hit_stop(
-    state: _Decoding, token: torch.Tensor, stops: torch.Tensor, params: Sequence[SamplingParams], decode: Callable[[list[int]], str]
+    state: _Decoding,
+    token: torch.Tensor,
+    stops: torch.Tensor,
+    params: Sequence[SamplingParams],
+    decode: Callable[[list[int]], str],
 ) -> torch.Tensor:
     """The rows still running that ``token`` ends: a stop token, or a stop string in the decoded text."""
     hit = torch.isin(token, stops) & ~state.done

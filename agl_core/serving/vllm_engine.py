@@ -115,7 +115,9 @@ class VllmEngine:
         self.process: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def from_config(cls, vllm_cfg: Any, model_path: str | os.PathLike[str], model_name: str, **kwargs: Any) -> VllmEngine:
+    def from_config(
+        cls, vllm_cfg: Any, model_path: str | os.PathLike[str], model_name: str, **kwargs: Any
+    ) -> VllmEngine:
         """An engine for the ``agentlightning.vllm`` config section."""
         return cls(
             model_path,
@@ -269,7 +271,9 @@ class VllmEngine:
             )
             reset = self._admin("/reset_prefix_cache", timeout=self.pause_timeout_seconds)
             if reset.json().get("success") is not True:
-                raise VllmEngineError(f"the vLLM server at {self.server_url} did not reset its prefix cache: {reset.text}")
+                raise VllmEngineError(
+                    f"the vLLM server at {self.server_url} did not reset its prefix cache: {reset.text}"
+                )
             self._admin("/resume", timeout=self.pause_timeout_seconds)
         except VllmEngineError:
             # A server left paused or half-reloaded must not answer again: a started one is
@@ -291,5 +295,7 @@ class VllmEngine:
         except httpx.TransportError as exc:
             raise VllmEngineError(f"POST {url} failed during a weight push: {exc!r}") from exc
         if response.status_code != 200:
-            raise VllmEngineError(f"POST {url} answered {response.status_code} during a weight push: {response.text[:500]}")
+            raise VllmEngineError(
+                f"POST {url} answered {response.status_code} during a weight push: {response.text[:500]}"
+            )
         return response

@@ -9,7 +9,7 @@ built-ins live in :mod:`agl_core.builtins.estimators`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -78,7 +78,7 @@ class Advantages:
 
     per_row: tuple[np.ndarray, ...]
     metrics: Mapping[str, float] = attrs.field(factory=dict)
-    returns: Optional[tuple[np.ndarray, ...]] = None
+    returns: tuple[np.ndarray, ...] | None = None
 
     @property
     def returns_per_row(self) -> tuple[np.ndarray, ...]:

@@ -26,7 +26,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from agl_core.config import row_length_keys
-from agl_core.data import CompletedRollout, DataValidationError, Triplet, TrainingRow
+from agl_core.data import CompletedRollout, DataValidationError, TrainingRow, Triplet
 from agl_core.fields import from_checked, is_int
 
 __all__ = [

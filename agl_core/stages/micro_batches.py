@@ -29,7 +29,9 @@ from agl_core.fields import is_int
 __all__ = ["micro_batches", "padded_elements"]
 
 
-def _lengths(prompt_lengths: Sequence[int] | np.ndarray, response_lengths: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _lengths(
+    prompt_lengths: Sequence[int] | np.ndarray, response_lengths: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     prompts = np.asarray(prompt_lengths, dtype=np.int64)
     responses = np.asarray(response_lengths, dtype=np.int64)
     if prompts.ndim != 1 or prompts.shape != responses.shape:
@@ -57,7 +59,9 @@ def micro_batches(
     too_long = np.flatnonzero(totals > max_tokens)
     if len(too_long):
         i = int(too_long[0])
-        raise ValueError(f"row {i} has {int(totals[i])} tokens (prompt + response), more than {key} = {max_tokens}; raise {key}")
+        raise ValueError(
+            f"row {i} has {int(totals[i])} tokens (prompt + response), more than {key} = {max_tokens}; raise {key}"
+        )
     left = np.argsort(-totals, kind="stable")  # rows not grouped yet, longest first
     groups: list[list[int]] = []
     while len(left):
@@ -79,7 +83,9 @@ def micro_batches(
 
 
 def padded_elements(
-    prompt_lengths: Sequence[int] | np.ndarray, response_lengths: Sequence[int] | np.ndarray, groups: Sequence[Sequence[int]]
+    prompt_lengths: Sequence[int] | np.ndarray,
+    response_lengths: Sequence[int] | np.ndarray,
+    groups: Sequence[Sequence[int]],
 ) -> int:
     """Tensor elements of ``groups`` once each is padded to its own longest prompt and response
     (compare with the rows' real tokens, ``sum(prompt_lengths) + sum(response_lengths)``)."""

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from agl_core.stages.aggregation import AggregationCounts, AggregationSettings, Mismatch
 from agl_core.data import CompletedRollout, Triplet
+from agl_core.stages.aggregation import AggregationCounts, AggregationSettings, Mismatch
 
 __all__ = ["MismatchLog", "classify_break", "common_prefix_length", "decode"]
 

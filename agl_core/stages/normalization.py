@@ -58,4 +58,3 @@ def rollout_scales(
     if mode == "upstream":
         return 1.0 / (rollout_tokens * len(rollout_ids))
     return n_mini_batches / (rollout_tokens * len(per_rollout))
-

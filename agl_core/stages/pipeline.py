@@ -16,13 +16,13 @@ import attrs
 import numpy as np
 import torch
 
-from agl_core.stages.advantage import Advantages, AdvantageSettings
-from agl_core.stages.aggregation import settings_from_config, write_mismatches_jsonl
-from agl_core.stages.samples import step_samples
-from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
 from agl_core.data import CompletedRollout, TrainingRow
 from agl_core.recording import RecordingWriter
+from agl_core.stages.advantage import Advantages, AdvantageSettings
+from agl_core.stages.aggregation import settings_from_config, write_mismatches_jsonl
 from agl_core.stages.policy_loss import policy_loss_spec
+from agl_core.stages.samples import step_samples
+from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
 from agl_core.stages.tensorize import pad_responses
 from agl_core.stages.vocabulary import OUT_OF_VOCAB_METRIC, within_vocabulary
 
@@ -38,7 +38,9 @@ def rollout_metrics(rollouts: Sequence[CompletedRollout], prefix: str) -> dict[s
     }
 
 
-def validation_metrics(rollouts: Sequence[CompletedRollout], source_metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def validation_metrics(
+    rollouts: Sequence[CompletedRollout], source_metrics: Sequence[Mapping[str, float]]
+) -> dict[str, float]:
     """A validation pass's ``val/*`` metrics, the same on every backend: over ``rollouts`` (every batch's)
     and the rollout sources' metrics of each batch (``source_metrics``).
 
@@ -63,8 +65,12 @@ def validation_metrics(rollouts: Sequence[CompletedRollout], source_metrics: Seq
         {
             "val/n_rollouts_w_trace": float(len(traced)),
             "val/turn_count": float(np.mean([len(calls) for calls in traced])) if traced else nan,
-            "val/mean_response_length_per_turn": float(np.mean([np.mean(calls) for calls in traced])) if traced else nan,
-            "val/mean_total_response_length_per_rollout": float(np.mean([sum(calls) for calls in traced])) if traced else nan,
+            "val/mean_response_length_per_turn": float(np.mean([np.mean(calls) for calls in traced]))
+            if traced
+            else nan,
+            "val/mean_total_response_length_per_rollout": float(np.mean([sum(calls) for calls in traced]))
+            if traced
+            else nan,
             "val/n_batches": float(len(source_metrics)),
             **rollout_metrics(rollouts, "val"),
         }
@@ -189,7 +195,9 @@ class StepPipeline:
                 return estimator(rows, settings)
 
         self.estimate = estimate
-        self.normalization = str(config.agentlightning.loss_normalization) if _scales_per_rollout(config, plugins) else None
+        self.normalization = (
+            str(config.agentlightning.loss_normalization) if _scales_per_rollout(config, plugins) else None
+        )
         self._samples: dict[str, list[dict[str, Any]]] = {}
         self.recording = RecordingWriter(config, tokenizer) if config.agentlightning.record_rollouts else None
 

@@ -45,11 +45,10 @@ name gets scaled advantages exactly when it declares so.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
-
 
 __all__ = [
     "LossSettings",
@@ -60,6 +59,7 @@ __all__ = [
     "policy_loss_spec",
     "ppo_token_losses",
 ]
+
 
 class PolicyLoss(Protocol):
     """What ``agl_register_policy_losses`` registers (bare, or inside a :class:`PolicyLossSpec`):
@@ -124,11 +124,11 @@ class LossSettings:
     """
 
     clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
     dp_size: int = 1
-    batch_num_tokens: Optional[int] = None
+    batch_num_tokens: int | None = None
 
     @property
     def low(self) -> float:

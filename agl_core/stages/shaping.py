@@ -33,13 +33,13 @@ token). ``collected = trained + marked + same_reward + random`` always holds.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import attrs
 import numpy as np
 
-from agl_core.stages.advantage import Advantages, RolloutGroups, group_rollouts
 from agl_core.data import TrainingRow
+from agl_core.stages.advantage import Advantages, RolloutGroups, group_rollouts
 from agl_core.stages.normalization import rollout_scales
 
 __all__ = ["ShapingSettings", "ShapedBatch", "shape_batch"]
@@ -51,7 +51,7 @@ class ShapingSettings:
     ``agentlightning.max_ppo_update_times`` (None: no cap); ``seed`` seeds the random drops."""
 
     mini_batch_rows: int
-    max_updates: Optional[int] = None
+    max_updates: int | None = None
     seed: tuple[int, ...] = (0,)
 
     @classmethod

@@ -89,7 +89,9 @@ def pad_responses(per_row_arrays: Sequence[Any], width: int, dtype: torch.dtype)
     return torch.from_numpy(_pack(arrays, width, numpy_dtype, 0))
 
 
-def _sequences(prompt_lengths: np.ndarray, response_lengths: np.ndarray, prompt_width: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _sequences(
+    prompt_lengths: np.ndarray, response_lengths: np.ndarray, prompt_width: int, width: int
+) -> tuple[np.ndarray, np.ndarray]:
     """``attention_mask`` and ``position_ids`` of rows whose prompt ends at ``prompt_width`` and whose
     response follows it: 1 / 0, 1, 2... on the row's tokens; 0 / 0 before them, 0 / the last position after."""
     attention = _blank((len(prompt_lengths), width), np.int64, 0)
@@ -140,7 +142,9 @@ def tensorize(
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         input_ids[i, prompt_length - len(prompt) : prompt_length] = prompt
         input_ids[i, prompt_length : prompt_length + len(response)] = response
-    attention_mask, position_ids = _sequences(prompt_lengths, response_lengths, prompt_length, prompt_length + response_length)
+    attention_mask, position_ids = _sequences(
+        prompt_lengths, response_lengths, prompt_length, prompt_length + response_length
+    )
     response_mask = _pack([row.response_mask for row in rows], response_length, np.int64, 0)
     log_probs = [row.log_probs for row in rows]
 

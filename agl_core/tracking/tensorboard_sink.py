@@ -24,7 +24,9 @@ class TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise ConfigError("trainer.logger", f"metric sink 'tensorboard' needs the tensorboard package ({exc})") from exc
+            raise ConfigError(
+                "trainer.logger", f"metric sink 'tensorboard' needs the tensorboard package ({exc})"
+            ) from exc
         self._writer_class = SummaryWriter
         self.log_dir = context.run_dir / LOG_DIR
         self.writer: Any = None

@@ -16,7 +16,10 @@ autodoc_inherit_docstrings = False  # FrozenDict's refused dict methods would sh
 html_theme = "alabaster"
 # Names of other projects' objects (no intersphinx: the build runs offline).
 nitpick_ignore_regex = [
-    ("py:.*", r"(numpy|np|torch|pluggy|attrs|omegaconf|hypothesis|pytest|argparse|pathlib|os|tempfile|collections|threading)(\..*)?"),
+    (
+        "py:.*",
+        r"(numpy|np|torch|pluggy|attrs|omegaconf|hypothesis|pytest|argparse|pathlib|os|tempfile|collections|threading)(\..*)?",
+    ),
     ("py:.*", r"(str|int|float|bool|dict|list|tuple|object|Any|Path|ValueError|LookupError|TypeError|Exception)"),
 ]
 

@@ -66,7 +66,9 @@ class CorridorAgent:
 def _chat(url: str, headers: dict[str, str], messages: list[dict[str, str]]) -> httpx.Response:
     """One chat call; while the gateway is paused for a weight update, retry after the wait it asks for."""
     for _ in range(MAX_PAUSED_WAITS):
-        response = _client.post(url, headers=headers, json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS})
+        response = _client.post(
+            url, headers=headers, json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS}
+        )
         if response.status_code != 429:
             break
         time.sleep(float(response.headers.get("Retry-After", "1")))

@@ -50,7 +50,9 @@ def test_a_bare_factory_runs_are_validated_against_the_core_schema():
 def test_a_spec_validates_its_runs_with_its_own_loader_and_builds_with_its_factory(tmp_path):
     config, _ = resolve_config(None, ["agentlightning.backend=own"], [Backends()])
     assert config.trainer.experiment_name == "own"
-    run_dir = run(None, ["agentlightning.backend=own", f"trainer.default_local_dir={tmp_path}"], [Backends()], show_progress=False)
+    run_dir = run(
+        None, ["agentlightning.backend=own", f"trainer.default_local_dir={tmp_path}"], [Backends()], show_progress=False
+    )
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["training/reward"]) for line in lines] == [(1, 1.0)]
 

@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_core.config import default_config
-from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_backend_verl.policy_loss import as_verl_policy_loss
-from agl_core.stages.policy_loss import LossSettings, ppo_token_losses
+from agl_core.builtins.losses import per_rollout_mean, token_mean
+from agl_core.config import default_config
 from agl_core.plugins import PluginManager
+from agl_core.stages.policy_loss import LossSettings, ppo_token_losses
 
 LOSSES = {"per_rollout_mean": per_rollout_mean, "token_mean": token_mean}
 
@@ -112,7 +112,11 @@ def test_gradcheck_float64(name, with_weights):
         old, new, adv, mask = _batch(seed, dtype=torch.float64, spread=1.2)
         if not _away_from_kinks(old, new, adv, s):
             continue
-        weights = torch.rand(old.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) if with_weights else None
+        weights = (
+            torch.rand(old.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+            if with_weights
+            else None
+        )
         new = new.clone().requires_grad_(True)
         adv = adv.clone().requires_grad_(True)
         assert torch.autograd.gradcheck(
@@ -144,7 +148,10 @@ def test_verl_adapter_reads_global_batch_info_and_ignores_the_aggregation_mode()
     old, new, adv, mask = _batch(3)
     actor = default_config().actor_rollout_ref.actor
     config = SimpleNamespace(
-        clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.3, clip_ratio_c=3.0,
+        clip_ratio=0.2,
+        clip_ratio_low=None,
+        clip_ratio_high=0.3,
+        clip_ratio_c=3.0,
         global_batch_info={"dp_size": 2, "batch_num_tokens": 30},
     )
     ours = as_verl_policy_loss(token_mean)(old, new, adv, mask, "seq-mean-token-sum", config)

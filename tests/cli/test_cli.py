@@ -119,8 +119,13 @@ def test_check_resolves_loads_and_checks_without_training(policy, tmp_path, caps
     hooks.write_text("from agl_core import hookimpl\n\n@hookimpl\ndef agl_on_startup(config):\n    pass\n")
     run_dir = tmp_path / "run"
     code, out, err = run_cli(
-        capsys, "check", CONFIG, f"actor_rollout_ref.model.path={policy}", f"trainer.default_local_dir={run_dir}",
-        "agentlightning.agl_key=sk-check-secret", f"agentlightning.hooks={hooks}",
+        capsys,
+        "check",
+        CONFIG,
+        f"actor_rollout_ref.model.path={policy}",
+        f"trainer.default_local_dir={run_dir}",
+        "agentlightning.agl_key=sk-check-secret",
+        f"agentlightning.hooks={hooks}",
     )
     assert code == 0, err
     resolved = OmegaConf.create(out)  # the output is the resolved config, as YAML (the report is comments)
@@ -142,11 +147,26 @@ def test_check_resolves_loads_and_checks_without_training(policy, tmp_path, caps
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("actor_rollout_ref.model.path=/nonexistent/model", "agl: error: config key actor_rollout_ref.model.path: model folder /nonexistent/model does not exist"),
-        ("agentlightning.local.agent_class=examples.corridor.nope:Agent", "agl: error: config key agentlightning.local.agent_class: cannot import"),
-        ("algorithm.adv_estimator=grpp", "agl: error: unknown advantage estimator 'grpp' (set by algorithm.adv_estimator); registered:"),
-        ("agentlightning.torch.device=cuda:7", "agl: error: config key agentlightning.torch.device: cuda:7 was asked for"),
-        ("data.val_files=/nonexistent/val.jsonl", "agl: error: config key data.val_files: dataset file not found: /nonexistent/val.jsonl"),
+        (
+            "actor_rollout_ref.model.path=/nonexistent/model",
+            "agl: error: config key actor_rollout_ref.model.path: model folder /nonexistent/model does not exist",
+        ),
+        (
+            "agentlightning.local.agent_class=examples.corridor.nope:Agent",
+            "agl: error: config key agentlightning.local.agent_class: cannot import",
+        ),
+        (
+            "algorithm.adv_estimator=grpp",
+            "agl: error: unknown advantage estimator 'grpp' (set by algorithm.adv_estimator); registered:",
+        ),
+        (
+            "agentlightning.torch.device=cuda:7",
+            "agl: error: config key agentlightning.torch.device: cuda:7 was asked for",
+        ),
+        (
+            "data.val_files=/nonexistent/val.jsonl",
+            "agl: error: config key data.val_files: dataset file not found: /nonexistent/val.jsonl",
+        ),
     ],
 )
 def test_check_reports_what_training_would_fail_on(policy, capsys, override, message):
@@ -165,7 +185,11 @@ def test_check_asks_the_gateway_when_one_is_configured(policy, capsys):
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
     code, out, err = run_cli(
-        capsys, "check", CONFIG, f"actor_rollout_ref.model.path={policy}", f"agentlightning.agl_base_url={dead}",
+        capsys,
+        "check",
+        CONFIG,
+        f"actor_rollout_ref.model.path={policy}",
+        f"agentlightning.agl_base_url={dead}",
         "agentlightning.gateway.max_retries=0",
     )
     assert code == 2 and "passed" not in out
@@ -176,7 +200,12 @@ def test_check_asks_the_gateway_when_one_is_configured(policy, capsys):
 def test_rows_missing_an_env_map_field_are_refused_before_training(policy, tmp_path, capsys):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"signs": ["left"]}\n{"sign": ["right"]}\n')
-    common = [CONFIG, f"actor_rollout_ref.model.path={policy}", f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    common = [
+        CONFIG,
+        f"actor_rollout_ref.model.path={policy}",
+        f"data.train_files={data}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    ]
     expected = (
         f"agl: error: config key data.train_files: row 2 of 2 of {data}: agentlightning.local.env_map.CORRIDOR_SIGNS: "
         "path 'input.signs' not found in the rollout input\n"
@@ -241,10 +270,19 @@ def test_a_hook_file_that_fails_to_import_is_one_line(tmp_path, capsys):
         ('{"step": 1, "training/reward": 0.5}\n{not json\n', "line 2 is not valid JSON"),
         ('{"training/reward": 0.5}\n', "line 1 has no integer 'step'"),
         ("[1, 2]\n", "line 1 must be a JSON object"),
-        ('{"step": 1, "training/reward": 0.5}\n{"step": 2, "training/reward": "high"}\n', "metric 'training/reward' of step 2 is 'high', not a number"),
+        (
+            '{"step": 1, "training/reward": 0.5}\n{"step": 2, "training/reward": "high"}\n',
+            "metric 'training/reward' of step 2 is 'high', not a number",
+        ),
         ('{"step": 1, "timing/step_s": [1.0]}\n', "metric 'timing/step_s' of step 1 is [1.0], not a number"),
-        ('{"step": 1, "training/reward": 1e308}\n{"step": 2, "training/reward": -1e308}\n', "metric 'training/reward' spans -1e+308 to 1e+308, too wide to plot"),
-        ('{"step": 1, "training/reward": 1' + "0" * 400 + '}\n', "metric 'training/reward' of step 1 is an integer beyond a float's range"),
+        (
+            '{"step": 1, "training/reward": 1e308}\n{"step": 2, "training/reward": -1e308}\n',
+            "metric 'training/reward' spans -1e+308 to 1e+308, too wide to plot",
+        ),
+        (
+            '{"step": 1, "training/reward": 1' + "0" * 400 + "}\n",
+            "metric 'training/reward' of step 1 is an integer beyond a float's range",
+        ),
     ],
 )
 def test_plot_reports_empty_and_malformed_metrics_in_one_line(tmp_path, capsys, content, message):
@@ -259,10 +297,17 @@ def test_plot_reports_empty_and_malformed_metrics_in_one_line(tmp_path, capsys, 
 @pytest.mark.parametrize("command", ["check", "train"])
 def test_a_misspelt_hook_method_stops_check_and_train_at_the_start(policy, tmp_path, capsys, command):
     hooks = tmp_path / "hooks.py"
-    hooks.write_text("from agl_hooks import RolloutHooks\n\nclass Judge(RolloutHooks):\n    def onSucceeded(self, rollout, events, store):\n        pass\n")
+    hooks.write_text(
+        "from agl_hooks import RolloutHooks\n\nclass Judge(RolloutHooks):\n    def onSucceeded(self, rollout, events, store):\n        pass\n"
+    )
     run_dir = tmp_path / "run"
     code, _, err = run_cli(
-        capsys, command, CONFIG, f"actor_rollout_ref.model.path={policy}", f"agentlightning.hooks={hooks}", f"trainer.default_local_dir={run_dir}"
+        capsys,
+        command,
+        CONFIG,
+        f"actor_rollout_ref.model.path={policy}",
+        f"agentlightning.hooks={hooks}",
+        f"trainer.default_local_dir={run_dir}",
     )
     assert code == 2
     assert err.splitlines()[0] == (
@@ -276,17 +321,25 @@ def test_a_hook_files_syntax_error_names_its_line(tmp_path, capsys):
     hooks.write_text("from agl_core import hookimpl\n\ndef agl_on_startup(config:\n    pass\n")
     code, _, err = run_cli(capsys, "plugins", "--hooks", str(hooks))
     assert code == 2
-    assert err.splitlines()[0].startswith(f"agl: error: hook file {hooks.resolve()} failed to import: {hooks.resolve()}:3: SyntaxError: ")
+    assert err.splitlines()[0].startswith(
+        f"agl: error: hook file {hooks.resolve()} failed to import: {hooks.resolve()}:3: SyntaxError: "
+    )
 
 
 def test_train_given_a_directory_says_it_expected_a_yaml_file(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", str(tmp_path))
-    assert code == 2 and err == f"agl: error: config key <file>: {tmp_path} is a directory; expected a YAML config file\n"
+    assert (
+        code == 2 and err == f"agl: error: config key <file>: {tmp_path} is a directory; expected a YAML config file\n"
+    )
 
 
 @pytest.mark.parametrize(
     "key, meant",
-    [("trainer.total_steps", "total_training_steps"), ("trainer.total_epoch", "total_epochs"), ("data.train_file", "train_files")],
+    [
+        ("trainer.total_steps", "total_training_steps"),
+        ("trainer.total_epoch", "total_epochs"),
+        ("data.train_file", "train_files"),
+    ],
 )
 def test_an_unknown_key_suggests_the_key_holding_its_words_else_the_closest_spelling(capsys, key, meant):
     code, _, err = run_cli(capsys, "check", CONFIG, f"{key}=3")

@@ -28,7 +28,13 @@ def test_the_package_has_an_entry_point_one_stub_per_registry_and_tests(tmp_path
     assert 'name = "my-judge"' in project
     assert '[project.entry-points.agl]\nmy_judge = "my_judge"\n' in project
     source = (root / "src" / "my_judge" / "__init__.py").read_text()
-    for hook in ("agl_plugin_settings", "agl_register_aggregators", "agl_register_advantage_estimators", "agl_register_policy_losses", "agl_on_succeeded"):
+    for hook in (
+        "agl_plugin_settings",
+        "agl_register_aggregators",
+        "agl_register_advantage_estimators",
+        "agl_register_policy_losses",
+        "agl_on_succeeded",
+    ):
         assert f"def {hook}(" in source
     for path in root.rglob("*.py"):
         assert private_imports(path.read_text()) == [], path
@@ -37,7 +43,11 @@ def test_the_package_has_an_entry_point_one_stub_per_registry_and_tests(tmp_path
 
 @pytest.mark.parametrize(
     ("name", "message"),
-    [("My Plugin", "must be lower-case letters"), ("grpo", "taken by an agl built-in"), ("trajectory", "taken by an agl built-in")],
+    [
+        ("My Plugin", "must be lower-case letters"),
+        ("grpo", "taken by an agl built-in"),
+        ("trajectory", "taken by an agl built-in"),
+    ],
 )
 def test_a_bad_or_taken_name_is_refused(tmp_path, name, message):
     with pytest.raises(ScaffoldError, match=message):
@@ -55,13 +65,27 @@ def test_an_existing_folder_is_never_overwritten(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_generated_package_passes_its_tests_out_of_the_box(tmp_path):
     root = new_plugin("smoke-plugin", tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root / "src"), os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-rs"], cwd=root, env=env, capture_output=True, text=True, timeout=1200
+        [sys.executable, "-m", "pytest", "-q", "-x", "-rs"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " passed" in out.stdout
     # Only the opt-in checks skip: a reference, hand-computed cases, declarations the template leaves to the author.
     reasons = [line.split(": ", 1)[-1] for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
-    opt_in = ("no reference", "no hand-computed cases", "no expected_request", "declares no trained_calls", "declares no length")
+    opt_in = (
+        "no reference",
+        "no hand-computed cases",
+        "no expected_request",
+        "declares no trained_calls",
+        "declares no length",
+    )
     assert all(any(why in reason for why in opt_in) for reason in reasons), reasons

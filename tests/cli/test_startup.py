@@ -76,7 +76,12 @@ class QuietBackend:
 
 def test_agl_train_leaves_the_startup_call_to_the_backend(tmp_path):
     plugin = Startup()
-    run(None, ["agentlightning.backend=quiet", f"trainer.default_local_dir={tmp_path}"], plugins=[QuietBackend(), plugin], show_progress=False)
+    run(
+        None,
+        ["agentlightning.backend=quiet", f"trainer.default_local_dir={tmp_path}"],
+        plugins=[QuietBackend(), plugin],
+        show_progress=False,
+    )
     assert plugin.keys == []
 
 

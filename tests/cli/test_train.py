@@ -31,8 +31,14 @@ def _small(policy, run_dir, steps=2):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.model.path: model folder /nonexistent/model does not exist"),
-        ("agentlightning.trace_aggregator.level=nope", "unknown aggregator 'nope' (set by agentlightning.trace_aggregator.level); registered: "),
+        (
+            "actor_rollout_ref.model.path=/nonexistent/model",
+            "actor_rollout_ref.model.path: model folder /nonexistent/model does not exist",
+        ),
+        (
+            "agentlightning.trace_aggregator.level=nope",
+            "unknown aggregator 'nope' (set by agentlightning.trace_aggregator.level); registered: ",
+        ),
         ("algorithm.adv_estimator=nope", "unknown advantage estimator 'nope'"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", "unknown policy loss 'nope'"),
         ("backend=nope", "unknown backend 'nope' (set by agentlightning.backend); registered: "),
@@ -88,4 +94,10 @@ def test_the_run_log_replaces_lines_of_steps_a_restart_redoes(tmp_path):
     restarted(3, 4, {"training/reward": 30.0})
     restarted(4, 4, {"training/reward": 40.0})
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(line["step"], line["training/reward"]) for line in lines] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert [(line["step"], line["training/reward"]) for line in lines] == [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+        (4, 40.0),
+    ]

@@ -75,7 +75,11 @@ def test_a_hydra_verl_config_under_the_torch_backend_says_to_use_verl(tmp_path, 
     "text, key, message",
     [
         ("defaults:\n  - _self_\n  - ppo_trainer\n", "defaults", "_self_ must come last"),
-        ("defaults:\n  - ppo_trainer\n  - override actor@actor_rollout_ref.actor: megatron_actor\n", "defaults", "is not composed by agl"),
+        (
+            "defaults:\n  - ppo_trainer\n  - override actor@actor_rollout_ref.actor: megatron_actor\n",
+            "defaults",
+            "is not composed by agl",
+        ),
         ("hydra:\n  run:\n    dir: outputs\n", "hydra.run", "only hydra.searchpath"),
     ],
 )
@@ -102,14 +106,34 @@ def test_a_verl_key_under_the_torch_backend_says_to_use_verl(tmp_path, no_autolo
 @pytest.mark.parametrize(
     "overrides, key, message",
     [
-        (["agentlightning.agl_key=${oc.env:AGL_TEST_UNSET_VARIABLE}"], "agentlightning.agl_key", "environment variable 'AGL_TEST_UNSET_VARIABLE' is not set"),
-        (["trainer.experiment_name=${oc.env:AGL_TEST_UNSET_VARIABLE}"], "trainer.experiment_name", "Environment variable 'AGL_TEST_UNSET_VARIABLE' not found"),
+        (
+            ["agentlightning.agl_key=${oc.env:AGL_TEST_UNSET_VARIABLE}"],
+            "agentlightning.agl_key",
+            "environment variable 'AGL_TEST_UNSET_VARIABLE' is not set",
+        ),
+        (
+            ["trainer.experiment_name=${oc.env:AGL_TEST_UNSET_VARIABLE}"],
+            "trainer.experiment_name",
+            "Environment variable 'AGL_TEST_UNSET_VARIABLE' not found",
+        ),
         (["trainer.project_name=${trainer.nope}"], "trainer.project_name", "its interpolation cannot be resolved"),
-        (["agentlightning.local.env_map=[a]"], "agentlightning.local.env_map", "must be a mapping (key: value), got a list ['a']"),
-        (["actor_rollout_ref.actor.optim=0.1"], "actor_rollout_ref.actor.optim", "must be a mapping (key: value), got a single value"),
+        (
+            ["agentlightning.local.env_map=[a]"],
+            "agentlightning.local.env_map",
+            "must be a mapping (key: value), got a list ['a']",
+        ),
+        (
+            ["actor_rollout_ref.actor.optim=0.1"],
+            "actor_rollout_ref.actor.optim",
+            "must be a mapping (key: value), got a single value",
+        ),
         (["=1"], "<override>", "'=1' names no key"),
         (["trainer..seed=1"], "trainer..seed", "not a key path (an empty part between dots"),
-        (["trainer.total_training_steps="], "trainer.total_training_steps", "has no value: write trainer.total_training_steps=null"),
+        (
+            ["trainer.total_training_steps="],
+            "trainer.total_training_steps",
+            "has no value: write trainer.total_training_steps=null",
+        ),
     ],
 )
 def test_errors_omegaconf_reports_without_a_key_name_it(monkeypatch, overrides, key, message):
@@ -149,7 +173,9 @@ def test_a_bad_row_in_a_list_of_dataset_files_names_its_file(tmp_path):
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(json.dumps({"signs": [1]}) + "\n")
     second.write_text(json.dumps({"signs": [2]}) + "\n" + json.dumps({"sign": [3]}) + "\n")
-    cfg = load_config(overrides=[f"data.train_files=[{first},{second}]", "agentlightning.local.env_map={SIGNS: input.signs}"])
+    cfg = load_config(
+        overrides=[f"data.train_files=[{first},{second}]", "agentlightning.local.env_map={SIGNS: input.signs}"]
+    )
     with pytest.raises(ConfigError, match=f"row 2 of 2 of {second}: agentlightning.local.env_map.SIGNS") as info:
         check_datasets(cfg)
     assert info.value.key == "data.train_files"

@@ -83,10 +83,15 @@ def test_top_p_reaches_the_engine_in_training_calls(monkeypatch):
         return httpx.Response(200, json={"choices": []})
 
     cfg = load_config(
-        overrides=["agentlightning.local.agent_class=examples.corridor.agent:CorridorAgent", "actor_rollout_ref.rollout.top_p=0.7"]
+        overrides=[
+            "agentlightning.local.agent_class=examples.corridor.agent:CorridorAgent",
+            "actor_rollout_ref.rollout.top_p=0.7",
+        ]
     )
     monkeypatch.chdir(REPO_ROOT)
-    source = EmbeddedRolloutSource(cfg, PluginManager(load_entrypoints=False, builtins={}), "http://engine.invalid/v1", "policy")
+    source = EmbeddedRolloutSource(
+        cfg, PluginManager(load_entrypoints=False, builtins={}), "http://engine.invalid/v1", "policy"
+    )
     try:
         source.recorder.client = httpx.Client(transport=httpx.MockTransport(engine))
         source.recorder.open("r1", (1, 1, 0))

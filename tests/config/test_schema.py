@@ -14,7 +14,10 @@ def test_defaults_are_agent_lightning_v1(tmp_path):
     agl = cfg.agentlightning
     assert agl.rollout_timeout_seconds == 1800
     assert agl.trace_aggregator.level == "trajectory"
-    assert (agl.trace_aggregator.trajectory_max_prompt_length, agl.trace_aggregator.trajectory_max_response_length) == (2048, 8192)
+    assert (agl.trace_aggregator.trajectory_max_prompt_length, agl.trace_aggregator.trajectory_max_response_length) == (
+        2048,
+        8192,
+    )
     assert agl.reward_fillna_value == 0.0 and agl.async_rollout.enabled is False
     assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "per_rollout_mean"
     assert cfg.algorithm.enable_rollout_level_advantage is True
@@ -23,7 +26,10 @@ def test_defaults_are_agent_lightning_v1(tmp_path):
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  train_batch_size: 8\nagentlightning:\n  hooks: [a.py, b.py]\n")
-    cfg = load_config(path, ["data.train_batch_size=16", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
+    cfg = load_config(
+        path,
+        ["data.train_batch_size=16", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+    )
     assert cfg.data.train_batch_size == 16 and cfg.actor_rollout_ref.rollout.n == 4
     assert list(cfg.agentlightning.hooks) == ["a.py", "b.py"]
 
@@ -37,8 +43,21 @@ MINI = "actor_rollout_ref.actor.ppo_mini_batch_size=8"
         (["agentlightning.nope=1"], "agentlightning.nope", "unknown key"),
         (["data.train_batch_size=many"], "data.train_batch_size", "could not be converted"),
         (["data.train_batch_size=0"], "data.train_batch_size", "positive integer"),
-        (["agentlightning.async_rollout.enabled=true", "data.train_batch_size=8", MINI], "agentlightning.async_rollout.async_train_batch_size", "greater than data.train_batch_size"),
-        (["agentlightning.async_rollout.enabled=true", "data.train_batch_size=8", MINI, "agentlightning.async_rollout.async_train_batch_size=8"], "agentlightning.async_rollout.async_train_batch_size", "greater than"),
+        (
+            ["agentlightning.async_rollout.enabled=true", "data.train_batch_size=8", MINI],
+            "agentlightning.async_rollout.async_train_batch_size",
+            "greater than data.train_batch_size",
+        ),
+        (
+            [
+                "agentlightning.async_rollout.enabled=true",
+                "data.train_batch_size=8",
+                MINI,
+                "agentlightning.async_rollout.async_train_batch_size=8",
+            ],
+            "agentlightning.async_rollout.async_train_batch_size",
+            "greater than",
+        ),
         (["agentlightning.agl_base_url=localhost:8080"], "agentlightning.agl_base_url", "http"),
         (["agentlightning.hooks={a: 1}"], "agentlightning.hooks", "path or a list"),
         (["agentlightning.vllm.python=''"], "agentlightning.vllm.python", "path of a python"),
@@ -72,7 +91,11 @@ def test_the_gateway_key_never_shows():
     assert cfg.agentlightning.agl_key == secret
     assert secret not in to_yaml(cfg) and "***" in to_yaml(cfg)
     assert redacted(cfg).agentlightning.agl_key == "***"
-    for wrong_shape in (f"agentlightning.agl_key=[{secret}]", f"agentlightning.agl_key={{a: {secret}}}", f"agentlightning.agl_key.token={secret}"):
+    for wrong_shape in (
+        f"agentlightning.agl_key=[{secret}]",
+        f"agentlightning.agl_key={{a: {secret}}}",
+        f"agentlightning.agl_key.token={secret}",
+    ):
         with pytest.raises(ConfigError) as info:
             load_config(overrides=[wrong_shape])
         assert secret not in str(info.value) and "agentlightning.agl_key" in str(info.value), wrong_shape
@@ -141,7 +164,9 @@ def test_a_mini_batch_larger_than_the_batch_is_refused_as_verl_refuses_it():
 
 def test_top_p_under_the_gateway_is_refused_since_only_the_embedded_source_applies_it():
     with pytest.raises(ConfigError, match="only the embedded rollout source") as info:
-        load_config(overrides=["agentlightning.agl_base_url=http://127.0.0.1:8080", "actor_rollout_ref.rollout.top_p=0.9"])
+        load_config(
+            overrides=["agentlightning.agl_base_url=http://127.0.0.1:8080", "actor_rollout_ref.rollout.top_p=0.9"]
+        )
     assert info.value.key == "actor_rollout_ref.rollout.top_p"
     assert load_config(overrides=["actor_rollout_ref.rollout.top_p=0.9"]).actor_rollout_ref.rollout.top_p == 0.9
 

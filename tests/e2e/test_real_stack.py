@@ -155,8 +155,7 @@ class Trainer:
     def failure(self) -> str:
         _, engine, controller = self.stack
         return (
-            f"{self.stderr()[-4000:]}\n--- controller log:\n{controller.log_text()}"
-            f"\n--- vLLM log:\n{engine.log_tail()}"
+            f"{self.stderr()[-4000:]}\n--- controller log:\n{controller.log_text()}\n--- vLLM log:\n{engine.log_tail()}"
         )
 
     def stop(self) -> None:
@@ -246,7 +245,9 @@ def _hammer(url: str, key: str, rollout_ids: list[str], stop: threading.Event, s
         while not stop.is_set():
             rid = rollout_ids[i % len(rollout_ids)]
             i += 1
-            response = client.post(f"{url}/proxy/rollout/{rid}/attempt/a/mode/train/openai/v1/chat/completions", json=body)
+            response = client.post(
+                f"{url}/proxy/rollout/{rid}/attempt/a/mode/train/openai/v1/chat/completions", json=body
+            )
             statuses[response.status_code] += 1
 
 

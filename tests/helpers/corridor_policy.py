@@ -9,7 +9,9 @@ from tests.helpers.paths import REPO_ROOT
 
 
 def build_corridor_policy(out_dir: Path, seed: int = 0) -> Path:
-    spec = importlib.util.spec_from_file_location("corridor_build_policy", REPO_ROOT / "examples/corridor/build_policy.py")
+    spec = importlib.util.spec_from_file_location(
+        "corridor_build_policy", REPO_ROOT / "examples/corridor/build_policy.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.build(out_dir, seed)

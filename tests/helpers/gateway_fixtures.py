@@ -33,7 +33,9 @@ def list_rollouts(client: GatewayClient, states: Iterable[str], limit: int = 500
 
 def patch_rollout(client: GatewayClient, rollout_id: str, **status: Any) -> dict[str, Any]:
     """Move a rollout (what a controller does); 409 on an illegal transition."""
-    return client._request("PATCH", f"/api/rollouts/{rollout_id}", kind="patch", idempotent=False, json={"status": status}).json()
+    return client._request(
+        "PATCH", f"/api/rollouts/{rollout_id}", kind="patch", idempotent=False, json={"status": status}
+    ).json()
 
 
 def model_request_data(prompt_ids: list[Any], response_ids: list[Any], log_probs: list[Any] | None) -> dict[str, Any]:

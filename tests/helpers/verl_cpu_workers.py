@@ -61,7 +61,15 @@ def complete(endpoint: str, model: str, prompt_ids: list[int], seed: int, max_to
     """One completions call to a replica (as the gateway's proxy makes it)."""
     response = httpx.post(
         f"{endpoint}/completions",
-        json={"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "logprobs": 1, "return_token_ids": True},
+        json={
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": seed,
+            "logprobs": 1,
+            "return_token_ids": True,
+        },
         timeout=60.0,
     )
     response.raise_for_status()
@@ -83,7 +91,9 @@ class ReplicaSource:
                 self.seed += 1
                 choice = complete(self.endpoint, self.model, PROMPT, self.seed)["choices"][0]
                 ids, log_probs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-                triplet = Triplet(prompt_ids=np.array(PROMPT), response_ids=np.array(ids), response_log_probs=np.array(log_probs))
+                triplet = Triplet(
+                    prompt_ids=np.array(PROMPT), response_ids=np.array(ids), response_log_probs=np.array(log_probs)
+                )
                 rollouts.append(
                     CompletedRollout(
                         rollout_id=request.rollout_id,
@@ -137,9 +147,13 @@ class WorkerCallsProbe:
         """A request while aborted is refused (503); after resume it is served."""
         endpoint = self.endpoints()[0]
         self.calls.abort_replicas()
-        refused = httpx.post(f"{endpoint}/completions", json={"model": self.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60.0).status_code
+        refused = httpx.post(
+            f"{endpoint}/completions", json={"model": self.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60.0
+        ).status_code
         self.calls.resume_replicas()
-        served = httpx.post(f"{endpoint}/completions", json={"model": self.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60.0).status_code
+        served = httpx.post(
+            f"{endpoint}/completions", json={"model": self.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60.0
+        ).status_code
         return {"refused": refused, "served": served}
 
     def step(self, version: int) -> dict[str, Any]:
@@ -174,7 +188,9 @@ class WorkerCallsProbe:
         result["old_metrics"] = sorted(old_metrics)
         if trainer.use_reference_policy:
             batch = batch.union(calls.ref_log_probs(batch))
-            result["ref_vs_old_max_gap"] = float((batch.batch["ref_log_prob"] - batch.batch["old_log_probs"]).abs()[mask].max())
+            result["ref_vs_old_max_gap"] = float(
+                (batch.batch["ref_log_prob"] - batch.batch["old_log_probs"]).abs()[mask].max()
+            )
         if trainer.use_critic:
             batch = batch.union(calls.values(batch))
             result["values_finite"] = bool(torch.isfinite(batch.batch["values"]).all())
@@ -183,7 +199,9 @@ class WorkerCallsProbe:
         calls.push_weights(version)
         result["stats"] = self.server_stats()
         after, _ = calls.old_log_probs(batch)
-        result["old_log_probs_moved"] = float((after.batch["old_log_probs"] - batch.batch["old_log_probs"]).abs()[mask].max())
+        result["old_log_probs_moved"] = float(
+            (after.batch["old_log_probs"] - batch.batch["old_log_probs"]).abs()[mask].max()
+        )
         return result
 
     def served_vs_actor_gap(self) -> float:
@@ -209,7 +227,11 @@ class WorkerCallsProbe:
         folder = Path(trainer.config.trainer.default_local_dir)
         trainer.global_steps = 0
         self.calls.load_checkpoint()
-        return {"saved": sorted(p.name for p in folder.iterdir()), "resumed_step": trainer.global_steps, "saved_step": saved_step}
+        return {
+            "saved": sorted(p.name for p in folder.iterdir()),
+            "resumed_step": trainer.global_steps,
+            "saved_step": saved_step,
+        }
 
 
 def all_finite(metrics: Mapping[str, float]) -> bool:

@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
-from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.plugins.event_writer import EventWriter
 from agl_core import hookimpl
+from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins import PluginError, PluginManager
+from agl_core.plugins.event_writer import EventWriter
 from agl_hooks import rollout_hooks, schemas
 from agl_hooks.loader import HookFileError, load_hook_file
 
@@ -99,7 +99,12 @@ def test_v1_and_module_hook_files_load_and_fire_in_order(tmp_path):
     assert v1_calls[:2] == ["startup", "v1-enqueue"] and mod_calls == ["module-enqueue"]
 
     rollout = CompletedRollout(rollout_id="r1", group_id="g1", state="succeeded", attempt_id="a0")
-    events = {"a0": [{"event_type": "model_request", "data": {}, "timestamp": 1.0}, {"event_type": "reward", "data": {"value": 0.0}}]}
+    events = {
+        "a0": [
+            {"event_type": "model_request", "data": {}, "timestamp": 1.0},
+            {"event_type": "reward", "data": {"value": 0.0}},
+        ]
+    }
     writer = EventWriter()
     manager.on_succeeded(rollout, events, writer)
     assert v1_calls[-1] == ("succeeded", "r1", "succeeded", ["a0"])
@@ -125,7 +130,9 @@ def standins(monkeypatch):
 
 
 def test_agentlightning_alias_does_not_leak(tmp_path, standins):
-    before = {name: sys.modules.get(name) for name in ("agentlightning", "agentlightning.hooks", "agentlightning.schemas")}
+    before = {
+        name: sys.modules.get(name) for name in ("agentlightning", "agentlightning.hooks", "agentlightning.schemas")
+    }
     manager_with(write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE))
     assert {name: sys.modules.get(name) for name in before} == before
 
@@ -193,9 +200,14 @@ def test_enqueue_rewrite_may_not_change_ids_the_change_is_undone_warned_once_and
     )
     manager = manager_with(bad)
     results = [manager.enqueue(request(f"r{i}")) for i in range(3)]
-    assert [(r.rollout_id, r.step, dict(r.metadata)) for r in results] == [(f"r{i}", 0, {"kept": True}) for i in range(3)]
+    assert [(r.rollout_id, r.step, dict(r.metadata)) for r in results] == [
+        (f"r{i}", 0, {"kept": True}) for i in range(3)
+    ]
     metrics = manager.pop_metrics()
-    assert metrics["training/n_hook_changes_ignored"] == 3 and metrics["training/n_hook_changes_ignored/agl_on_enqueue"] == 3
+    assert (
+        metrics["training/n_hook_changes_ignored"] == 3
+        and metrics["training/n_hook_changes_ignored/agl_on_enqueue"] == 3
+    )
     assert metrics["training/n_hook_failures"] == 0
     warnings = [r.getMessage() for r in caplog.records if "which a hook may not change" in r.getMessage()]
     assert len(warnings) == 2 and "changed rollout_id" in warnings[0] and "changed step" in warnings[1]
@@ -225,8 +237,16 @@ def test_a_v1_hook_rewriting_rollout_id_is_undone_warned_once_and_counted(tmp_pa
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("syntax.py", "X = 1\ndef broken(:\n    pass\n", r"failed to import: .*syntax\.py:2: SyntaxError: invalid syntax$"),
-        ("importerr.py", "import not_a_module_anywhere_xyz\n", r"failed to import:(.|\n)*importerr\.py(.|\n)*ModuleNotFoundError"),
+        (
+            "syntax.py",
+            "X = 1\ndef broken(:\n    pass\n",
+            r"failed to import: .*syntax\.py:2: SyntaxError: invalid syntax$",
+        ),
+        (
+            "importerr.py",
+            "import not_a_module_anywhere_xyz\n",
+            r"failed to import:(.|\n)*importerr\.py(.|\n)*ModuleNotFoundError",
+        ),
         ("empty.py", "X = 1\n", "no hooks found in hook file"),
         (
             "two.py",
@@ -289,8 +309,12 @@ def test_hooks_from_config_accept_a_path_or_a_list(tmp_path):
     v1 = write(tmp_path, "v1_hooks.py", AGL_V1_HOOK_FILE)
     mod = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
     one = PluginManager.from_config({"agentlightning": {"hooks": str(v1)}}, load_entrypoints=False, builtins={})
-    both = PluginManager.from_config({"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins={})
-    assert one.get_plugin(f"hookfile:{v1.resolve()}") is not None and one.get_plugin(f"hookfile:{mod.resolve()}") is None
+    both = PluginManager.from_config(
+        {"agentlightning": {"hooks": [str(v1), str(mod)]}}, load_entrypoints=False, builtins={}
+    )
+    assert (
+        one.get_plugin(f"hookfile:{v1.resolve()}") is not None and one.get_plugin(f"hookfile:{mod.resolve()}") is None
+    )
     assert both.get_plugin(f"hookfile:{mod.resolve()}") is not None
 
 
@@ -376,7 +400,11 @@ def test_v1_hooks_read_and_write_what_v1_models_offer(tmp_path, standins):
     path = write(tmp_path, "models.py", V1_MODEL_ACCESS_HOOK_FILE)
     manager = manager_with(path)
     seen = module_of(manager, path).SEEN
-    config = {"timeout_seconds": 1800, "local": {"agent_class": "pkg:Agent", "env_map": {}}, "k8s": {"job_template": None}}
+    config = {
+        "timeout_seconds": 1800,
+        "local": {"agent_class": "pkg:Agent", "env_map": {}},
+        "k8s": {"job_template": None},
+    }
     out = manager.enqueue(RolloutRequest(rollout_id="r1", group_id="g1", input={"q": 1}, config=config))
     assert seen == [("timeout", 1800, 1800), ("agent", "pkg:Agent", None)]
     assert out.config["timeout_seconds"] == 90 and out.config["local"]["agent_class"] == "pkg:Agent"
@@ -460,21 +488,31 @@ def test_a_hook_class_imported_from_a_helper_module_is_found(tmp_path):
 def test_the_same_hook_file_listed_twice_is_one_clear_error(tmp_path):
     path = write(tmp_path, "mod_hooks.py", MODULE_HOOK_FILE)
     with pytest.raises(PluginError) as info:
-        PluginManager.from_config({"agentlightning": {"hooks": [str(path), str(tmp_path / "." / "mod_hooks.py")]}}, load_entrypoints=False)
-    assert str(info.value) == f"hook file {path.resolve()} is listed twice in agentlightning.hooks; list each hook file once"
+        PluginManager.from_config(
+            {"agentlightning": {"hooks": [str(path), str(tmp_path / "." / "mod_hooks.py")]}}, load_entrypoints=False
+        )
+    assert (
+        str(info.value)
+        == f"hook file {path.resolve()} is listed twice in agentlightning.hooks; list each hook file once"
+    )
 
 
 def test_registering_a_second_plugin_under_a_taken_name_does_not_dump_every_plugin():
     manager = PluginManager(load_entrypoints=False)
     with pytest.raises(PluginError) as info:
         manager.register(_StartupLogger("x"), name="losses")
-    assert str(info.value) == "a plugin named 'losses' is already registered (built-in); register this one under another name"
+    assert (
+        str(info.value)
+        == "a plugin named 'losses' is already registered (built-in); register this one under another name"
+    )
 
 
 @pytest.mark.parametrize("code", ["3", "0", "'bye'"])
 def test_sys_exit_while_importing_a_hook_file_is_a_clear_error(tmp_path, code):
     path = write(tmp_path, "exits.py", f"import sys\nsys.exit({code})\n")
-    with pytest.raises(HookFileError, match=rf"hook file {path.resolve()} called sys.exit\({code}\) while being imported"):
+    with pytest.raises(
+        HookFileError, match=rf"hook file {path.resolve()} called sys.exit\({code}\) while being imported"
+    ):
         load_hook_file(path)
 
 
@@ -538,7 +576,9 @@ class Pydantic(RolloutHooks):
 
 
 def test_with_agent_lightning_installed_hooks_get_its_pydantic_models(tmp_path):
-    pytest.importorskip("agentlightning", reason="needs Agent Lightning installed (Python >= 3.12: the .ci/run py312 lane)")
+    pytest.importorskip(
+        "agentlightning", reason="needs Agent Lightning installed (Python >= 3.12: the .ci/run py312 lane)"
+    )
     import agentlightning.hooks
 
     path = write(tmp_path, "pydantic_hooks.py", AL_PYDANTIC_HOOK_FILE)
@@ -547,18 +587,35 @@ def test_with_agent_lightning_installed_hooks_get_its_pydantic_models(tmp_path):
     assert isinstance(plugin.hooks, agentlightning.hooks.RolloutHooks)
     assert not manager.implementations("agl_on_startup"), "a method the class does not override is no hook"
     seen = module_of(manager, path).SEEN
-    config = {"timeout_seconds": 1800, "local": {"agent_class": "pkg:Agent", "env_map": {"Q": "input.q"}}, "k8s": {"job_template": None}}
-    out = manager.enqueue(RolloutRequest(rollout_id="r1", group_id="g1", input={"q": 1}, config=config, metadata={"batch_idx": 0}))
+    config = {
+        "timeout_seconds": 1800,
+        "local": {"agent_class": "pkg:Agent", "env_map": {"Q": "input.q"}},
+        "k8s": {"job_template": None},
+    }
+    out = manager.enqueue(
+        RolloutRequest(rollout_id="r1", group_id="g1", input={"q": 1}, config=config, metadata={"batch_idx": 0})
+    )
     assert seen == [("enqueue", 1800)]
     assert out.config == config and dict(out.metadata) == {"batch_idx": 7, "team": "blue"}
     assert out.rollout_id == "r1" and out.input == {"q": 1}
 
-    done = CompletedRollout(rollout_id="r1", group_id="g1", state="succeeded", attempt_id="a0", metadata=out.metadata, queued_at=5.0)
+    done = CompletedRollout(
+        rollout_id="r1", group_id="g1", state="succeeded", attempt_id="a0", metadata=out.metadata, queued_at=5.0
+    )
     writer = EventWriter()
     manager.on_succeeded(done, {"a0": [{"event_type": "model_request", "data": {}, "timestamp": 1.0}]}, writer)
-    assert seen[1] == ("succeeded", "succeeded", {"batch_idx": 7, "sample_idx_in_batch": None, "team": "blue"}, ["model_request"])
-    assert [(e.event_type, e.data) for e in writer.pending] == [("judge", {"dump": {"batch_idx": 7, "sample_idx_in_batch": None, "team": "blue"}})]
-    manager.on_failed(CompletedRollout(rollout_id="r2", group_id="g1", state="failed", error="agent crashed"), EventWriter())
+    assert seen[1] == (
+        "succeeded",
+        "succeeded",
+        {"batch_idx": 7, "sample_idx_in_batch": None, "team": "blue"},
+        ["model_request"],
+    )
+    assert [(e.event_type, e.data) for e in writer.pending] == [
+        ("judge", {"dump": {"batch_idx": 7, "sample_idx_in_batch": None, "team": "blue"}})
+    ]
+    manager.on_failed(
+        CompletedRollout(rollout_id="r2", group_id="g1", state="failed", error="agent crashed"), EventWriter()
+    )
     assert seen[2] == ("failed", "agent crashed")
     assert manager.pop_metrics()["training/n_hook_failures"] == 0
 
@@ -566,7 +623,9 @@ def test_with_agent_lightning_installed_hooks_get_its_pydantic_models(tmp_path):
 def test_without_agent_lightning_hooks_get_agl_standins():
     if rollout_hooks.v1_models() is not schemas:
         pytest.skip("Agent Lightning is installed here: hooks get its own models (the test above)")
-    view = rollout_hooks.rollout_view(CompletedRollout(rollout_id="r1", group_id="g1", state="failed", metadata={"k": 1}))
+    view = rollout_hooks.rollout_view(
+        CompletedRollout(rollout_id="r1", group_id="g1", state="failed", metadata={"k": 1})
+    )
     assert isinstance(view, schemas.Rollout) and view.metadata["k"] == 1 and view.status.created_at == 0.0
     assert json.loads(view.model_dump_json())["status"] == {**view.status.model_dump(), "state": "failed"}
 

@@ -104,7 +104,11 @@ def test_a_hung_hook_is_skipped_until_its_abandoned_call_returns():
         pm.enqueue(RolloutRequest(rollout_id=rid, group_id="g", input={}))
     assert started == ["r1"], "no call while the abandoned one still runs"
     metrics = pm.pop_metrics()
-    assert (metrics["training/n_hook_timeouts"], metrics["training/n_hook_skipped"], metrics["training/n_hook_failures"]) == (1, 2, 3)
+    assert (
+        metrics["training/n_hook_timeouts"],
+        metrics["training/n_hook_skipped"],
+        metrics["training/n_hook_failures"],
+    ) == (1, 2, 3)
     release.set()
     for thread in threading.enumerate():
         if thread.name == "agl-hook-p0":
@@ -153,7 +157,9 @@ def test_order_is_registration_order_with_tryfirst_and_trylast():
     assert order == ["first", "a", "b", "last"]
 
 
-@pytest.mark.parametrize("opts, kind", [({"wrapper": True}, "wrapper=True"), ({"hookwrapper": True}, "hookwrapper=True")])
+@pytest.mark.parametrize(
+    "opts, kind", [({"wrapper": True}, "wrapper=True"), ({"hookwrapper": True}, "hookwrapper=True")]
+)
 @pytest.mark.parametrize("hook", ["agl_on_enqueue", "agl_on_succeeded", "agl_register_aggregators"])
 def test_hook_wrappers_are_refused_naming_plugin_and_hook(opts, kind, hook):
     args = {"agl_on_enqueue": "request", "agl_on_succeeded": "rollout", "agl_register_aggregators": "register"}[hook]
@@ -206,7 +212,10 @@ def test_each_hook_failure_is_one_line_with_the_traceback_once_per_kind(caplog, 
     records = _failure_records(caplog)
     assert len(records) == 3
     assert all("\n" not in r.getMessage() and "plugin 'p0'" in r.getMessage() for r in records)
-    assert ["ValueError: bad value" in records[0].getMessage(), "KeyError: 'missing'" in records[1].getMessage()] == [True, True]
+    assert ["ValueError: bad value" in records[0].getMessage(), "KeyError: 'missing'" in records[1].getMessage()] == [
+        True,
+        True,
+    ]
     # the first ValueError and the first KeyError carry their traceback; the second ValueError does not
     assert [r.exc_info is not None for r in records] == [True, True, False]
     assert "AGL_HOOK_TRACEBACKS=1" in records[2].getMessage()

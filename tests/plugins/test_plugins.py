@@ -82,7 +82,18 @@ def installed_distribution(tmp_path_factory):
     )
     target = root / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(src),
+        ],
         check=True,
     )
     sys.path.insert(0, str(target))
@@ -143,14 +154,19 @@ def test_duplicate_registry_names_name_both_plugins():
     manager = PluginManager(load_entrypoints=False, builtins={})
     manager.register(_Registers("same"), name="first-plugin")
     manager.register(_Registers("same"), name="second-plugin")
-    with pytest.raises(RegistryError, match="'same' is registered by both plugin 'first-plugin' and plugin 'second-plugin'"):
+    with pytest.raises(
+        RegistryError, match="'same' is registered by both plugin 'first-plugin' and plugin 'second-plugin'"
+    ):
         manager.aggregators
 
 
 def test_unknown_name_lists_what_is_registered():
     manager = PluginManager(load_entrypoints=False, builtins={})
     manager.register(_Registers("alpha"), name="p")
-    with pytest.raises(RegistryError, match=r"unknown aggregator 'beta' \(set by agentlightning.trace_aggregator.level\); registered: alpha"):
+    with pytest.raises(
+        RegistryError,
+        match=r"unknown aggregator 'beta' \(set by agentlightning.trace_aggregator.level\); registered: alpha",
+    ):
         manager.aggregators.get("beta")
 
 
@@ -168,7 +184,9 @@ def test_misspelt_hook_fails_loudly():
             pass
 
     manager = PluginManager(load_entrypoints=False, builtins={})
-    with pytest.raises(PluginError, match="unknown hook 'agl_register_agregators'; did you mean 'agl_register_aggregators'"):
+    with pytest.raises(
+        PluginError, match="unknown hook 'agl_register_agregators'; did you mean 'agl_register_aggregators'"
+    ):
         manager.register(Typo(), name="typo")
 
 
@@ -205,10 +223,14 @@ def test_tryfirst_runs_before_registration_order():
 
 def test_builtins_are_ordinary_blockable_plugins(monkeypatch):
     monkeypatch.setenv(BLOCKED_PLUGINS_ENV, "tests.plugins.test_plugins")
-    manager = PluginManager(load_entrypoints=False, builtins={"tests.plugins.test_plugins": "tests.plugins.test_plugins"})
+    manager = PluginManager(
+        load_entrypoints=False, builtins={"tests.plugins.test_plugins": "tests.plugins.test_plugins"}
+    )
     assert manager.get_plugin("tests.plugins.test_plugins") is None
     monkeypatch.delenv(BLOCKED_PLUGINS_ENV)
-    manager = PluginManager(load_entrypoints=False, builtins={"tests.plugins.test_plugins": "tests.plugins.test_plugins"})
+    manager = PluginManager(
+        load_entrypoints=False, builtins={"tests.plugins.test_plugins": "tests.plugins.test_plugins"}
+    )
     assert {i.name: i.source for i in manager.list_plugins()}["tests.plugins.test_plugins"] == "built-in"
 
 
@@ -228,6 +250,8 @@ def test_a_registry_is_a_read_only_mapping_of_names():
         aggregators["trajectry"]
     with pytest.raises(RegistryError, match="set by agentlightning.trace_aggregator.level"):
         aggregators.get("trajectry")
-    assert [e.name for e in aggregators.entries()] == aggregators.names() and aggregators.entry("trajectory").plugin_name == "aggregators"
+    assert [e.name for e in aggregators.entries()] == aggregators.names() and aggregators.entry(
+        "trajectory"
+    ).plugin_name == "aggregators"
     with pytest.raises(TypeError):
         aggregators["mine"] = lambda rollouts, settings: None  # noqa: ARG005

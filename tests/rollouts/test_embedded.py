@@ -24,16 +24,26 @@ class EnvEchoAgent:
 
     def run(self):
         headers = {"Authorization": f"Bearer {os.environ['AGL_KEY']}"}
-        data = {"base": os.environ["AGL_OPENAI_BASE_URL"], "event": os.environ["AGL_EVENT_URL"], "signs": os.getenv("CORRIDOR_SIGNS")}
-        httpx.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "echo", "data": data}).raise_for_status()
-        httpx.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": {"value": 1.0}}).raise_for_status()
+        data = {
+            "base": os.environ["AGL_OPENAI_BASE_URL"],
+            "event": os.environ["AGL_EVENT_URL"],
+            "signs": os.getenv("CORRIDOR_SIGNS"),
+        }
+        httpx.post(
+            os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "echo", "data": data}
+        ).raise_for_status()
+        httpx.post(
+            os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": {"value": 1.0}}
+        ).raise_for_status()
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     folder = build_corridor_policy(tmp_path_factory.mktemp("policy"))
     torch.set_num_threads(1)
-    server = PolicyServer(AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), str(folder))
+    server = PolicyServer(
+        AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), str(folder)
+    )
     server.start()
     yield server, folder
     server.close()
@@ -137,13 +147,22 @@ def test_proxy_refuses_a_wrong_key_and_unknown_rollouts(engine):
     try:
         url = f"{source.base_url}/proxy/rollout/nope/attempt/0/mode/train/openai/v1/chat/completions"
         assert httpx.post(url, json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.post(url, json={"messages": []}, headers={"Authorization": f"Bearer {source.recorder.key}"}).status_code == 404
+        assert (
+            httpx.post(
+                url, json={"messages": []}, headers={"Authorization": f"Bearer {source.recorder.key}"}
+            ).status_code
+            == 404
+        )
     finally:
         source.close()
 
 
 def test_env_map_and_agent_class_errors_name_the_key():
-    assert env_from_map({"a": {"b": [1, 2]}}, {"X": "input.a.b.1", "Y": "input.a", "Z": "literal"}) == {"X": "2", "Y": '{"b": [1, 2]}', "Z": "literal"}
+    assert env_from_map({"a": {"b": [1, 2]}}, {"X": "input.a.b.1", "Y": "input.a", "Z": "literal"}) == {
+        "X": "2",
+        "Y": '{"b": [1, 2]}',
+        "Z": "literal",
+    }
     with pytest.raises(KeyError, match="env_map.X"):
         env_from_map({"a": 1}, {"X": "input.missing"})
     with pytest.raises(ConfigError, match="agentlightning.local.agent_class"):
@@ -173,11 +192,17 @@ FOREVER_SLOW = __import__("threading").Event()  # never set: waiting on it sleep
 
 
 def _engine_trouble(caplog):
-    return [r.getMessage() for r in caplog.records if "Bad file descriptor" in r.getMessage() or "policy server failed" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "Bad file descriptor" in r.getMessage() or "policy server failed" in r.getMessage()
+    ]
 
 
 def test_a_slow_engine_makes_slow_rollouts_that_complete(slow_engine, caplog):
-    source = _source(slow_engine, "examples.corridor.agent:CorridorAgent", overrides=["agentlightning.rollout_timeout_seconds=60"])
+    source = _source(
+        slow_engine, "examples.corridor.agent:CorridorAgent", overrides=["agentlightning.rollout_timeout_seconds=60"]
+    )
     try:
         batch = source.collect(SAMPLES[:1], step=1, is_train=True)
     finally:
@@ -204,11 +229,15 @@ def test_an_engine_slower_than_the_timeout_fails_naming_the_key_once_per_cause_a
     assert batch.metrics["training/rollouts/n_failed"] == 6
     lines = [r.getMessage() for r in caplog.records if r.name == "agl_core.rollouts.embedded"]
     assert lines and all(line.startswith("step 1: ") for line in lines)
-    assert sum(int(line.split()[2]) for line in lines if "rollouts failed" in line) == 6  # every failure, counted by cause
+    assert (
+        sum(int(line.split()[2]) for line in lines if "rollouts failed" in line) == 6
+    )  # every failure, counted by cause
     assert len(lines) == len(set(line.split(":", 2)[2].split(" (first:")[0] for line in lines))  # one line per cause
     timeouts = "agentlightning.rollout_timeout_seconds=1"
     assert all(timeouts in line or "504 Gateway Timeout" in line for line in lines)
     if batch.metrics.get("training/embedded/n_upstream_errors"):
-        assert any(f"model call(s) got no answer: the engine did not answer within {timeouts} s" in line for line in lines)
+        assert any(
+            f"model call(s) got no answer: the engine did not answer within {timeouts} s" in line for line in lines
+        )
     FOREVER_SLOW.wait(4)  # the abandoned generations finish and find their clients gone
     assert not _engine_trouble(caplog)

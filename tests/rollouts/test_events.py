@@ -122,7 +122,9 @@ def test_specific_scenarios(gateway_traces):
 def test_missing_reward_is_filled_and_counted(gateway_traces):
     scenario = gateway_traces["no_reward"]
     record = scenario["rollout"]["rollout"]
-    rollout, counts = completed_rollout_from_record(request_for(record), record, scenario["events"], reward_fillna_value=0.25)
+    rollout, counts = completed_rollout_from_record(
+        request_for(record), record, scenario["events"], reward_fillna_value=0.25
+    )
     assert rollout.final_reward == 0.25
     assert counts["training/n_rollouts_reward_filled"] == 1 and counts["training/n_rollouts_w_reward"] == 0
 
@@ -253,7 +255,9 @@ def test_bad_fill_value_names_the_key():
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 2000) | st.floats(allow_nan=True) | st.text(max_size=3),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["value", "call_index", "x"]), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["value", "call_index", "x"]), inner, max_size=3)
+    ),
     max_leaves=12,
 )
 
@@ -318,7 +322,9 @@ def test_the_same_triplets_come_out_with_or_without_msgspec(gateway_traces):
         )
         runs[msgspec] = pickle.loads(done.stdout)
     assert runs["importable"] == runs["hidden"]
-    assert [len(t) for t, _, _ in runs["hidden"]] == [len(parse_events(gateway_traces[n]["events"]).triplets) for n in SCENARIOS]
+    assert [len(t) for t, _, _ in runs["hidden"]] == [
+        len(parse_events(gateway_traces[n]["events"]).triplets) for n in SCENARIOS
+    ]
 
 
 def test_decoding_only_the_parsed_fields_skips_the_rest(gateway_traces):
@@ -329,6 +335,10 @@ def test_decoding_only_the_parsed_fields_skips_the_rest(gateway_traces):
     assert set(call["response"]["choices"][0]["logprobs"]["content"][0]) == {"logprob"}
     assert parse_events(parsed) == parse_events(full)
     # What msgspec refuses and the standard library accepts is decoded by the latter.
-    assert math.isnan(decode_events(b'[{"event_type": "reward", "data": {"value": NaN}}]', only_parsed_fields=True)[0]["data"]["value"])
+    assert math.isnan(
+        decode_events(b'[{"event_type": "reward", "data": {"value": NaN}}]', only_parsed_fields=True)[0]["data"][
+            "value"
+        ]
+    )
     with pytest.raises(ValueError):
         decode_events(b'[{"event_type": ')

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from agl_core.data import CompletedRollout, RolloutRequest, Triplet
 from agl_core.rollouts.events import METRICS, completed_rollout_from_record, decode_events, parse_events
-from agl_core.stages.vocabulary import OUT_OF_VOCAB_METRIC, within_vocabulary
+from agl_core.stages.vocabulary import within_vocabulary
 
 SCENARIOS = ["multiturn_4", "completions_api", "upstream_error_then_ok", "several_rewards_last_wins"]
 
@@ -78,7 +78,9 @@ def test_any_json_value_in_any_field_is_used_or_counted_never_raised(gateway_tra
         _replace(events, path, data.draw(json_values, label="value"))
     for stamp in ("created_at", "updated_at"):  # the record's times; its state is the source's to check
         record["status"][stamp] = data.draw(st.one_of(st.just(record["status"][stamp]), json_values), label=stamp)
-    rollout, counts = completed_rollout_from_record(_request(recorded["rollout"]["rollout"]), record, events, reward_fillna_value=0.0)
+    rollout, counts = completed_rollout_from_record(
+        _request(recorded["rollout"]["rollout"]), record, events, reward_fillna_value=0.0
+    )
     _check_rollout(rollout, counts)
 
 
@@ -93,7 +95,9 @@ def _first_call(events: list[dict]) -> dict:
     return next(e for e in events if e["event_type"] == "model_request")["data"]["response"]
 
 
-@pytest.mark.parametrize("token_id", [2**63, 2**64, 10**400, -(2**63) - 1], ids=["2**63", "2**64", "10**400", "-2**63-1"])
+@pytest.mark.parametrize(
+    "token_id", [2**63, 2**64, 10**400, -(2**63) - 1], ids=["2**63", "2**64", "10**400", "-2**63-1"]
+)
 @pytest.mark.parametrize("where", ["prompt", "response"])
 def test_token_ids_beyond_int64_are_garbled_and_counted(gateway_traces, token_id, where):
     events = copy.deepcopy(gateway_traces["single_turn"]["events"])
@@ -118,7 +122,11 @@ def test_rewards_and_log_probs_beyond_float_range_are_refused_and_counted(gatewa
     assert parsed.counts["training/events/n_bad_rewards"] == 2
 
 
-@pytest.mark.parametrize("stamp", [float("nan"), float("inf"), True, "noon", 10**400, [1.0]], ids=["nan", "inf", "true", "str", "10**400", "list"])
+@pytest.mark.parametrize(
+    "stamp",
+    [float("nan"), float("inf"), True, "noon", 10**400, [1.0]],
+    ids=["nan", "inf", "true", "str", "10**400", "list"],
+)
 def test_unusable_timestamps_are_ignored_and_counted(gateway_traces, stamp):
     recorded = gateway_traces["multiturn_4"]
     events = copy.deepcopy(recorded["events"])
@@ -173,5 +181,7 @@ def test_decoding_only_the_parsed_fields_reads_what_a_full_decode_reads(gateway_
     body = json.dumps(events).encode()
     record, request = recorded["rollout"]["rollout"], _request(recorded["rollout"]["rollout"])
     full, full_counts = completed_rollout_from_record(request, record, json.loads(body), reward_fillna_value=0.0)
-    fast, fast_counts = completed_rollout_from_record(request, record, decode_events(body, only_parsed_fields=True), reward_fillna_value=0.0)
+    fast, fast_counts = completed_rollout_from_record(
+        request, record, decode_events(body, only_parsed_fields=True), reward_fillna_value=0.0
+    )
     assert _same(fast) == _same(full) and fast_counts == full_counts

@@ -61,7 +61,9 @@ def finish(events, *, plugins, store, reread, state="succeeded", error=None, att
 
 def keep_in(events: list):
     def store(writer: EventWriter) -> int:
-        return writer.flush(lambda e: events.append({"event_type": e.event_type, "attempt_id": e.attempt_id, "data": e.data}))
+        return writer.flush(
+            lambda e: events.append({"event_type": e.event_type, "attempt_id": e.attempt_id, "data": e.data})
+        )
 
     return store
 
@@ -92,7 +94,9 @@ def test_failed_rollout_runs_on_failed_and_a_dropping_store_writes_nothing():
         dropped.append(writer.discard())
         return 0
 
-    rollout = finish([], plugins=manager(judge), store=drop, reread=None, state="failed", error="boom", attempt_id="0", counts=counts)
+    rollout = finish(
+        [], plugins=manager(judge), store=drop, reread=None, state="failed", error="boom", attempt_id="0", counts=counts
+    )
     assert judge.seen == [("failed", "boom")] and dropped == [1]
     assert rollout.state == "failed" and rollout.error == "boom" and rollout.attempt_id == "0"
     assert counts["training/hooks/n_events_written"] == 0

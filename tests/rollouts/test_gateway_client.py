@@ -22,7 +22,9 @@ def request(rid: str, **kwargs) -> RolloutRequest:
 
 @pytest.fixture
 def client(gateway):
-    with GatewayClient(gateway.url, gateway.key, timeout_seconds=2, retry=RetryPolicy(max_retries=2, backoff_seconds=0.01)) as c:
+    with GatewayClient(
+        gateway.url, gateway.key, timeout_seconds=2, retry=RetryPolicy(max_retries=2, backoff_seconds=0.01)
+    ) as c:
         yield c
 
 
@@ -33,7 +35,9 @@ def proxy(gateway):
 
 
 def via(proxy, gateway, max_retries: int = 2) -> GatewayClient:
-    return GatewayClient(proxy.url, gateway.key, timeout_seconds=0.5, retry=RetryPolicy(max_retries=max_retries, backoff_seconds=0.01))
+    return GatewayClient(
+        proxy.url, gateway.key, timeout_seconds=0.5, retry=RetryPolicy(max_retries=max_retries, backoff_seconds=0.01)
+    )
 
 
 def test_rollout_lifecycle_round_trip(client):

@@ -72,7 +72,9 @@ def test_gateway_killed_and_restarted_mid_wait(policy):
 
 def test_proxy_delays_resets_and_503s(gateway):
     with FaultProxy(gateway.port) as proxy:
-        cfg = gateway_config(gateway, f"agentlightning.agl_base_url={proxy.url}", "agentlightning.gateway.http_timeout_seconds=0.5")
+        cfg = gateway_config(
+            gateway, f"agentlightning.agl_base_url={proxy.url}", "agentlightning.gateway.http_timeout_seconds=0.5"
+        )
         source = gateway_source(cfg, plugin_manager())
         proxy.inject("503", 1, path_contains="POST /api/rollouts")
         proxy.inject("reset_after", 1, path_contains="POST /api/rollouts")  # created, answer lost: retried
@@ -94,7 +96,9 @@ def test_proxy_delays_resets_and_503s(gateway):
 
 def test_gateway_unreachable_until_the_deadline_fails_the_rollouts_clearly():
     with GatewayServer() as server:
-        cfg = gateway_config(server, "agentlightning.rollout_timeout_seconds=1", "agentlightning.gateway.liveness_check_seconds=30")
+        cfg = gateway_config(
+            server, "agentlightning.rollout_timeout_seconds=1", "agentlightning.gateway.liveness_check_seconds=30"
+        )
         source = gateway_source(cfg, plugin_manager())
         with SimulatedController(server, always(Plan(state=None))):
             thread, result = run_in_background(lambda: source.collect([{"q": 1}], step=0, is_train=True))
@@ -117,7 +121,9 @@ def test_agent_that_never_finishes_is_failed_by_the_trainer(gateway):
             errors.append(rollout.error)
             writer.add_event(rollout.rollout_id, "0", "note", {"why": "timeout"})
 
-    cfg = gateway_config(gateway, "agentlightning.rollout_timeout_seconds=1", "agentlightning.rollout_timeout_grace_seconds=0.3")
+    cfg = gateway_config(
+        gateway, "agentlightning.rollout_timeout_seconds=1", "agentlightning.rollout_timeout_grace_seconds=0.3"
+    )
     source = gateway_source(cfg, plugin_manager(Watch()))
     with SimulatedController(gateway, always(Plan(state=None))):
         start = time.monotonic()
@@ -133,7 +139,9 @@ def test_agent_that_never_finishes_is_failed_by_the_trainer(gateway):
 
 
 def test_agent_that_crashes(gateway):
-    cfg = gateway_config(gateway, "agentlightning.failed_rollout_policy=train", "agentlightning.reward_fillna_value=-0.5")
+    cfg = gateway_config(
+        gateway, "agentlightning.failed_rollout_policy=train", "agentlightning.reward_fillna_value=-0.5"
+    )
     source = gateway_source(cfg, plugin_manager())
     with SimulatedController(gateway, always(Plan(events=(good_call(),), state="failed", error="Traceback: boom"))):
         batch = source.collect([{"q": 1}], step=0, is_train=True)

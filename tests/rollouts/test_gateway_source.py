@@ -106,7 +106,9 @@ def test_failed_rollout_policy(gateway, policy, expected):
         def agl_on_failed(self, rollout, writer):
             failed.append(rollout.error)
 
-    cfg = gateway_config(gateway, f"agentlightning.failed_rollout_policy={policy}", "agentlightning.reward_fillna_value=-1")
+    cfg = gateway_config(
+        gateway, f"agentlightning.failed_rollout_policy={policy}", "agentlightning.reward_fillna_value=-1"
+    )
     source = gateway_source(cfg, plugin_manager(Watch()))
     plan = Plan(events=(good_call(), ("reward", {"value": 1.0})), state="failed", error="agent crashed")
     with SimulatedController(gateway, always(plan)):
@@ -192,6 +194,7 @@ def test_pause_drain_resume_around_the_weight_update(gateway):
 
 def test_drain_is_bounded_while_calls_stay_in_flight(gateway):
     """A model call that never returns keeps the proxy's in-flight count up: the drain gives up."""
+
     class Hang(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             time.sleep(2)

@@ -391,11 +391,15 @@ def test_agl_replay_reruns_a_shipped_corridor_step_from_the_initial_model(tmp_pa
     """The fixture ships no checkpoint, so step 2 runs from the initial policy: the recorded run's
     step 1 had no advantage (every reward 0) and left the weights as they were, so step 2's loss
     terms and gradient norm are the ones the run logged."""
-    from tests.corridor_policy import build_corridor_policy
+    from tests.helpers.corridor_policy import build_corridor_policy
 
     policy = build_corridor_policy(tmp_path / "policy")
     assert main(["replay", str(RECORDED_CORRIDOR), "--step", "2", f"actor_rollout_ref.model.path={policy}"]) == 0
     printed = {k: float(v) for k, v in (line.split(": ") for line in capsys.readouterr().out.splitlines())}
-    logged = next(json.loads(line) for line in (RECORDED_CORRIDOR / "metrics.jsonl").read_text().splitlines() if '"step": 2' in line)
+    logged = next(
+        json.loads(line)
+        for line in (RECORDED_CORRIDOR / "metrics.jsonl").read_text().splitlines()
+        if '"step": 2' in line
+    )
     for name in (*PIPELINE_METRICS, "actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"):
         assert printed[name] == pytest.approx(logged[name], rel=1e-5, abs=1e-7), name

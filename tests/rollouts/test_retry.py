@@ -27,7 +27,11 @@ def test_client_errors_are_final(status):
 
 def test_calls_that_are_not_idempotent_retry_only_what_was_provably_not_applied():
     policy = RetryPolicy()
-    assert [s for s in (408, 429, 500, 502, 503, 504) if policy.is_retryable(error(s), idempotent=False)] == [408, 429, 503]
+    assert [s for s in (408, 429, 500, 502, 503, 504) if policy.is_retryable(error(s), idempotent=False)] == [
+        408,
+        429,
+        503,
+    ]
     assert policy.is_retryable(error(None), idempotent=False)  # never sent
     assert not policy.is_retryable(error(None, ambiguous=True), idempotent=False)
     assert policy.is_retryable(error(None, ambiguous=True))  # an idempotent call may be sent twice

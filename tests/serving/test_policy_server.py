@@ -40,14 +40,18 @@ def test_chat_response_has_vllm_shape_and_true_log_probs(served):
     server, model, tokenizer = served
     body = _chat(server, return_token_ids=True, logprobs=True).json()
     messages = [{"role": "user", "content": "What is 1 + 2?"}]
-    expected_prompt = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    expected_prompt = tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )["input_ids"]
     assert body["prompt_token_ids"] == list(expected_prompt)
     choice = body["choices"][0]
     assert 1 <= len(choice["token_ids"]) <= 6
     given = [c["logprob"] for c in choice["logprobs"]["content"]]
     assert given == pytest.approx(_recomputed_log_probs(model, body["prompt_token_ids"], choice["token_ids"]), abs=1e-4)
     # the events parser (shared with the gateway path) reads it as one Triplet with log-probs
-    parsed = parse_events([{"event_type": "model_request", "data": {"response": body, "http_status": 200, "status": "ok"}}])
+    parsed = parse_events(
+        [{"event_type": "model_request", "data": {"response": body, "http_status": 200, "status": "ok"}}]
+    )
     assert parsed.triplets[0].response_ids.tolist() == choice["token_ids"]
     assert parsed.triplets[0].response_log_probs is not None
 
@@ -67,15 +71,23 @@ def test_completions_with_token_prompt(served):
     ).json()
     choice = body["choices"][0]
     assert choice["prompt_token_ids"] == [21, 225, 22]
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx(_recomputed_log_probs(model, [21, 225, 22], choice["token_ids"]), abs=1e-4)
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        _recomputed_log_probs(model, [21, 225, 22], choice["token_ids"]), abs=1e-4
+    )
     # temperature 0 is greedy: the same answer twice
-    again = httpx.post(f"{server.base_url}/completions", json={"prompt": [21, 225, 22], "max_tokens": 4, "temperature": 0, "return_token_ids": True}, timeout=60).json()
+    again = httpx.post(
+        f"{server.base_url}/completions",
+        json={"prompt": [21, 225, 22], "max_tokens": 4, "temperature": 0, "return_token_ids": True},
+        timeout=60,
+    ).json()
     assert again["choices"][0]["token_ids"] == choice["token_ids"]
 
 
 def test_stop_string_ends_generation_and_is_cut_from_text(served):
     server = served[0]
-    text = httpx.post(f"{server.base_url}/completions", json={"prompt": [21, 225, 22], "max_tokens": 12, "temperature": 0}, timeout=60).json()["choices"][0]["text"]
+    text = httpx.post(
+        f"{server.base_url}/completions", json={"prompt": [21, 225, 22], "max_tokens": 12, "temperature": 0}, timeout=60
+    ).json()["choices"][0]["text"]
     stop = text[2:4] if len(text) >= 4 else text[-1]
     body = httpx.post(
         f"{server.base_url}/completions",
@@ -151,7 +163,9 @@ def test_batched_sampling_matches_the_unbatched_distribution(served):
     from agl_core.serving.sampling import generate_batch
 
     prompts = [[21, 225, 22], [3, 89, 507, 203, 59, 76, 283, 315]]
-    kwargs = dict(stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(
+        stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode, generator=torch.Generator().manual_seed(0)
+    )
     together = generate_batch(model, prompts, [SamplingParams(5, temperature=0.0)] * 2, **kwargs)
     alone = [generate_batch(model, [p], [SamplingParams(5, temperature=0.0)], **kwargs)[0] for p in prompts]
     for a, b in zip(together, alone):
@@ -166,11 +180,20 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch(served):
 
     prompts = [[21, 225, 22], [3, 89, 507, 203, 59, 76, 283, 315], [40, 41]]
     kwargs = dict(stop_token_ids=[2], pad_token_id=0, decode=tokenizer.decode)
-    seeded = [SamplingParams(8, temperature=1.0, seed=11), SamplingParams(8, temperature=1.0, seed=12), SamplingParams(8, temperature=1.0)]
+    seeded = [
+        SamplingParams(8, temperature=1.0, seed=11),
+        SamplingParams(8, temperature=1.0, seed=12),
+        SamplingParams(8, temperature=1.0),
+    ]
     together = generate_batch(model, prompts, seeded, generator=torch.Generator().manual_seed(0), **kwargs)
-    alone = [generate_batch(model, [p], [s], generator=torch.Generator().manual_seed(5), **kwargs)[0] for p, s in zip(prompts[:2], seeded)]
+    alone = [
+        generate_batch(model, [p], [s], generator=torch.Generator().manual_seed(5), **kwargs)[0]
+        for p, s in zip(prompts[:2], seeded)
+    ]
     assert [g.token_ids for g in together[:2]] == [g.token_ids for g in alone]
-    reseeded = generate_batch(model, prompts[:1], [SamplingParams(8, temperature=1.0, seed=13)], generator=torch.Generator(), **kwargs)
+    reseeded = generate_batch(
+        model, prompts[:1], [SamplingParams(8, temperature=1.0, seed=13)], generator=torch.Generator(), **kwargs
+    )
     assert reseeded[0].token_ids != together[0].token_ids
 
 
@@ -192,8 +215,11 @@ def test_a_restored_sampler_state_samples_the_same_tokens_again(served):
     """What a checkpoint keeps of the engine: unseeded requests sample the same after a restore."""
     server = served[0]
     state = server.sampler_state()
+
     def sample():
-        return [_chat(server, temperature=1.0, return_token_ids=True).json()["choices"][0]["token_ids"] for _ in range(3)]
+        return [
+            _chat(server, temperature=1.0, return_token_ids=True).json()["choices"][0]["token_ids"] for _ in range(3)
+        ]
 
     first = sample()
     assert sample() != first  # the stream moves on

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from agl_core.stages.advantage import AdvantageError, AdvantageSettings, RolloutAdvantageError
 from agl_core.builtins.estimators import grpo, reinforce, reinforce_baseline, rloo, turn_grpo
 from agl_core.config import ConfigError, default_config
 from agl_core.data import DataValidationError, TrainingRow
 from agl_core.plugins import PluginManager
+from agl_core.stages.advantage import AdvantageError, AdvantageSettings, RolloutAdvantageError
 
 BASELINED = {"grpo": grpo, "rloo": rloo, "reinforce_baseline": reinforce_baseline}
 ROLLOUT_LEVEL = {**BASELINED, "reinforce": reinforce}
@@ -71,7 +71,11 @@ def test_rollout_level_advantage_is_broadcast_over_trained_tokens(rows, name, no
 
 
 def _rollout_values(rows, result):
-    return {row.rollout_id: float(adv[row.response_mask == 1][0]) for row, adv in zip(rows, result.per_row) if row.n_trained_tokens}
+    return {
+        row.rollout_id: float(adv[row.response_mask == 1][0])
+        for row, adv in zip(rows, result.per_row)
+        if row.n_trained_tokens
+    }
 
 
 def _shifted(rows, group_id, shift):
@@ -82,7 +86,9 @@ def _shifted(rows, group_id, shift):
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=batches(), shift=st.floats(-5, 5, allow_nan=False), norm=st.booleans(), name=st.sampled_from(["grpo", "rloo"]))
+@given(
+    rows=batches(), shift=st.floats(-5, 5, allow_nan=False), norm=st.booleans(), name=st.sampled_from(["grpo", "rloo"])
+)
 def test_adding_a_constant_to_a_group_does_not_change_its_advantages(rows, shift, norm, name):
     estimator = BASELINED[name]
     s = AdvantageSettings(norm_adv_by_std=norm)
@@ -97,7 +103,10 @@ def test_adding_a_constant_to_a_group_does_not_change_its_advantages(rows, shift
 @given(rows=batches(), reward=rewards_st, name=st.sampled_from(sorted(BASELINED)), norm=st.booleans())
 def test_zero_variance_groups_get_exactly_zero_advantage(rows, reward, name, norm):
     flat_group = rows[0].group_id
-    rows = [make_row(r.rollout_id, r.group_id, reward if r.group_id == flat_group else r.reward, r.response_mask) for r in rows]
+    rows = [
+        make_row(r.rollout_id, r.group_id, reward if r.group_id == flat_group else r.reward, r.response_mask)
+        for r in rows
+    ]
     result = BASELINED[name](rows, AdvantageSettings(norm_adv_by_std=norm))
     for row, adv in zip(rows, result.per_row):
         if row.group_id == flat_group:
@@ -137,7 +146,9 @@ def test_rollout_level_input_errors_stay_catchable_as_runtime_errors():
     """Agent Lightning v1.0 raised RuntimeError for rows of one rollout that disagree; so does agl,
     with its precise message, also when the error is seen from an enclosing object."""
     rows = [make_row("a", "g", 1.0, [1]), make_row("b", "g", 0.0, [1]), make_row("a", "g", 0.5, [1])]
-    with pytest.raises(RuntimeError, match=r"rollout 'a': rows\[2\]\.reward: rows of one rollout disagree on reward") as err:
+    with pytest.raises(
+        RuntimeError, match=r"rollout 'a': rows\[2\]\.reward: rows of one rollout disagree on reward"
+    ) as err:
         grpo(rows, AdvantageSettings())
     assert isinstance(err.value, RolloutAdvantageError)
     wrapped = err.value.within("batch")
@@ -146,7 +157,9 @@ def test_rollout_level_input_errors_stay_catchable_as_runtime_errors():
 
 def test_a_non_finite_reward_is_refused_naming_the_rollout():
     good = make_row("b", "g", 0.0, [1])
-    bad = SimpleNamespace(**{**{k: getattr(good, k) for k in ("response_mask", "group_id")}, "rollout_id": "a", "reward": math.nan})
+    bad = SimpleNamespace(
+        **{**{k: getattr(good, k) for k in ("response_mask", "group_id")}, "rollout_id": "a", "reward": math.nan}
+    )
     with pytest.raises(DataValidationError) as err:
         grpo([good, bad], AdvantageSettings())
     assert err.value.rollout_id == "a" and err.value.field == "rows[1].reward"
@@ -154,7 +167,11 @@ def test_a_non_finite_reward_is_refused_naming_the_rollout():
 
 @pytest.mark.parametrize("name", sorted(BASELINED) + ["turn_grpo"])
 def test_a_group_too_small_for_the_estimator_is_named(name):
-    rows = [make_row("a", "g", 1.0, [1], turns=[0]), make_row("b", "g", 0.0, [1], turns=[0]), make_row("c", "lonely", 1.0, [1], turns=[0])]
+    rows = [
+        make_row("a", "g", 1.0, [1], turns=[0]),
+        make_row("b", "g", 0.0, [1], turns=[0]),
+        make_row("c", "lonely", 1.0, [1], turns=[0]),
+    ]
     estimator = {**BASELINED, "turn_grpo": turn_grpo}[name]
     with pytest.raises(AdvantageError, match="group 'lonely' has 1 rollout"):
         estimator(rows, AdvantageSettings())

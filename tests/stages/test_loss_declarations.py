@@ -18,7 +18,9 @@ from tests.helpers.rollouts import two_group_batch
 
 def clipped_twice(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
     """A wrapper a plugin author might write: the built-in per-rollout loss with a tighter clip."""
-    tighter = LossSettings(clip_ratio=settings.clip_ratio / 2, clip_ratio_c=settings.clip_ratio_c, dp_size=settings.dp_size)
+    tighter = LossSettings(
+        clip_ratio=settings.clip_ratio / 2, clip_ratio_c=settings.clip_ratio_c, dp_size=settings.dp_size
+    )
     return per_rollout_mean(old_log_prob, log_prob, advantages, response_mask, tighter, rollout_is_weights)
 
 
@@ -90,5 +92,7 @@ def test_a_loss_that_cannot_be_called_is_refused_naming_its_plugin():
 
     manager = PluginManager(load_entrypoints=False)
     name = manager.register(Broken())
-    with pytest.raises(RegistryError, match=f"plugin '{name}' registered policy loss 'nothing' as 42, which cannot be called"):
+    with pytest.raises(
+        RegistryError, match=f"plugin '{name}' registered policy loss 'nothing' as 42, which cannot be called"
+    ):
         manager.policy_losses.get("token_mean")

@@ -15,7 +15,7 @@ from agl_core.backends.torch.backend import load_policy
 from agl_core.backends.torch.micro_batching import split
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.config import ConfigError, load_config
-from agl_core.data import CompletedRollout, Triplet, TrainingRow
+from agl_core.data import CompletedRollout, TrainingRow, Triplet
 from agl_core.plugins import PluginManager
 from agl_core.stages.micro_batches import micro_batches, padded_elements
 from agl_core.stages.pipeline import StepPipeline
@@ -59,7 +59,10 @@ def multi_turn_lengths(n_rollouts: int, n_turns: int, seed: int = 0) -> tuple[np
     "workload",
     [
         multi_turn_lengths(256, 8),  # transition rows: prompts grow with the turns
-        (np.random.default_rng(1).integers(50, 600, 2048), np.random.default_rng(2).integers(50, 600, 2048)),  # independent
+        (
+            np.random.default_rng(1).integers(50, 600, 2048),
+            np.random.default_rng(2).integers(50, 600, 2048),
+        ),  # independent
     ],
     ids=["256x8-turns", "2048-independent"],
 )
@@ -103,7 +106,12 @@ def test_a_micro_batch_is_cut_to_what_tensorizing_its_rows_gives():
     parts = split(tensors, 64, "budget.key")
     assert len(parts) > 2 and sorted(i for part in parts for i in part.rows.tolist()) == list(range(12))
     for part in parts:
-        alone = tensorize([rows[i] for i in part.rows.tolist()], pad_token_id=0, prompt_length=part.prompt_length, response_length=part.response_length)
+        alone = tensorize(
+            [rows[i] for i in part.rows.tolist()],
+            pad_token_id=0,
+            prompt_length=part.prompt_length,
+            response_length=part.response_length,
+        )
         cut = part.cut(tensors)
         assert cut.keys() == alone.tensors.keys()
         for name, value in alone.tensors.items():
@@ -117,11 +125,21 @@ def test_a_micro_batch_is_cut_to_what_tensorizing_its_rows_gives():
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10239"], "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
-        (["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=0"], "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        (
+            ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10239"],
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        ),
+        (
+            ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=0"],
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        ),
         (["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=-1"], "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
         (
-            ["agentlightning.trace_aggregator.level=transition", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1023"],
+            [
+                "agentlightning.trace_aggregator.level=transition",
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1023",
+            ],
             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         ),
         (["actor_rollout_ref.actor.use_dynamic_bsz=maybe"], "actor_rollout_ref.actor.use_dynamic_bsz"),
@@ -134,8 +152,19 @@ def test_a_bad_or_too_small_budget_names_its_key(overrides, key):
 
 def test_a_budget_that_holds_the_longest_row_is_accepted():
     # trajectory limits 2048 + 8192; transition limits 512 + 512
-    load_config(overrides=["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240"])
-    load_config(overrides=["agentlightning.trace_aggregator.level=transition", "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024"])
+    load_config(
+        overrides=[
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240",
+        ]
+    )
+    load_config(
+        overrides=[
+            "agentlightning.trace_aggregator.level=transition",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
+        ]
+    )
     # a budget that is not used is not checked against the rows
     load_config(overrides=["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"])
 
@@ -154,7 +183,10 @@ def test_the_log_prob_keys_follow_the_actor_unless_set_as_in_verl():
     assert cfg.rollout.log_prob_use_dynamic_bsz is True and cfg.rollout.log_prob_max_token_len_per_gpu == 20000
     assert cfg.ref.log_prob_use_dynamic_bsz is True and cfg.ref.log_prob_max_token_len_per_gpu == 30000
     assert ActorSettings.from_config(cfg) == attrs.evolve(
-        ActorSettings.from_config(default), update_max_tokens=20000, old_log_prob_max_tokens=20000, ref_log_prob_max_tokens=30000
+        ActorSettings.from_config(default),
+        update_max_tokens=20000,
+        old_log_prob_max_tokens=20000,
+        ref_log_prob_max_tokens=30000,
     )
 
 
@@ -174,9 +206,17 @@ def test_the_verl_backend_hands_verl_the_same_keys_unchanged():
     assert section.ref.log_prob_use_dynamic_bsz is True and section.ref.log_prob_max_token_len_per_gpu == 20000
     default = verl_config.load_verl_config()
     OmegaConf.resolve(default)
-    assert default.actor_rollout_ref.actor.use_dynamic_bsz is False and default.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == 16384
+    assert (
+        default.actor_rollout_ref.actor.use_dynamic_bsz is False
+        and default.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == 16384
+    )
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.ppo_max_token_len_per_gpu"):
-        verl_config.load_verl_config(overrides=["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000"])
+        verl_config.load_verl_config(
+            overrides=[
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000",
+            ]
+        )
 
 
 # -- the update in micro-batches equals the one-pass update ---------------------------------------
@@ -192,10 +232,21 @@ def rollouts() -> list[CompletedRollout]:
     for k in range(8):
         calls = 2 if k in (0, 5) else 1
         triplets = [
-            Triplet(prompt_ids=rng.integers(3, 1000, int(rng.integers(3, 24))), response_ids=rng.integers(3, 1000, int(rng.integers(2, 40))))
+            Triplet(
+                prompt_ids=rng.integers(3, 1000, int(rng.integers(3, 24))),
+                response_ids=rng.integers(3, 1000, int(rng.integers(2, 40))),
+            )
             for _ in range(calls)
         ]
-        out.append(CompletedRollout(rollout_id=f"r{k}", group_id=f"g{k // 4}", state="succeeded", triplets=triplets, final_reward=float(k % 3) + 0.1 * k))
+        out.append(
+            CompletedRollout(
+                rollout_id=f"r{k}",
+                group_id=f"g{k // 4}",
+                state="succeeded",
+                triplets=triplets,
+                final_reward=float(k % 3) + 0.1 * k,
+            )
+        )
     return out
 
 
@@ -227,7 +278,9 @@ def one_update(model_dir, loss: str, normalization: str, *extra: str):
             p.add_(0.02 * torch.randn_like(p))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loss_fn = plugins.policy_losses.get(loss)
-    update = ActorUpdate(model, ref, optimizer, loss_fn, ActorSettings.from_config(cfg.actor_rollout_ref), torch.device("cpu"), 0)
+    update = ActorUpdate(
+        model, ref, optimizer, loss_fn, ActorSettings.from_config(cfg.actor_rollout_ref), torch.device("cpu"), 0
+    )
     prepared = StepPipeline(cfg, plugins).prepare(rollouts(), step=1)
     assert prepared.shaped.n_mini_batches == 2
     metrics = update(prepared)
@@ -240,7 +293,11 @@ def test_the_update_in_micro_batches_equals_the_one_pass_update(tiny_model_dir, 
     before = {k: v.detach() for k, v in load_policy(tiny_model_dir, torch.device("cpu")).named_parameters()}
     single, single_metrics = one_update(tiny_model_dir, loss, normalization)
     micro, micro_metrics = one_update(
-        tiny_model_dir, loss, normalization, "actor_rollout_ref.actor.use_dynamic_bsz=true", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}"
+        tiny_model_dir,
+        loss,
+        normalization,
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}",
     )
     assert single_metrics["actor/n_updates"] == micro_metrics["actor/n_updates"] == 4.0  # 2 epochs × 2 mini-batches
     assert single_metrics["actor/n_micro_batches"] == 4.0 and micro_metrics["actor/n_micro_batches"] >= 12.0
@@ -249,7 +306,16 @@ def test_the_update_in_micro_batches_equals_the_one_pass_update(tiny_model_dir, 
     assert change > 1e-4, "the update moved the weights"
     for name, value in single.items():
         torch.testing.assert_close(micro[name] - before[name], value - before[name], rtol=1e-4, atol=1e-4 * change)
-    names = ["actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/grad_norm"]
+    names = [
+        "actor/pg_loss",
+        "actor/entropy_loss",
+        "actor/kl_loss",
+        "actor/loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "actor/grad_norm",
+    ]
     for name in names:
         assert micro_metrics[name] == pytest.approx(single_metrics[name], rel=1e-4, abs=1e-6), name
     assert single_metrics["actor/pg_clipfrac"] > 0, "the second epoch's ratios clip, so the old log-probs matter"
@@ -258,8 +324,18 @@ def test_the_update_in_micro_batches_equals_the_one_pass_update(tiny_model_dir, 
 def test_a_loss_that_does_not_add_up_over_micro_batches_is_refused_with_them(tiny_model_dir):
     cfg = load_config(overrides=["actor_rollout_ref.actor.use_dynamic_bsz=true"])
     settings = ActorSettings.from_config(cfg.actor_rollout_ref)
-    loss = PolicyLossSpec(PluginManager(load_entrypoints=False).policy_losses.get("token_mean"), additive_over_micro_batches=False)
+    loss = PolicyLossSpec(
+        PluginManager(load_entrypoints=False).policy_losses.get("token_mean"), additive_over_micro_batches=False
+    )
     model = load_policy(tiny_model_dir, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.use_dynamic_bsz"):
         ActorUpdate(model, None, torch.optim.SGD(model.parameters(), lr=0.1), loss, settings, torch.device("cpu"), 0)
-    ActorUpdate(model, None, torch.optim.SGD(model.parameters(), lr=0.1), loss, attrs.evolve(settings, update_max_tokens=None), torch.device("cpu"), 0)
+    ActorUpdate(
+        model,
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss,
+        attrs.evolve(settings, update_max_tokens=None),
+        torch.device("cpu"),
+        0,
+    )

@@ -3,9 +3,9 @@
 import pytest
 import transformers
 
-from agl_core.stages.aggregation import AggregationSettings
 from agl_core.builtins.aggregators import trajectory, transition
 from agl_core.data import CompletedRollout, Triplet
+from agl_core.stages.aggregation import AggregationSettings
 from agl_core.stages.mismatch import classify_break
 from agl_core.testing.strategies import TOY_TOKENIZER
 
@@ -39,8 +39,14 @@ def test_without_a_tokenizer_every_break_is_other():
 
 
 def test_counts_cover_every_break_and_the_sample_is_bounded():
-    calls = [PREVIOUS, Triplet(prompt_ids=ENC("cd:ab::"), response_ids=[A]), Triplet(prompt_ids=ENC("gh"), response_ids=[B])]
-    settings = AggregationSettings(max_prompt_length=50, max_response_length=50, tokenizer=TOY, mismatch_sample_size=1, mismatch_max_length=3)
+    calls = [
+        PREVIOUS,
+        Triplet(prompt_ids=ENC("cd:ab::"), response_ids=[A]),
+        Triplet(prompt_ids=ENC("gh"), response_ids=[B]),
+    ]
+    settings = AggregationSettings(
+        max_prompt_length=50, max_response_length=50, tokenizer=TOY, mismatch_sample_size=1, mismatch_max_length=3
+    )
     result = trajectory([rollout_of(calls)], settings)
 
     assert result.metrics["training/n_trace_merge_mismatch_rows"] == 2

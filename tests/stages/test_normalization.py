@@ -103,7 +103,9 @@ def test_upstream_scales_on_padded_tensors_are_agent_lightnings(batch, seed, m):
         mask[i, :n] = True
     adv = torch.randn(len(ids), length, generator=torch.Generator().manual_seed(seed)) * mask
     scales = rollout_scales(ids, mask.sum(dim=-1).numpy(), mode="upstream", n_mini_batches=m)
-    torch.testing.assert_close(adv * torch.as_tensor(scales, dtype=adv.dtype)[:, None], _upstream_reference(adv, mask, ids))
+    torch.testing.assert_close(
+        adv * torch.as_tensor(scales, dtype=adv.dtype)[:, None], _upstream_reference(adv, mask, ids)
+    )
 
 
 def test_bad_inputs_are_refused():
@@ -119,7 +121,9 @@ def test_bad_inputs_are_refused():
 
 def test_config_key_defaults_to_rollouts_and_is_validated():
     assert load_config().agentlightning.loss_normalization == "rollouts"
-    assert load_config(overrides=["agentlightning.loss_normalization=upstream"]).agentlightning.loss_normalization == "upstream"
+    assert (
+        load_config(overrides=["agentlightning.loss_normalization=upstream"]).agentlightning.loss_normalization
+        == "upstream"
+    )
     with pytest.raises(ConfigError, match="agentlightning.loss_normalization"):
         load_config(overrides=["agentlightning.loss_normalization=tokens"])
-

@@ -23,7 +23,12 @@ def rollout(rid, group, reward, calls):
 
 def config(*overrides):
     return load_config(
-        overrides=["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", *overrides]
+        overrides=[
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            *overrides,
+        ]
     )
 
 
@@ -40,7 +45,9 @@ def test_rollouts_to_a_normalised_batch(plugins):
     assert prepared.metrics["training/n_skipped_updates"] == 0
     shaped = prepared.shaped
     ids = [row.rollout_id for row in shaped.rows]
-    expected = rollout_scales(ids, [row.n_trained_tokens for row in shaped.rows], mode="rollouts", n_mini_batches=shaped.n_mini_batches)
+    expected = rollout_scales(
+        ids, [row.n_trained_tokens for row in shaped.rows], mode="rollouts", n_mini_batches=shaped.n_mini_batches
+    )
     np.testing.assert_allclose(prepared.row_scales, expected)
     width = max(len(row.response_ids) for row in shaped.rows)
     raw = prepared.returns(width)  # grpo's returns are its advantages, never scaled
@@ -50,7 +57,9 @@ def test_rollouts_to_a_normalised_batch(plugins):
 
 
 def test_token_mean_is_not_normalised_per_rollout(plugins):
-    prepared = StepPipeline(config("actor_rollout_ref.actor.policy_loss.loss_mode=token_mean"), plugins).prepare(two_group_batch(), step=1)
+    prepared = StepPipeline(config("actor_rollout_ref.actor.policy_loss.loss_mode=token_mean"), plugins).prepare(
+        two_group_batch(), step=1
+    )
     assert prepared.row_scales is None
     width = max(len(row.response_ids) for row in prepared.shaped.rows)
     torch.testing.assert_close(prepared.advantages(width), prepared.returns(width))
@@ -80,7 +89,11 @@ def test_rollout_metrics_ignore_missing_rewards():
 def test_validation_metrics_are_agent_lightning_v1s_over_every_batch():
     rollouts = [*two_group_batch(), CompletedRollout(rollout_id="r4", group_id="g2", state="failed", final_reward=0.0)]
     sources = [
-        {"training/n_rollouts_w_reward": 2.0, "training/rollouts/n_failed": 1.0, "training/gateway/poll_interval_s": 0.5},
+        {
+            "training/n_rollouts_w_reward": 2.0,
+            "training/rollouts/n_failed": 1.0,
+            "training/gateway/poll_interval_s": 0.5,
+        },
         {"training/n_rollouts_w_reward": 1.0, "timing/rollout_total_s/max": 3.0},
     ]
     metrics = validation_metrics(rollouts, sources)
@@ -132,12 +145,21 @@ def test_a_group_left_with_one_rollout_is_dropped_and_counted_not_fatal(plugins)
     prepared = StepPipeline(config("actor_rollout_ref.actor.ppo_mini_batch_size=1"), plugins).prepare(rollouts, step=1)
     assert prepared.metrics["training/n_groups_dropped_one_rollout_left"] == 1
     assert {row.group_id for row in prepared.shaped.rows} == {"g0"}
-    assert StepPipeline(config(), plugins).prepare(two_group_batch(), step=1).metrics["training/n_groups_dropped_one_rollout_left"] == 0
+    assert (
+        StepPipeline(config(), plugins)
+        .prepare(two_group_batch(), step=1)
+        .metrics["training/n_groups_dropped_one_rollout_left"]
+        == 0
+    )
 
 
 def test_with_one_rollout_per_sample_groups_of_one_are_the_estimators_to_judge(plugins):
     rollouts = [rollout("r0", "g0", 1.0, [([1], [2])]), rollout("r1", "g1", 0.0, [([1], [3])])]
-    settings = ["actor_rollout_ref.rollout.n=1", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    settings = [
+        "actor_rollout_ref.rollout.n=1",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    ]
     prepared = StepPipeline(config(*settings, "algorithm.adv_estimator=reinforce"), plugins).prepare(rollouts, step=1)
     assert len(prepared.shaped.rows) == 2 and "training/n_groups_dropped_one_rollout_left" not in prepared.metrics
     with pytest.raises(Exception, match="needs at least 2 per group"):

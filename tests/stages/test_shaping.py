@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_core.stages.advantage import AdvantageSettings
 from agl_core.builtins.estimators import grpo
-from agl_core.stages.shaping import ShapingSettings, shape_batch
 from agl_core.config import default_config
 from agl_core.data import TrainingRow
+from agl_core.stages.advantage import AdvantageSettings
+from agl_core.stages.shaping import ShapingSettings, shape_batch
 
 
 def make_row(rollout_id, group_id, reward, n_tokens=2, dropped=False):
@@ -83,7 +83,10 @@ def _check_invariants(rows, shaped, s):
     assert m["training/n_sample_collected"] == len(rows)
     assert m["training/n_sample_trained"] == n
     assert m["training/n_sample_collected"] == (
-        n + m["training/n_sample_dropped/marked"] + m["training/n_sample_dropped/same_reward"] + m["training/n_sample_dropped/random"]
+        n
+        + m["training/n_sample_dropped/marked"]
+        + m["training/n_sample_dropped/same_reward"]
+        + m["training/n_sample_dropped/random"]
     )
     assert m["training/n_sample_dropped/marked"] == sum(len(by_rollout[r]) for r in marked)
     assert shaped.rows == tuple(rows[i] for i in shaped.kept_indices)
@@ -108,7 +111,11 @@ def test_shaping_keeps_whole_rollouts_in_whole_mini_batches(rows, s):
     by_rollout = _rollout_rows(rows)
     kept = set(shaped.kept_indices)
     marked = {rid for rid, idx in by_rollout.items() if any(rows[i].dropped for i in idx)}
-    dropped_sizes = {len(idx) for rid, idx in by_rollout.items() if rid not in marked and idx[0] not in kept and rows[idx[0]].group_id not in flat}
+    dropped_sizes = {
+        len(idx)
+        for rid, idx in by_rollout.items()
+        if rid not in marked and idx[0] not in kept and rows[idx[0]].group_id not in flat
+    }
     kept_flat_sizes = {len(idx) for idx in by_rollout.values() if idx[0] in kept and rows[idx[0]].group_id in flat}
     assert not dropped_sizes & kept_flat_sizes
     again = shape_batch(rows, grpo(rows, AdvantageSettings()), s)  # seeded: reproducible
@@ -152,7 +159,10 @@ def test_marked_rows_remove_their_rollout_and_groups_are_counted():
     ]
     advantages = grpo(rows, AdvantageSettings())  # computed on everything collected
     shaped = shape_batch(rows, advantages, ShapingSettings(mini_batch_rows=1, max_updates=2))
-    assert [row.rollout_id for row in shaped.rows] == ["a", "c"] or [row.rollout_id for row in shaped.rows] == ["a", "d"]
+    assert [row.rollout_id for row in shaped.rows] == ["a", "c"] or [row.rollout_id for row in shaped.rows] == [
+        "a",
+        "d",
+    ]
     assert shaped.advantages[0][0] == advantages.per_row[0][0] > 0  # a's advantage kept b in its baseline
     assert shaped.metrics == {
         "training/n_sample_collected": 5.0,

@@ -82,7 +82,9 @@ def _unmarked_left_out(rollouts, agg_settings):
 
 
 BROKEN = {
-    "trains observations": _rows(lambda rows: [attrs.evolve(r, response_mask=[1] * len(r.response_mask)) for r in rows]),
+    "trains observations": _rows(
+        lambda rows: [attrs.evolve(r, response_mask=[1] * len(r.response_mask)) for r in rows]
+    ),
     "trains a call twice": _rows(lambda rows: [*rows, *rows]),
     "wrong group id": _rows(lambda rows: [attrs.evolve(r, group_id="elsewhere") for r in rows]),
     "wrong reward": _rows(lambda rows: [attrs.evolve(r, reward=r.reward + 1) for r in rows]),
@@ -90,9 +92,13 @@ BROKEN = {
     "does not mark over-long prompts": _rows(lambda rows: [attrs.evolve(r, dropped=False) for r in rows]),
     "drops the last token": _rows(
         lambda rows: [
-            attrs.evolve(r, response_ids=r.response_ids[:-1], response_mask=r.response_mask[:-1],
-                         log_probs=None if r.log_probs is None else r.log_probs[:-1],
-                         response_turns=r.response_turns[:-1])
+            attrs.evolve(
+                r,
+                response_ids=r.response_ids[:-1],
+                response_mask=r.response_mask[:-1],
+                log_probs=None if r.log_probs is None else r.log_probs[:-1],
+                response_turns=r.response_turns[:-1],
+            )
             for r in rows
         ]
     ),
@@ -154,8 +160,16 @@ def test_an_off_by_one_cut_says_what_the_row_should_have_been():
     limits = attrs.evolve(LIMITS, max_response_length=4)
     batch = [rollout(call([1], [2, 3, 4, 5, 6]))]
     cut_one_short = _rows(
-        lambda rows: [attrs.evolve(r, response_ids=r.response_ids[:3], response_mask=r.response_mask[:3],
-                                   log_probs=r.log_probs[:3], response_turns=r.response_turns[:3]) for r in rows]
+        lambda rows: [
+            attrs.evolve(
+                r,
+                response_ids=r.response_ids[:3],
+                response_mask=r.response_mask[:3],
+                log_probs=r.log_probs[:3],
+                response_turns=r.response_turns[:3],
+            )
+            for r in rows
+        ]
     )
     with pytest.raises(AssertionError) as err:
         check_tokens(batch, cut_one_short(batch, limits), limits)

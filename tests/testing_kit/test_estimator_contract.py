@@ -9,7 +9,15 @@ from hypothesis import Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
-from agl_core import AdvantageError, Advantages, AdvantageSettings, PluginManager, broadcast, group_rollouts, rollout_level
+from agl_core import (
+    AdvantageError,
+    Advantages,
+    AdvantageSettings,
+    PluginManager,
+    broadcast,
+    group_rollouts,
+    rollout_level,
+)
 from agl_core.builtins.estimators import grpo
 from agl_core.testing.contracts import AdvantageEstimatorContract
 from agl_core.testing.estimator_contract import (
@@ -30,7 +38,9 @@ class TestGrpoContract(AdvantageEstimatorContract):
     cases = (
         # centred rewards +-0.5 over their std (ddof 1) sqrt(0.5): +-0.70711
         EstimatorCase({"g": [(1.0, 3), (0.0, 2)]}, {"g": [0.707106, -0.707106]}),
-        EstimatorCase({"g": [(1.0, 3), (0.0, 2), (0.5, 1)]}, {"g": [0.5, -0.5, 0.0]}, AdvantageSettings(norm_adv_by_std=False)),
+        EstimatorCase(
+            {"g": [(1.0, 3), (0.0, 2), (0.5, 1)]}, {"g": [0.5, -0.5, 0.0]}, AdvantageSettings(norm_adv_by_std=False)
+        ),
     )
 
 
@@ -140,11 +150,15 @@ GALLERY = {
 
 PROPERTIES = {
     "finite_on_trained_tokens": lambda estimate, rows, s, order: check_advantages(rows, estimate(list(rows), s)),
-    "one_value_per_rollout": lambda estimate, rows, s, order: check_credit(rows, estimate(list(rows), s), per_turn=False),
+    "one_value_per_rollout": lambda estimate, rows, s, order: check_credit(
+        rows, estimate(list(rows), s), per_turn=False
+    ),
     "order_does_not_matter": lambda estimate, rows, s, order: check_order_does_not_matter(estimate, rows, s, order),
     "equal_rewards_give_zero": lambda estimate, rows, s, order: check_equal_rewards_give_zero(estimate, rows, s),
     "input_is_not_mutated": lambda estimate, rows, s, order: check_rows_unchanged(estimate, list(rows), s),
-    "errors_name_the_rollout_or_group": lambda estimate, rows, s, order: check_errors_name_the_rollout_or_group(estimate, rows, s, 2),
+    "errors_name_the_rollout_or_group": lambda estimate, rows, s, order: check_errors_name_the_rollout_or_group(
+        estimate, rows, s, 2
+    ),
 }
 
 

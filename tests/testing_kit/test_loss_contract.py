@@ -42,7 +42,9 @@ def test_every_built_in_loss_has_a_contract_test():
 
 def multiplies_by_the_mask(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
     ratio = torch.exp(log_prob - old_log_prob)
-    per_token = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - settings.low, 1 + settings.high))
+    per_token = torch.maximum(
+        -advantages * ratio, -advantages * torch.clamp(ratio, 1 - settings.low, 1 + settings.high)
+    )
     return (per_token * response_mask).sum() / settings.batch_num_tokens, {}  # NaN * 0 is NaN
 
 
@@ -57,7 +59,14 @@ def no_dual_clip(old_log_prob, log_prob, advantages, response_mask, settings, ro
 
 
 def own_token_mean(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
-    return token_mean(old_log_prob, log_prob, advantages, response_mask, attrs.evolve(settings, batch_num_tokens=None), rollout_is_weights)
+    return token_mean(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        attrs.evolve(settings, batch_num_tokens=None),
+        rollout_is_weights,
+    )
 
 
 def with_a_log_prob_bonus(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
@@ -65,7 +74,9 @@ def with_a_log_prob_bonus(old_log_prob, log_prob, advantages, response_mask, set
     return loss - 0.01 * masked_sum(log_prob, response_mask.bool()) / settings.batch_num_tokens, metrics
 
 
-def normalises_advantages_in_place(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
+def normalises_advantages_in_place(
+    old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None
+):
     advantages.div_(advantages.nan_to_num().abs().max().clamp(min=1.0))
     return token_mean(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
 
@@ -80,7 +91,10 @@ GALLERY = {
     "plain policy gradient, no clip": (no_clip, "clip_bounds"),
     "PPO clip without the dual clip": (no_dual_clip, "clip_bounds"),
     "averages over its own tokens, ignoring batch_num_tokens": (own_token_mean, "micro_batches_add_up"),
-    "declares per-rollout scaling but averages tokens too": (PolicyLossSpec(token_mean, scale_advantages_per_rollout=True), "sums_tokens"),
+    "declares per-rollout scaling but averages tokens too": (
+        PolicyLossSpec(token_mean, scale_advantages_per_rollout=True),
+        "sums_tokens",
+    ),
     "adds a log-prob bonus that moves without advantage": (with_a_log_prob_bonus, "zero_advantage_zero_gradient"),
     "normalises the advantages in place": (normalises_advantages_in_place, "inputs_unchanged"),
     "maximises the objective (sign flipped)": (maximises, "clip_bounds"),
@@ -123,5 +137,7 @@ def test_the_contract_catches_a_planted_bug_by_its_property(bug):
 
 def test_the_built_ins_declare_their_normalisation():
     registered = PluginManager(load_entrypoints=False).policy_losses
-    assert policy_loss_spec(registered.get("per_rollout_mean")) == PolicyLossSpec(per_rollout_mean, scale_advantages_per_rollout=True)
+    assert policy_loss_spec(registered.get("per_rollout_mean")) == PolicyLossSpec(
+        per_rollout_mean, scale_advantages_per_rollout=True
+    )
     assert policy_loss_spec(registered.get("token_mean")) == PolicyLossSpec(token_mean)

@@ -50,7 +50,10 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv.create(root / "venv", with_pip=False)
     python = root / "venv" / "bin" / "python"
     site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True, capture_output=True, text=True
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     links = root / "links"
     links.mkdir()
@@ -72,7 +75,9 @@ def _run(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str
 
 def test_the_agl_pytest_plugin_loads_without_hypothesis(bare_python: Path, tmp_path: Path):
     (tmp_path / "test_unrelated.py").write_text(UNRELATED_TEST)
-    run = _run(bare_python, "-m", "pytest", "-p", "agl_core.testing.pytest_plugin", "-q", "test_unrelated.py", cwd=tmp_path)
+    run = _run(
+        bare_python, "-m", "pytest", "-p", "agl_core.testing.pytest_plugin", "-q", "test_unrelated.py", cwd=tmp_path
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 passed" in run.stdout
     fixtures = _run(bare_python, "-m", "pytest", "-p", "agl_core.testing.pytest_plugin", "--fixtures", cwd=tmp_path)
@@ -86,4 +91,3 @@ def test_the_hypothesis_helpers_name_the_extra_to_install(bare_python: Path, tmp
     assert run.returncode != 0
     assert f"ImportError: {module} needs hypothesis" in run.stderr
     assert TEST_EXTRA_INSTALL in run.stderr
-

@@ -32,6 +32,7 @@ def own_plugins_only(monkeypatch):
     """Built-ins and agl's own entry points, whatever else the environment has installed."""
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
 
+
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -43,7 +44,9 @@ def test_an_unknown_sink_names_trainer_logger_and_the_registered_sinks_before_th
     assert "unknown metric sink 'tensorbord' (set by trainer.logger); registered: " in err
     assert "did you mean 'tensorboard'" in err
     registered = err.split("registered: ")[1].split(";")[0].split(", ")
-    assert {"console", "jsonl", "tensorboard", "wandb", "mlflow"} <= set(registered)  # mlflow: verl's, through agl_backend_verl
+    assert {"console", "jsonl", "tensorboard", "wandb", "mlflow"} <= set(
+        registered
+    )  # mlflow: verl's, through agl_backend_verl
     with pytest.raises(RegistryError, match=r"registered: .*memory"):
         scripted_run("unused", ["nope"])
 
@@ -52,7 +55,11 @@ def test_a_plugin_sink_gets_every_step_samples_first_and_a_redacted_config(tmp_p
     OPENED.clear()
     scripted_run(tmp_path, ["memory"])
     (sink,) = OPENED
-    assert (sink.context.run_dir, sink.context.project_name, sink.context.experiment_name) == (tmp_path, "agl-tests", "scripted")
+    assert (sink.context.run_dir, sink.context.project_name, sink.context.experiment_name) == (
+        tmp_path,
+        "agl-tests",
+        "scripted",
+    )
     assert sink.context.config["agentlightning"]["agl_key"] == REDACTED
     kinds = [(call[0], call[1]) if len(call) > 1 else call for call in sink.calls]
     assert kinds == [("metrics", 0), ("samples", 1), ("metrics", 1), ("samples", 2), ("metrics", 2), ("close",)]
@@ -67,7 +74,10 @@ def test_the_run_log_is_always_written_and_resumes_without_duplicates(tmp_path):
     assert [(m["step"], m["script/step"]) for m in metrics] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
     assert metrics[1]["val/reward"] == 0.5 and metrics[3]["actor/pg_loss"] is None  # NaN is written as null
     trajectories = read_jsonl(tmp_path / "samples" / "trajectories.jsonl")
-    assert trajectories == [{**TRAJECTORY, "step": 2}, {**TRAJECTORY, "step": 3}]  # the first run's rows of steps 1, 2 went
+    assert trajectories == [
+        {**TRAJECTORY, "step": 2},
+        {**TRAJECTORY, "step": 3},
+    ]  # the first run's rows of steps 1, 2 went
     assert read_jsonl(tmp_path / "samples" / "mismatches.jsonl") == [{**MISMATCH, "step": 2}]
     assert (tmp_path / "metrics.png").stat().st_size > 1000
 
@@ -87,7 +97,13 @@ def test_tensorboard_event_files_hold_the_scalars_and_the_sample_tables(tmp_path
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert {"training/reward", "actor/pg_loss", "val/reward", "script/step"} <= set(events.Tags()["scalars"])
-    assert [(e.step, e.value) for e in events.Scalars("script/step")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert [(e.step, e.value) for e in events.Scalars("script/step")] == [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 4.0),
+    ]
     rewards = [(e.step, e.value) for e in events.Scalars("training/reward")]
     assert rewards == [(1, 0.25), (3, 0.25), (4, 0.75)], "the first run's step 2 was purged"
     texts = events.Tensors("samples/mismatches/text_summary")
@@ -119,7 +135,9 @@ def test_wandb_offline_keeps_the_run_with_its_metrics_and_tables_in_the_run_dire
     assert b"training/reward" in history and b"agl-tests" in history and KEY.encode() not in history
     (table,) = (folder / "files" / "media" / "table" / "samples").glob("mismatches_*.table.json")
     content = json.loads(table.read_text())
-    assert content["columns"] == list(MISMATCH) and content["data"] == [[1, "r0", "g0", 1, "template", "[1, 2]", "[1, 3]"]]
+    assert content["columns"] == list(MISMATCH) and content["data"] == [
+        [1, "r0", "g0", 1, "template", "[1, 2]", "[1, 3]"]
+    ]
     assert len(list((folder / "files" / "media" / "table" / "samples").glob("trajectories_*.table.json"))) == 2
 
 
@@ -155,7 +173,11 @@ def test_the_pipeline_keeps_the_step_samples_until_the_backend_takes_them():
         )
 
     config = load_config(
-        overrides=["data.train_batch_size=1", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
+        overrides=[
+            "data.train_batch_size=1",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        ]
     )
     pipeline = StepPipeline(config, PluginManager(load_entrypoints=False))
     broken = rollout("broken", 0, [([1, 2], [3, 4]), ([9, 9], [5])])  # the second prompt does not extend the first call
@@ -171,7 +193,13 @@ def test_the_trajectory_sample_is_the_first_24_rollouts_in_dataset_order():
     call = Triplet(prompt_ids=[1], response_ids=[2])
     rollouts = [
         CompletedRollout(
-            rollout_id=f"r{i}", group_id="g", state="succeeded", step=i % 2, sample_index=29 - i, final_reward=0.0, triplets=[call]
+            rollout_id=f"r{i}",
+            group_id="g",
+            state="succeeded",
+            step=i % 2,
+            sample_index=29 - i,
+            final_reward=0.0,
+            triplets=[call],
         )
         for i in range(30)
     ]
@@ -181,7 +209,13 @@ def test_the_trajectory_sample_is_the_first_24_rollouts_in_dataset_order():
     expected = sorted((r for r in rollouts if r.triplets), key=lambda r: (r.step, r.sample_index))[:24]
     assert [row["rollout_id"] for row in rows] == [r.rollout_id for r in expected]
     assert rows[0] == {
-        "step": 5, "rollout_id": "r28", "group_id": "g", "reward": 0.0, "n_calls": 1, "prompt": "1", "response": "2"
+        "step": 5,
+        "rollout_id": "r28",
+        "group_id": "g",
+        "reward": 0.0,
+        "n_calls": 1,
+        "prompt": "1",
+        "response": "2",
     }
 
 
@@ -232,7 +266,11 @@ def test_a_sink_that_cannot_start_is_a_trainer_logger_error_after_the_backends_o
             register("scripted", Scripted)
             register("checks_in_fit", ChecksInFit)
 
-    overrides = [f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2", "trainer.logger=[console,refuses]"]
+    overrides = [
+        f"trainer.default_local_dir={tmp_path}",
+        "trainer.total_training_steps=2",
+        "trainer.logger=[console,refuses]",
+    ]
     with pytest.raises(ConfigError, match="no GPU"):
         run(None, [*overrides, "agentlightning.backend=checks_in_fit"], plugins=[Plugins()], show_progress=False)
     with pytest.raises(ConfigError) as info:

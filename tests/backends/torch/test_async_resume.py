@@ -89,7 +89,14 @@ def test_a_killed_async_run_trains_every_sample_in_flight_once(gateway, tmp_path
         "trainer.val_before_train=false",
         "trainer.logger=[]",
     ]
-    command = [sys.executable, "-m", "agl_core.cli", "train", str(REPO_ROOT / "examples/corridor/config.yaml"), *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "agl_core.cli",
+        "train",
+        str(REPO_ROOT / "examples/corridor/config.yaml"),
+        *overrides,
+    ]
 
     def start(trained_file):
         env = {**os.environ, "TRAINED_FILE": str(trained_file), "AGL_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -130,7 +137,9 @@ def test_a_killed_async_run_trains_every_sample_in_flight_once(gateway, tmp_path
     assert carried <= set(trained) | in_flight_ids(at_end)
     resumed_step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[2])
     assert resumed_step["step"] == 3
-    assert resumed_step["training/async/n_resumed_groups"] + resumed_step["training/async/n_resumed_backlog_samples"] == len(carried)
+    assert resumed_step["training/async/n_resumed_groups"] + resumed_step[
+        "training/async/n_resumed_backlog_samples"
+    ] == len(carried)
     assert all(n == 1 for n in controller.started.values())
 
 
@@ -169,7 +178,7 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
     assert finished <= ids and state["pending"][1]["request"]["rollout_id"] in ids and lost["rollout_id"] not in ids
     assert {r.step for r in second.rollouts} == {1}, "restored groups keep the step they were enqueued at"
     m = second.metrics
-    resumed = {name[len("training/async/n_resumed_"):]: value for name, value in m.items() if "n_resumed_" in name}
+    resumed = {name[len("training/async/n_resumed_") :]: value for name, value in m.items() if "n_resumed_" in name}
     assert resumed == {"groups": 2, "finished_rollouts": N, "pending_rollouts": N, "backlog_samples": 1}
     assert (m["training/rollouts/n_lost"], m["training/rollouts/n_reenqueued"]) == (1, 1)
     after.close()

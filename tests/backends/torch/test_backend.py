@@ -135,7 +135,9 @@ class RowRewardAgent:
 
         headers = {"Authorization": f"Bearer {os.environ['AGL_KEY']}"}
         data = {"value": int(os.environ["ROW_ID"]) / 10}
-        httpx.post(os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
+        httpx.post(
+            os.environ["AGL_EVENT_URL"], headers=headers, json={"event_type": "reward", "data": data}
+        ).raise_for_status()
 
 
 class SeenTemperatures:
@@ -203,7 +205,9 @@ class ZeroPolicyLoss:
 
 
 def _next_token_entropy(backend, content):
-    text = backend.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    text = backend.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([backend.tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         return float(token_entropy(torch.log_softmax(backend.model(ids).logits[0, -1].float(), -1)))
@@ -229,13 +233,21 @@ def test_the_entropy_bonus_raises_the_entropy_and_nothing_moves_without_it(polic
             entropy_before = _next_token_entropy(backend, "junction 1 : the sign points left")
             metrics = backend.train_step(SAMPLES)
             moved = any(not torch.equal(v, before[k]) for k, v in backend.model.state_dict().items())
-            entropies[coeff] = (entropy_before, _next_token_entropy(backend, "junction 1 : the sign points left"), moved)
+            entropies[coeff] = (
+                entropy_before,
+                _next_token_entropy(backend, "junction 1 : the sign points left"),
+                moved,
+            )
         finally:
             r.close()
         assert metrics["actor/n_updates"] == 1.0
-        assert 0.0 < metrics["actor/entropy_loss"] <= float(torch.log(torch.tensor(float(len(backend.tokenizer))))) + 1e-4
+        assert (
+            0.0 < metrics["actor/entropy_loss"] <= float(torch.log(torch.tensor(float(len(backend.tokenizer))))) + 1e-4
+        )
         # actor/pg_loss is the policy-loss term alone; actor/loss the total the optimizer minimised
-        assert metrics["actor/pg_loss"] == 0.0 and metrics["actor/loss"] == pytest.approx(-coeff * metrics["actor/entropy_loss"])
+        assert metrics["actor/pg_loss"] == 0.0 and metrics["actor/loss"] == pytest.approx(
+            -coeff * metrics["actor/entropy_loss"]
+        )
     assert entropies[0.0][2] is False  # a zero loss and no bonus: AdamW leaves every weight as it was
     before, after, moved = entropies[1.0]
     assert moved and after > before + 1e-4, (before, after)

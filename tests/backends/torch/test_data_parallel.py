@@ -47,8 +47,19 @@ def rollouts() -> list[CompletedRollout]:
     out = []
     for k in range(8):
         calls = 2 if k % 4 == 0 else 1
-        triplets = [Triplet(prompt_ids=rng.integers(3, 1000, 6 + k), response_ids=rng.integers(3, 1000, 3 + (k + c) % 5)) for c in range(calls)]
-        out.append(CompletedRollout(rollout_id=f"r{k}", group_id=f"g{k // 4}", state="succeeded", triplets=triplets, final_reward=float(k % 4 == 1) + 0.1 * k))
+        triplets = [
+            Triplet(prompt_ids=rng.integers(3, 1000, 6 + k), response_ids=rng.integers(3, 1000, 3 + (k + c) % 5))
+            for c in range(calls)
+        ]
+        out.append(
+            CompletedRollout(
+                rollout_id=f"r{k}",
+                group_id=f"g{k // 4}",
+                state="succeeded",
+                triplets=triplets,
+                final_reward=float(k % 4 == 1) + 0.1 * k,
+            )
+        )
     return out
 
 
@@ -72,7 +83,9 @@ def config(model_dir: str, loss: str, normalization: str, kl: bool):
 def actor_update(cfg, model, ref, dp_size: int = 1, batch_num_tokens: int | None = None) -> ActorUpdate:
     actor = cfg.actor_rollout_ref.actor
     settings = ActorSettings.from_config(cfg.actor_rollout_ref)
-    settings = attrs.evolve(settings, loss=attrs.evolve(settings.loss, dp_size=dp_size, batch_num_tokens=batch_num_tokens))
+    settings = attrs.evolve(
+        settings, loss=attrs.evolve(settings.loss, dp_size=dp_size, batch_num_tokens=batch_num_tokens)
+    )
     loss_fn = PluginManager(load_entrypoints=False).policy_losses.get(actor.policy_loss.loss_mode)
     optimizer, _ = make_optimizer(model, actor.optim, 1)
     return ActorUpdate(model, ref if actor.use_kl_loss else None, optimizer, loss_fn, settings, torch.device("cpu"), 0)
@@ -103,7 +116,9 @@ def one_case(rank: int, model_dir: str, case: str) -> dict:
         after = {k: v.detach() for k, v in model.named_parameters()}
         grads = {k: v.grad for k, v in model.named_parameters()}
         result.update(compare_steps(before, after, grads, dict(single.named_parameters())))
-    result["rollouts_on_both_ranks"] = sorted({r.rollout_id for r in prepared.shaped.rows[:4]} & {r.rollout_id for r in prepared.shaped.rows[4:]})
+    result["rollouts_on_both_ranks"] = sorted(
+        {r.rollout_id for r in prepared.shaped.rows[:4]} & {r.rollout_id for r in prepared.shaped.rows[4:]}
+    )
     return result
 
 

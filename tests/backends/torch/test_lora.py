@@ -15,6 +15,7 @@ from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
 from agl_core.serving.weights import save_served, served_state_dict
 from agl_core.train import run
+from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.torch_runs import CONFIG, SAMPLES, Running, served_log_probs, tensors_of, torch_config
 
 LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]

@@ -74,7 +74,7 @@ def test_resume_mode_disable_starts_over(policy, tmp_path):
     assert sorted(again.by_step) == [1]
 
 
-SEEN_HOOK = '''
+SEEN_HOOK = """
 import json
 import os
 
@@ -85,7 +85,7 @@ from agl_core import hookimpl
 def agl_on_enqueue(request):
     with open(os.environ["SEEN_FILE"], "a") as f:
         f.write(json.dumps({"step": request.step, "id": request.input["id"]}) + "\\n")
-'''
+"""
 
 
 def _expected_batches(overrides, steps):
@@ -95,7 +95,9 @@ def _expected_batches(overrides, steps):
     from agl_core.datasets import load_dataset
 
     config = load_config(CONFIG, overrides)
-    order = DataOrder(load_dataset(config.data.train_files), int(config.data.train_batch_size), True, int(config.trainer.seed))
+    order = DataOrder(
+        load_dataset(config.data.train_files), int(config.data.train_batch_size), True, int(config.trainer.seed)
+    )
     return {step: [row["id"] for row in order.next_batch()] for step in range(1, steps + 1)}
 
 

@@ -1,6 +1,7 @@
 """one_row_per_call keeps every invariant agl asks of an aggregator (agl's shipped contract suite)."""
 
 import agl_one_row_per_call
+
 from agl_core.testing.contracts import AggregatorContract
 
 
