@@ -157,8 +157,9 @@ def rows(run_dir: Path) -> list[dict]:
 
 def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = ()) -> list[str]:
     """What is wrong with these steps' metrics (empty when they are good): every rollout traced, rows
-    trained, finite reward, loss and grad norm, every model call on a registered weight version, the
-    metric names the torch backend reports. A step in ``after_kill`` may have lost rollouts whose
+    trained, finite reward, loss and grad norm, the weights changed (a non-zero gradient in some
+    step: a step whose groups all tie has none), every model call on a registered weight version,
+    the metric names the torch backend reports. A step in ``after_kill`` may have lost rollouts whose
     agents called the killed run's replica (they fail, and are counted): its trained ones must be traced."""
     rollouts = BATCH * N
     problems = []
@@ -176,13 +177,13 @@ def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = (
             value = row.get(key)  # agl train writes a non-finite number as null
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 problems.append(f"step {step}: {key} = {value!r}, expected a finite number")
-        if not row.get("actor/grad_norm"):
-            problems.append(f"step {step}: a zero gradient, the weights did not change")
         if row.get("training/async/n_calls_wo_model_version", 0) != 0:
             problems.append(f"step {step}: model calls without a registered weight version")
         missing = [name for name in SHARED_METRICS if name not in row]
         if missing:
             problems.append(f"step {step}: lacks {missing}")
+    if rows and not any(row.get("actor/grad_norm") for row in rows):
+        problems.append(f"steps {steps}: zero gradients only (all rewards of every group equal?), the weights never changed")
     return problems
 
 
