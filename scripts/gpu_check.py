@@ -1,16 +1,16 @@
-"""Two verl training steps of the corridor task on one GPU, through the whole production stack.
+"""The verl backend's end-to-end check on one GPU: the CPU check (``tests/verl/test_cpu_e2e.py``) with
+the GPU keys and vLLM.
 
 Builds the corridor's tiny policy (2-layer Llama, head size 32: vLLM and FSDP load it), starts the
 real gateway (``agl-server``) and the real controller (``agl-controller runner_type=local``, one
-corridor agent process per rollout) on 127.0.0.1, then runs ``examples/corridor/run_verl.sh``
-(``agl train examples/corridor/config.yaml`` with backend ``verl`` and the settings one GPU needs:
-FSDP actor, one vLLM replica with tensor parallel 1, a small share of GPU memory) for a smaller
-batch and two steps. It checks that two steps finished with every rollout traced and finite
-metrics, and stops every process it started, by PID, whatever happens.
+corridor agent process per rollout) on 127.0.0.1, then runs ``tests.helpers.verl_e2e.scenario`` through
+``examples/corridor/run_verl.sh`` (FSDP actor, one vLLM replica with tensor parallel 1, a small
+share of GPU memory): 2 sync steps, async steps 3 and 4 resumed from verl's checkpoint, a kill after
+step 3 and a resume. It checks that every rollout was traced, rows trained, reward, loss and grad
+norm are finite, every model call ran on a registered weight version, the groups in flight survived
+the kill and the gateway key is in no output; it stops every process it started, by PID.
 
-Not yet run on a GPU (none was available where it was written): its command is checked on CPU by
-``tests/verl/test_gpu_check.py`` (every key exists with verl's type; verl's ``validate_config`` and
-worker config dataclasses accept the config).
+Not yet run on a GPU (none was available where it was written); the same scenario runs in CI on CPU.
 
 Needs: an NVIDIA GPU, ``pip install -e '.[vllm]'`` (verl 0.9.1 + vLLM), and Python 3.12 for the
 gateway venv (``scripts/gateway_venv.sh`` builds ``.venvs/gateway`` on first use; set
@@ -24,10 +24,6 @@ Exit status 0: the check passed; 1: it failed (the logs are printed); 2: no GPU 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,42 +31,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from agl_core.serving.processes import stop_process_group  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
-from tests.helpers.gateway_server import Controller, GatewayServer  # noqa: E402
+from tests.helpers.verl_e2e import Stack, scenario  # noqa: E402
 
-RUN_VERL = REPO_ROOT / "examples" / "corridor" / "run_verl.sh"
-STEPS = 2
-BATCH, N = 2, 4  # groups per step, rollouts per group
-CONTROLLER_POOL = 8  # agents running at once: a whole step's rollouts
-# Finite in every step that trained: the rollouts' reward, and the update verl's actor made.
-FINITE_METRICS = ("training/reward", "actor/pg_loss", "actor/grad_norm")
-
-
-def train_command(gateway_url: str, key: str, policy_dir: Path, run_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """``examples/corridor/run_verl.sh`` (the one-GPU verl settings) with this check's smaller run:
-    the command and its environment."""
-    env = {
-        **os.environ,
-        "MODEL_PATH": str(policy_dir),
-        "AGL_BASE_URL": gateway_url,
-        "AGL_KEY": key,
-        "N_GPUS": "1",
-        "STEPS": str(STEPS),
-        "RUN_DIR": str(run_dir),
-        "PYTHON": sys.executable,
-    }
-    overrides = [
-        f"data.train_batch_size={BATCH}",
-        f"actor_rollout_ref.rollout.n={N}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
-        "trainer.resume_mode=disable",
-        "ray_kwargs.ray_init.num_cpus=8",
-    ]
-    return ["bash", str(RUN_VERL), *overrides], env
+# What run_verl.sh does not set for this check: the GPU keys are its defaults (vLLM, one GPU).
+GPU_KEYS = ("ray_kwargs.ray_init.num_cpus=8",)
 
 
 def preflight() -> str | None:
@@ -80,7 +45,7 @@ def preflight() -> str | None:
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (verl trains on GPUs only)"
+        return "no CUDA GPU is visible (run tests/verl/test_cpu_e2e.py for the CPU check)"
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -88,29 +53,10 @@ def preflight() -> str | None:
     return None
 
 
-def check_metrics(run_dir: Path) -> list[str]:
-    """What is wrong with the run's ``metrics.jsonl`` (empty when two good steps are there)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return [f"{path} was not written"]
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    problems = []
-    if [row.get("step") for row in rows] != list(range(1, STEPS + 1)):
-        problems.append(f"steps logged: {[row.get('step') for row in rows]}, expected 1..{STEPS}")
-    for row in rows:
-        if row.get("training/n_rollouts") != BATCH * N or row.get("training/n_rollouts_w_trace") != BATCH * N:
-            problems.append(f"step {row.get('step')}: rollouts {row.get('training/n_rollouts')}, with trace {row.get('training/n_rollouts_w_trace')}, expected {BATCH * N}")
-        for key in FINITE_METRICS:
-            value = row.get(key)  # agl train writes a non-finite number as null
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                problems.append(f"step {row.get('step')}: {key} = {value!r}, expected a finite number")
-    return problems
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, help="where the policy, logs and run go (default: a new temp dir)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="longest wait for agl train, in seconds")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="longest wait for one agl train, in seconds")
     args = parser.parse_args()
     missing = preflight()
     if missing:
@@ -118,42 +64,18 @@ def main() -> int:
         return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="agl-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    policy_dir = build(work / "policy", seed=0)
-    run_dir = work / "run"
-    # The gateway's model name must be the trainer's model path (verl's vLLM serves it under that name).
-    gateway = GatewayServer(key="gpu-check-key", model_name=str(policy_dir))
-    controller = Controller(gateway, CONTROLLER_POOL, work / "controller.log")
-    train_log = work / "train.log"
-    trainer = None
+    policy = build(work / "policy", seed=0)
+    print(f"gpu_check: logs in {work}", flush=True)
     try:
-        gateway.start()
-        controller.start()
-        command, env = train_command(gateway.url, gateway.key, policy_dir, run_dir)
-        print(f"gpu_check: {' '.join(command)} (policy {policy_dir})\ngpu_check: logs in {work}", flush=True)
-        with train_log.open("wb") as log:
-            # its own process group, so that Ray's processes stop with it
-            trainer = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            code = trainer.wait(timeout=args.timeout)
-        problems = [f"agl train exited with {code}"] if code else []
-        problems += check_metrics(run_dir)
-    except subprocess.TimeoutExpired:
-        problems = [f"agl train did not finish within {args.timeout:g}s"]
-    finally:
-        if trainer is not None:
-            stop_process_group(trainer, grace=30)
-        controller.stop()
-        gateway_log = gateway.log_text()
-        gateway.stop()
+        with Stack(policy, work) as stack:
+            problems, lines = scenario(stack, GPU_KEYS, n_gpus=1, timeout=args.timeout)
+    except RuntimeError as exc:  # a run that failed or hung: its log tail is in the message
+        problems, lines = [str(exc)], []
+    print("\n".join(lines))
     if problems:
         print("gpu_check: FAILED\n  " + "\n  ".join(problems), file=sys.stderr)
-        for name, text in (
-            ("agl train", train_log.read_text(errors="replace")[-6000:] if train_log.is_file() else ""),
-            ("controller", controller.log_path.read_text(errors="replace")[-3000:] if controller.log_path.is_file() else ""),
-            ("gateway", gateway_log),
-        ):
-            print(f"--- {name} log (tail):\n{text}", file=sys.stderr)
         return 1
-    print(f"gpu_check: OK: {STEPS} verl steps on one GPU through the gateway and controller; metrics in {run_dir / 'metrics.jsonl'}")
+    print(f"gpu_check: OK: sync, async, kill and resume on one GPU through the gateway and controller; run in {work / 'run'}")
     return 0
 
 

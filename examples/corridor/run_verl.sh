@@ -14,6 +14,10 @@
 # metrics.png and checkpoints; default outputs/corridor/verl), PYTHON (default python). Extra
 # key=value arguments override any config key (verl's keys included).
 #
+# Without a GPU, verl's CPU mode runs the same loop: append its keys (`agl_backend_verl.cpu.CPU_KEYS`,
+# listed in docs/verl-backend.md; later keys win), e.g.
+#   bash examples/corridor/run_verl.sh $(python -c 'from agl_backend_verl.cpu import CPU_KEYS; print(*CPU_KEYS)')
+#
 # Not yet run on a GPU: the settings are written from verl 0.9.1's code and config, and checked on
 # CPU (every key exists with verl's type, verl's validate_config passes) by tests/verl/test_gpu_check.py.
 set -euo pipefail

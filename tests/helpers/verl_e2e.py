@@ -1,0 +1,228 @@
+"""The verl backend end to end through ``examples/corridor/run_verl.sh``: the real gateway and
+``agl-controller runner_type=local`` on 127.0.0.1, ``agl train`` with backend ``verl``, Ray, verl's
+workers and replicas. :func:`scenario` is the check: 2 sync steps, then async steps 3 and 4 resumed
+from verl's step-2 checkpoint, the run killed once step 3 is checkpointed and resumed from it (its
+groups in flight restored). ``tests/verl/test_cpu_e2e.py`` runs it in verl's CPU mode
+(:data:`agl_backend_verl.cpu.CPU_KEYS`); ``scripts/gpu_check.py`` runs it with the GPU keys of
+``run_verl.sh`` (vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.helpers.gateway_server import REPO_ROOT, Controller, GatewayServer
+
+RUN_VERL = REPO_ROOT / "examples" / "corridor" / "run_verl.sh"
+BATCH, N = 2, 4  # groups per step, rollouts per group
+POOL = 4  # agents at once: fewer than a step's rollouts, so async groups carry over
+SECRET = "verl-e2e-secret-key"
+# Metric names both backends report for a training step (the torch backend's names).
+SHARED_METRICS = (
+    "training/reward",
+    "training/n_rollouts",
+    "training/n_rollouts_w_trace",
+    "training/n_sample",
+    "training/n_sample_trained",
+    "training/async/staleness_max_steps",
+    "training/async/n_calls_wo_model_version",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/loss",
+    "actor/lr",
+    "timing/gen_s",
+    "timing/update_s",
+    "timing/step_s",
+)
+FINITE = ("training/reward", "actor/pg_loss", "actor/grad_norm")
+RUN_KEYS = (
+    f"data.train_batch_size={BATCH}",
+    f"actor_rollout_ref.rollout.n={N}",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # a mini-batch of N rows: a step trains unless most rollouts failed
+    # micro-batches that divide a mini-batch's rows (N) on 1 or 2 ranks: verl asserts it
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "trainer.save_freq=1",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.resume_mode=auto",
+)
+ASYNC_KEYS = (
+    "agentlightning.async_rollout.enabled=true",
+    f"agentlightning.async_rollout.async_train_batch_size={BATCH + 2}",
+    "agentlightning.gateway.pause_retry_after_seconds=1",
+)
+LOGS = ("sync.log", "async.log", "resumed.log")
+
+
+class Stack:
+    """The gateway (its model name is the policy path, as verl serves it) and the controller; stopped by PID."""
+
+    def __init__(self, policy: Path, work: Path):
+        self.policy, self.work = policy, work
+        self.gateway = GatewayServer(key=SECRET, model_name=str(policy))
+        self.controller = Controller(self.gateway, POOL, work / "controller.log")
+
+    def __enter__(self) -> Stack:
+        try:
+            self.gateway.start()
+            self.controller.start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.controller.stop()
+        self.gateway.stop()
+
+
+def train_command(gateway_url: str, key: str, policy: Path, run_dir: Path, steps: int, n_gpus: int, *keys: str) -> tuple[list[str], dict[str, str]]:
+    """``run_verl.sh`` for ``steps`` steps of this check's batch in ``run_dir``, with ``keys`` last (they
+    win): the command and its environment."""
+    env = {
+        **os.environ,
+        "MODEL_PATH": str(policy),
+        "AGL_BASE_URL": gateway_url,
+        "AGL_KEY": key,
+        "N_GPUS": str(n_gpus),
+        "STEPS": str(steps),
+        "RUN_DIR": str(run_dir),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO_ROOT),
+        "RAY_AUTH_MODE": "disabled",
+        "AGL_DISABLE_PLUGIN_AUTOLOAD": "1",  # agl's built-ins only, whatever else is installed
+    }
+    return ["bash", str(RUN_VERL), *RUN_KEYS, *keys], env
+
+
+class Train:
+    """One ``run_verl.sh`` (``agl train``) in its own process group, so Ray's processes stop with it."""
+
+    def __init__(self, stack: Stack, run_dir: Path, steps: int, device_keys: Sequence[str], *overrides: str, name: str, n_gpus: int = 1):
+        self.stack, self.run_dir = stack, run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = run_dir / f"{name}.log"
+        command, env = train_command(stack.gateway.url, stack.gateway.key, stack.policy, run_dir, steps, n_gpus, *device_keys, *overrides)
+        self.started = time.perf_counter()
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def failure(self) -> str:
+        return f"{self.log.read_text(errors='replace')[-6000:]}\n--- controller log:\n{self.stack.controller.log_text()}"
+
+    def finish(self, timeout: float) -> float:
+        """Wait for a clean exit; the seconds it ran."""
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            self.stop()
+        if self.process.returncode != 0:
+            raise RuntimeError(f"agl train ({self.log.name}) exited with {self.process.returncode}:\n{self.failure()}")
+        return time.perf_counter() - self.started
+
+    def kill_after_checkpoint(self, step: int, timeout: float) -> None:
+        """SIGKILL the whole process group once verl has checkpointed ``step``."""
+        marker = self.run_dir / "latest_checkpointed_iteration.txt"
+        deadline = time.monotonic() + timeout
+        try:
+            while not (marker.is_file() and marker.read_text().strip() == str(step)):
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"agl train exited before checkpointing step {step}:\n{self.failure()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no step-{step} checkpoint within {timeout:g}s:\n{self.failure()}")
+                time.sleep(0.2)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = ()) -> list[str]:
+    """What is wrong with these steps' metrics (empty when they are good): every rollout traced, rows
+    trained, finite reward, loss and grad norm, the weights changed (a non-zero gradient in some
+    step: a step whose groups all tie has none), every model call on a registered weight version,
+    the metric names the torch backend reports. A step in ``after_kill`` may have lost rollouts whose
+    agents called the killed run's replica (they fail, and are counted): its trained ones must be traced."""
+    rollouts = BATCH * N
+    problems = []
+    if [row.get("step") for row in rows] != steps:
+        problems.append(f"steps logged: {[row.get('step') for row in rows]}, expected {steps}")
+    for row in rows:
+        step = row.get("step")
+        n, traced = row.get("training/n_rollouts"), row.get("training/n_rollouts_w_trace")
+        lost = row.get("training/rollouts/n_failed", 0) if step in after_kill else 0
+        if not (n == traced and rollouts - lost <= (n or 0) <= rollouts):
+            problems.append(f"step {step}: rollouts {n}, traced {traced}, expected {rollouts}" + (f" less at most {lost} failed" if lost else ""))
+        if not row.get("training/n_sample_trained"):
+            problems.append(f"step {step}: no row trained")
+        for key in FINITE:
+            value = row.get(key)  # agl train writes a non-finite number as null
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                problems.append(f"step {step}: {key} = {value!r}, expected a finite number")
+        if row.get("training/async/n_calls_wo_model_version", 0) != 0:
+            problems.append(f"step {step}: model calls without a registered weight version")
+        missing = [name for name in SHARED_METRICS if name not in row]
+        if missing:
+            problems.append(f"step {step}: lacks {missing}")
+    if rows and not any(row.get("actor/grad_norm") for row in rows):
+        problems.append(f"steps {steps}: zero gradients only (all rewards of every group equal?), the weights never changed")
+    return problems
+
+
+def report_lines(title: str, rows: list[dict], seconds: float) -> list[str]:
+    keys = (*FINITE, "training/n_rollouts_w_trace", "training/async/n_prev_carry_over_rollouts", "training/async/n_resumed_groups", "timing/step_s")
+    lines = [f"{title} ({seconds:.0f}s)"]
+    for row in rows:
+        shown = {k.split("/")[-1]: round(v, 4) if isinstance(v := row.get(k), float) else v for k in keys}
+        lines.append(f"  step {row['step']}: {shown}")
+    return lines
+
+
+def scenario(stack: Stack, device_keys: Sequence[str], n_gpus: int = 1, timeout: float = 900.0) -> tuple[list[str], list[str]]:
+    """Sync, async, kill and resume in one run folder: ``(problems, report lines)``."""
+    run_dir = stack.work / "run"
+    lines: list[str] = []
+    seconds = Train(stack, run_dir, 2, device_keys, name="sync", n_gpus=n_gpus).finish(timeout)
+    sync = rows(run_dir)
+    lines += report_lines("sync", sync, seconds)
+    problems = check_rows(sync, [1, 2])
+    if not (run_dir / "global_step_2" / "actor").is_dir():
+        problems.append("verl saved no actor checkpoint for step 2")
+    started = time.perf_counter()
+    Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="async", n_gpus=n_gpus).kill_after_checkpoint(3, timeout)
+    if not (run_dir / "global_step_3" / "agl_rollout_source.pt").is_file():
+        problems.append("the async source's groups in flight were not checkpointed with step 3")
+    Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="resumed", n_gpus=n_gpus).finish(timeout)
+    async_rows = rows(run_dir)[2:]
+    lines += report_lines("async, killed after step 3 and resumed", async_rows, time.perf_counter() - started)
+    problems += check_rows(async_rows, [3, 4], after_kill=[4])
+    if len(async_rows) == 2:
+        resumed = async_rows[1]
+        if resumed.get("training/async/n_resumed_groups", 0) + resumed.get("training/async/n_resumed_backlog_samples", 0) <= 0:
+            problems.append("the resumed step restored no group in flight")
+        for row in async_rows:
+            if row.get("training/async/proxy_inflight_after_drain") != 0.0:
+                problems.append(f"step {row['step']}: calls in flight after the drain")
+    for name in (*LOGS, "metrics.jsonl"):
+        path = run_dir / name
+        if path.is_file() and SECRET in path.read_text(errors="replace"):
+            problems.append(f"the gateway key leaked into {name}")
+    return problems, lines
