@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from agl_backend_verl.config import ROLLOUT_LEVEL_KEY, verl_algorithm_config
+from agl_backend_verl.dataproto import to_dataproto
 from agl_core import (
-    AdvantageSettings,
     Advantages,
+    AdvantageSettings,
     RolloutAdvantageError,
     TrainingRow,
     broadcast,
     group_rollouts,
     tensorize,
 )
-from agl_backend_verl.config import ROLLOUT_LEVEL_KEY, verl_algorithm_config
-from agl_backend_verl.dataproto import to_dataproto
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -68,7 +68,9 @@ def verl_rollout_advantages(rows: Sequence[TrainingRow], config: DictConfig, pad
     for rid, indices in indexed.rollouts.items():
         trained = [i for i in indices if rows[i].response_mask.any()]
         if not trained:
-            raise RolloutAdvantageError("response_mask", "the rollout has no trained token; it cannot be given an advantage", rid)
+            raise RolloutAdvantageError(
+                "response_mask", "the rollout has no trained token; it cannot be given an advantage", rid
+            )
         representatives.append(attrs.evolve(rows[trained[0]], dropped=False))
     data = to_dataproto(tensorize(representatives, pad_token_id=pad_token_id))
     data.batch["token_level_rewards"] = data.batch["token_level_scores"]
@@ -108,7 +110,9 @@ def _per_rollout(data: DataProto, key: str, representatives: Sequence[TrainingRo
     return per_rollout
 
 
-def compute_advantages(rows: Sequence[TrainingRow], config: DictConfig, plugins: PluginManager, pad_token_id: int = 0) -> Advantages:
+def compute_advantages(
+    rows: Sequence[TrainingRow], config: DictConfig, plugins: PluginManager, pad_token_id: int = 0
+) -> Advantages:
     """Advantages of every row by ``algorithm.adv_estimator`` (see the module docstring)."""
     name = str(config.algorithm.adv_estimator)
     samples = list(rows) if config.algorithm[ROLLOUT_LEVEL_KEY] else as_samples(rows)

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 def verl_backend(config: DictConfig, plugins: PluginManager) -> Backend:
-    """The verl backend for a config built by :func:`load_verl_config` (see :class:`agl_backend_verl.run.VerlBackend`)."""
+    """The verl backend for a config built by :func:`load_verl_config`
+    (see :class:`agl_backend_verl.run.VerlBackend`)."""
     from agl_backend_verl.run import VerlBackend
 
     return VerlBackend(config, plugins)

@@ -21,11 +21,11 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from agl_core import ConfigError, OnStep, PluginError, PluginManager
 from agl_backend_verl.config import check_verl_requirements
 from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.trainer import SampleDataset, StepReport
 from agl_backend_verl.verl_plugins import ray_runtime_env
+from agl_core import ConfigError, OnStep, PluginError, PluginManager
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
@@ -78,7 +78,8 @@ def check_gpus(config: DictConfig) -> None:
         raise ConfigError(
             "trainer.n_gpus_per_node",
             f"backend 'verl' trains on GPUs: it needs trainer.nnodes x trainer.n_gpus_per_node = {needed} "
-            f"in the Ray cluster, which has {available:g} (or train on CPU: trainer.device=cpu, see docs/verl-backend.md)",
+            f"in the Ray cluster, which has {available:g} "
+            "(or train on CPU: trainer.device=cpu, see docs/verl-backend.md)",
         )
 
 
@@ -105,12 +106,16 @@ def run_ppo(
         cpu_mode.check_cpu_config(config, use_critic=need_critic(config))
     init_ray(config)
     check_gpus(config)
-    for step, total, metrics, samples in actor_steps(RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins):
+    for step, total, metrics, samples in actor_steps(
+        RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins
+    ):
         if on_step is not None:
             on_step(step, total, metrics, samples)
 
 
-def actor_steps(runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[StepReport]:
+def actor_steps(
+    runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list
+) -> Iterator[StepReport]:
     """Run ``runner.run`` (a :class:`TaskRunner` actor) and yield each step it streams as soon as it
     arrives; an error in the actor is raised here."""
     for ref in runner.run.options(num_returns="streaming").remote(config, train_samples, val_samples, plugins):
@@ -146,7 +151,9 @@ def rollout_source(config: DictConfig, manager: PluginManager) -> Any:
     return gateway_source(config, manager)
 
 
-def build_trainer(config: DictConfig, train_samples: list, val_samples: list, manager: PluginManager, source: Any) -> Any:
+def build_trainer(
+    config: DictConfig, train_samples: list, val_samples: list, manager: PluginManager, source: Any
+) -> Any:
     """The :class:`~agl_backend_verl.trainer.AglRayPPOTrainer` for a resolved ``config``, with verl's
     worker classes and resource pools set up as verl's own task runner sets them (workers not started)."""
     from verl.trainer.main_ppo_v0 import BaseTaskRunner
@@ -204,7 +211,8 @@ class VerlBackend:
         if "ray_kwargs" not in config:
             raise ConfigError(
                 "agentlightning.backend",
-                "backend 'verl' needs the config built by agl_backend_verl.config.load_verl_config (agl train does this)",
+                "backend 'verl' needs the config built by agl_backend_verl.config.load_verl_config "
+                "(agl train does this)",
             )
         self.config = config
         self.plugins = plugins

@@ -3,8 +3,9 @@
 verl runs the policy loss inside its Ray workers, which look it up by name in
 ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``. This module fills that registry (and the
 advantage-estimator registry) from agl's plugin manager, so built-ins and third-party plugins
-(entry points in group ``agl``) are both there. It also registers verl's CPU mode (:mod:`agl_backend_verl.cpu`). It runs on import, and two paths import it in every
-process that imports verl:
+(entry points in group ``agl``) are both there. It also registers verl's CPU mode
+(:mod:`agl_backend_verl.cpu`). It runs on import, and two paths import it in every process that
+imports verl:
 
 1. the entry point ``agl`` in group ``verl.plugins``, which ``import verl`` loads in verl 0.9 — so it
    works whoever started Ray, with no runtime env at all;
@@ -19,16 +20,16 @@ failure here is logged and kept in :data:`REGISTRATION_ERROR`; :func:`ensure_reg
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
+from agl_backend_verl.cpu import register as register_cpu_mode
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core import AdvantageSettings, PluginManager, TrainingRow
-from agl_backend_verl.cpu import register as register_cpu_mode
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ def verl_advantage_estimator(estimate: Any, name: str) -> Any:
     the row's summed ``token_level_rewards`` (verl's outcome convention).
     """
 
-    def verl_estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, index: Any = None, **_: Any):
+    def verl_estimator(
+        token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, index: Any = None, **_: Any
+    ):
         if index is None:
             raise ValueError(f"advantage estimator {name!r} needs the group index (uid) of every row")
         settings = AdvantageSettings.from_config(SimpleNamespace(algorithm={} if config is None else config))
@@ -91,7 +94,9 @@ def register_into_verl(plugins: PluginManager | None = None) -> dict[str, list[s
     for entry in plugins.advantage_estimators.entries():
         existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(entry.name)
         if entry.name in verl_estimators or (existing is not None and not getattr(existing, "_agl_plugin", None)):
-            SKIPPED[f"advantage estimator {entry.name}"] = f"verl defines it (plugin {entry.plugin_name!r} not used by verl)"
+            SKIPPED[f"advantage estimator {entry.name}"] = (
+                f"verl defines it (plugin {entry.plugin_name!r} not used by verl)"
+            )
             continue
         fn = verl_advantage_estimator(entry.obj, entry.name)
         fn._agl_plugin = entry.plugin_name  # type: ignore[attr-defined]
@@ -106,7 +111,9 @@ def ensure_registered(loss_mode: str) -> None:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     if REGISTRATION_ERROR:
-        raise RuntimeError(f"registering agl's plugins in verl failed: {REGISTRATION_ERROR[0]}") from REGISTRATION_ERROR[0]
+        raise RuntimeError(
+            f"registering agl's plugins in verl failed: {REGISTRATION_ERROR[0]}"
+        ) from REGISTRATION_ERROR[0]
     if loss_mode not in POLICY_LOSS_REGISTRY:
         raise RuntimeError(
             f"policy loss {loss_mode!r} (actor_rollout_ref.actor.policy_loss.loss_mode) is neither verl's nor a "

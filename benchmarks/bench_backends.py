@@ -37,7 +37,12 @@ from tests.helpers.verl_e2e import RUN_VERL, Stack  # noqa: E402
 CONFIG = REPO_ROOT / "examples" / "corridor" / "config.yaml"
 PHASES = ("timing/gen_s", "timing/log_prob_s", "timing/actor_update_s", "timing/update_weights_s", "timing/step_s")
 # Both runs: the same steps, no validation or checkpoints in the timed steps.
-COMMON = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=disable")
+COMMON = (
+    "trainer.save_freq=-1",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.resume_mode=disable",
+)
 
 
 def env() -> dict[str, str]:
@@ -46,7 +51,9 @@ def env() -> dict[str, str]:
 
 def run(command: list[str], environment: dict[str, str], log: Path) -> None:
     with log.open("wb") as out:
-        code = subprocess.run(command, cwd=REPO_ROOT, env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True).returncode
+        code = subprocess.run(
+            command, cwd=REPO_ROOT, env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        ).returncode
     if code:
         sys.exit(f"{command[:4]} exited with {code}; see {log}")
 

@@ -75,7 +75,10 @@ def main() -> int:
     if problems:
         print("gpu_check: FAILED\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
-    print(f"gpu_check: OK: sync, async, kill and resume on one GPU through the gateway and controller; run in {work / 'run'}")
+    print(
+        "gpu_check: OK: sync, async, kill and resume on one GPU through the gateway and controller; "
+        f"run in {work / 'run'}"
+    )
     return 0
 
 

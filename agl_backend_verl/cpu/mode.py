@@ -64,9 +64,17 @@ def check_cpu_config(config: DictConfig, use_critic: bool) -> None:
     required = [
         ("actor_rollout_ref.actor.strategy", "fsdp2", "FSDP1 refuses CPU parameters"),
         ("actor_rollout_ref.ref.strategy", "fsdp2", "FSDP1 refuses CPU parameters"),
-        ("actor_rollout_ref.model.override_config.attn_implementation", "sdpa", "verl's default, FlashAttention2, needs a GPU"),
+        (
+            "actor_rollout_ref.model.override_config.attn_implementation",
+            "sdpa",
+            "verl's default, FlashAttention2, needs a GPU",
+        ),
         ("actor_rollout_ref.model.use_remove_padding", False, "padding removal needs flash-attn"),
-        ("actor_rollout_ref.rollout.name", REPLICA, f"verl's vLLM/SGLang replicas need GPUs; {REPLICA} is the CPU replica"),
+        (
+            "actor_rollout_ref.rollout.name",
+            REPLICA,
+            f"verl's vLLM/SGLang replicas need GPUs; {REPLICA} is the CPU replica",
+        ),
     ]
     if use_critic:
         required += [
@@ -110,6 +118,7 @@ def check_ray_resources(config: DictConfig, cluster: dict[str, float]) -> None:
         raise ConfigError(
             "trainer.n_gpus_per_node",
             f"trainer.device=cpu runs trainer.nnodes x trainer.n_gpus_per_node = {needed} ranks on Ray resource "
-            f"{RANK_RESOURCE!r}, of which the Ray cluster has {available:g} (start Ray with resources={{'{RANK_RESOURCE}': {needed}}}, "
+            f"{RANK_RESOURCE!r}, of which the Ray cluster has {available:g} "
+            f"(start Ray with resources={{'{RANK_RESOURCE}': {needed}}}, "
             "or let agl start it)",
         )

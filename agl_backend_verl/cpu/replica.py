@@ -29,9 +29,8 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
-from agl_core import Generation, PolicyServer, RequestError, SamplingParams
-
 from agl_backend_verl.cpu.mode import REPLICA as NAME
+from agl_core import Generation, PolicyServer, RequestError, SamplingParams
 
 
 def server_name(replica_rank: int) -> str:
@@ -67,7 +66,10 @@ class AbortablePolicyServer(PolicyServer):
             missing, unexpected = self._model.load_state_dict(dict(weights), strict=False)
             tied = {"lm_head.weight"} if getattr(self._model.config, "tie_word_embeddings", False) else set()
             if unexpected or set(missing) - tied:
-                raise ValueError(f"weights do not fit the served model: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+                raise ValueError(
+                    f"weights do not fit the served model: missing {sorted(set(missing) - tied)}, "
+                    f"unexpected {sorted(unexpected)}"
+                )
             self.version = version
 
 
@@ -134,7 +136,9 @@ class CpuReplica(RolloutReplica):
         self._server_address = await server.address.remote()
 
     async def init_standalone(self) -> None:
-        raise NotImplementedError(f"rollout {NAME!r} runs in verl's hybrid mode only (actor_rollout_ref.hybrid_engine=true)")
+        raise NotImplementedError(
+            f"rollout {NAME!r} runs in verl's hybrid mode only (actor_rollout_ref.hybrid_engine=true)"
+        )
 
     init_colocated = init_hybrid_colocated = init_standalone
 
@@ -144,7 +148,11 @@ class CpuServerAdapter(BaseRollout):
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any):
         super().__init__(config, model_config, device_mesh)
-        replica_size = self.config.tensor_model_parallel_size * self.config.data_parallel_size * self.config.pipeline_model_parallel_size
+        replica_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.replica_rank, self.is_leader = divmod(rank, replica_size)[0], rank % replica_size == 0
 
@@ -154,7 +162,9 @@ class CpuServerAdapter(BaseRollout):
     async def release(self) -> None:
         pass
 
-    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], wire_format: str = "named_tensors", **kwargs: Any) -> None:
+    async def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], wire_format: str = "named_tensors", **kwargs: Any
+    ) -> None:
         if wire_format != "named_tensors":
             raise ValueError(f"rollout {NAME!r} takes full weights (wire format 'named_tensors'), got {wire_format!r}")
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}  # every rank drains the gather
@@ -162,4 +172,3 @@ class CpuServerAdapter(BaseRollout):
             version = int(kwargs.get("global_steps") or 0)
             server = ray.get_actor(server_name(self.replica_rank))
             await server.load_weights.remote(state, version)
-

@@ -21,7 +21,11 @@ class CpuResourcePoolManager(ResourcePoolManager):
     @classmethod
     def like(cls, manager: ResourcePoolManager) -> CpuResourcePoolManager:
         """The same pools as ``manager`` (built by verl's task runner from the config)."""
-        return cls(resource_pool_spec=manager.resource_pool_spec, mapping=manager.mapping, max_colocate_count=manager.max_colocate_count)
+        return cls(
+            resource_pool_spec=manager.resource_pool_spec,
+            mapping=manager.mapping,
+            max_colocate_count=manager.max_colocate_count,
+        )
 
     def _check_resource_available(self) -> None:
         nodes = ray._private.state.available_resources_per_node().values()

@@ -46,7 +46,8 @@ FINITE = ("training/reward", "actor/pg_loss", "actor/grad_norm")
 RUN_KEYS = (
     f"data.train_batch_size={BATCH}",
     f"actor_rollout_ref.rollout.n={N}",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # a mini-batch of N rows: a step trains unless most rollouts failed
+    # a mini-batch of N rows: a step trains unless most rollouts failed
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
     # micro-batches that divide a mini-batch's rows (N) on 1 or 2 ranks: verl asserts it
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
@@ -86,7 +87,9 @@ class Stack:
         self.gateway.stop()
 
 
-def train_command(gateway_url: str, key: str, policy: Path, run_dir: Path, steps: int, n_gpus: int, *keys: str) -> tuple[list[str], dict[str, str]]:
+def train_command(
+    gateway_url: str, key: str, policy: Path, run_dir: Path, steps: int, n_gpus: int, *keys: str
+) -> tuple[list[str], dict[str, str]]:
     """``run_verl.sh`` for ``steps`` steps of this check's batch in ``run_dir``, with ``keys`` last (they
     win): the command and its environment."""
     env = {
@@ -108,17 +111,32 @@ def train_command(gateway_url: str, key: str, policy: Path, run_dir: Path, steps
 class Train:
     """One ``run_verl.sh`` (``agl train``) in its own process group, so Ray's processes stop with it."""
 
-    def __init__(self, stack: Stack, run_dir: Path, steps: int, device_keys: Sequence[str], *overrides: str, name: str, n_gpus: int = 1):
+    def __init__(
+        self,
+        stack: Stack,
+        run_dir: Path,
+        steps: int,
+        device_keys: Sequence[str],
+        *overrides: str,
+        name: str,
+        n_gpus: int = 1,
+    ):
         self.stack, self.run_dir = stack, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log = run_dir / f"{name}.log"
-        command, env = train_command(stack.gateway.url, stack.gateway.key, stack.policy, run_dir, steps, n_gpus, *device_keys, *overrides)
+        command, env = train_command(
+            stack.gateway.url, stack.gateway.key, stack.policy, run_dir, steps, n_gpus, *device_keys, *overrides
+        )
         self.started = time.perf_counter()
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def failure(self) -> str:
-        return f"{self.log.read_text(errors='replace')[-6000:]}\n--- controller log:\n{self.stack.controller.log_text()}"
+        return (
+            f"{self.log.read_text(errors='replace')[-6000:]}\n--- controller log:\n{self.stack.controller.log_text()}"
+        )
 
     def finish(self, timeout: float) -> float:
         """Wait for a clean exit; the seconds it ran."""
@@ -170,7 +188,10 @@ def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = (
         n, traced = row.get("training/n_rollouts"), row.get("training/n_rollouts_w_trace")
         lost = row.get("training/rollouts/n_failed", 0) if step in after_kill else 0
         if not (n == traced and rollouts - lost <= (n or 0) <= rollouts):
-            problems.append(f"step {step}: rollouts {n}, traced {traced}, expected {rollouts}" + (f" less at most {lost} failed" if lost else ""))
+            problems.append(
+                f"step {step}: rollouts {n}, traced {traced}, expected {rollouts}"
+                + (f" less at most {lost} failed" if lost else "")
+            )
         if not row.get("training/n_sample_trained"):
             problems.append(f"step {step}: no row trained")
         for key in FINITE:
@@ -183,12 +204,20 @@ def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = (
         if missing:
             problems.append(f"step {step}: lacks {missing}")
     if rows and not any(row.get("actor/grad_norm") for row in rows):
-        problems.append(f"steps {steps}: zero gradients only (all rewards of every group equal?), the weights never changed")
+        problems.append(
+            f"steps {steps}: zero gradients only (all rewards of every group equal?), the weights never changed"
+        )
     return problems
 
 
 def report_lines(title: str, rows: list[dict], seconds: float) -> list[str]:
-    keys = (*FINITE, "training/n_rollouts_w_trace", "training/async/n_prev_carry_over_rollouts", "training/async/n_resumed_groups", "timing/step_s")
+    keys = (
+        *FINITE,
+        "training/n_rollouts_w_trace",
+        "training/async/n_prev_carry_over_rollouts",
+        "training/async/n_resumed_groups",
+        "timing/step_s",
+    )
     lines = [f"{title} ({seconds:.0f}s)"]
     for row in rows:
         shown = {k.split("/")[-1]: round(v, 4) if isinstance(v := row.get(k), float) else v for k in keys}
@@ -196,7 +225,9 @@ def report_lines(title: str, rows: list[dict], seconds: float) -> list[str]:
     return lines
 
 
-def scenario(stack: Stack, device_keys: Sequence[str], n_gpus: int = 1, timeout: float = 900.0) -> tuple[list[str], list[str]]:
+def scenario(
+    stack: Stack, device_keys: Sequence[str], n_gpus: int = 1, timeout: float = 900.0
+) -> tuple[list[str], list[str]]:
     """Sync, async, kill and resume in one run folder: ``(problems, report lines)``."""
     run_dir = stack.work / "run"
     lines: list[str] = []
@@ -216,7 +247,11 @@ def scenario(stack: Stack, device_keys: Sequence[str], n_gpus: int = 1, timeout:
     problems += check_rows(async_rows, [3, 4], after_kill=[4])
     if len(async_rows) == 2:
         resumed = async_rows[1]
-        if resumed.get("training/async/n_resumed_groups", 0) + resumed.get("training/async/n_resumed_backlog_samples", 0) <= 0:
+        if (
+            resumed.get("training/async/n_resumed_groups", 0)
+            + resumed.get("training/async/n_resumed_backlog_samples", 0)
+            <= 0
+        ):
             problems.append("the resumed step restored no group in flight")
         for row in async_rows:
             if row.get("training/async/proxy_inflight_after_drain") != 0.0:

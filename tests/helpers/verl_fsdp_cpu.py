@@ -131,7 +131,9 @@ def full_state(engine, grads: bool = False) -> dict[str, torch.Tensor]:
 def run_rank(rank: int, world_size: int, port: int, case: dict, out_dir: str) -> None:
     """Rank ``rank`` of ``world_size``: build the engine, train on its share of the first mini-batch
     of ``case`` (see tests/verl/test_ppo_loss.py), and write the results."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
     torch.set_num_threads(1)
     from verl.plugin.platform.platform_manager import set_platform
@@ -164,16 +166,31 @@ def _train(rank: int, world_size: int, case: dict, out_dir: Path) -> None:
         verl_mini_batch,
     )
 
-    config = verl_config(case["model_dir"], case["loss"], case["normalization"], case["entropy"], case["kl"], *ENGINE_OVERRIDES, *case["overrides"])
+    config = verl_config(
+        case["model_dir"],
+        case["loss"],
+        case["normalization"],
+        case["entropy"],
+        case["kl"],
+        *ENGINE_OVERRIDES,
+        *case["overrides"],
+    )
     engine, actor = build_engine(config)
     before = full_state(engine)
     tokenizer = AutoTokenizer.from_pretrained(case["model_dir"])
     rollouts = recorded_rollouts(json.loads(Path(case["traces"]).read_text())["scenarios"])
-    update, prepared, mini, per_mini = torch_update(config, policy_and_reference(case["model_dir"]), tokenizer, rollouts)
+    update, prepared, mini, per_mini = torch_update(
+        config, policy_and_reference(case["model_dir"]), tokenizer, rollouts
+    )
     batch = verl_mini_batch(prepared, mini, per_mini, tokenizer)
     share = per_mini // world_size
     data = engine_mini_batch(batch[rank * share : (rank + 1) * share], actor)
-    tu.assign_non_tensor(data, global_batch_size=per_mini, use_remove_padding=engine.engine_config.use_remove_padding, use_fused_kernels=False)
+    tu.assign_non_tensor(
+        data,
+        global_batch_size=per_mini,
+        use_remove_padding=engine.engine_config.use_remove_padding,
+        use_fused_kernels=False,
+    )
     grads: dict[str, torch.Tensor] = {}
     step = engine.optimizer.step
 
@@ -185,9 +202,17 @@ def _train(rank: int, world_size: int, case: dict, out_dir: Path) -> None:
     with engine.train_mode():
         output = engine.train_batch(data, loss_function=partial(ppo_loss, config=actor))
     after = full_state(engine)
-    metrics = {k: v.aggregate() if hasattr(v, "aggregate") else float(sum(v) / len(v)) for k, v in output["metrics"].items() if k != "grad_norm"}
+    metrics = {
+        k: v.aggregate() if hasattr(v, "aggregate") else float(sum(v) / len(v))
+        for k, v in output["metrics"].items()
+        if k != "grad_norm"
+    }
     metrics = rename_dict(metrics, "actor/")  # as verl's trainer names them
-    result = {"loss": float(sum(output["loss"])), "grad_norm": float(output["metrics"]["grad_norm"]), "metrics": metrics}
+    result = {
+        "loss": float(sum(output["loss"])),
+        "grad_norm": float(output["metrics"]["grad_norm"]),
+        "metrics": metrics,
+    }
     if rank == 0:  # the torch backend's step on the whole mini-batch, from the weights the engine started from
         params = dict(update.model.named_parameters())
         assert set(params) == set(before), sorted(set(params) ^ set(before))
@@ -197,4 +222,3 @@ def _train(rank: int, world_size: int, case: dict, out_dir: Path) -> None:
         result["torch"] = update.mini_batch_step(mini)
         result.update(compare_steps(before, after, grads, params))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-

@@ -32,7 +32,14 @@ from agl_core.backends.torch.model_ops import chosen_log_probs, response_distrib
 # What verl's TrainingWorker adds to the loss function's metrics of every mini-batch
 # (verl/workers/engine_workers.py, TrainingWorker._postprocess_output and train_batch): the summed
 # micro-batch losses, the gradient norm, the learning rate (last mini-batch), memory and MFU.
-WORKER_METRICS = ("loss", "grad_norm", "perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb", "mfu")
+WORKER_METRICS = (
+    "loss",
+    "grad_norm",
+    "perf/max_memory_allocated_gb",
+    "perf/max_memory_reserved_gb",
+    "perf/cpu_memory_used_gb",
+    "mfu",
+)
 
 
 def padded_inputs(data: TensorDict) -> dict[str, torch.Tensor]:
@@ -87,7 +94,9 @@ def engine_mini_batch(batch: DataProto, config: Any) -> TensorDict:
     ``_update_actor`` converts it (``left_right_2_no_padding``, ``calculate_entropy``,
     ``global_batch_size``), with :func:`engine_settings`."""
     data = left_right_2_no_padding(batch.to_tensordict())
-    tu.assign_non_tensor(data, calculate_entropy=config.calculate_entropy or config.entropy_coeff != 0, global_batch_size=len(batch))
+    tu.assign_non_tensor(
+        data, calculate_entropy=config.calculate_entropy or config.entropy_coeff != 0, global_batch_size=len(batch)
+    )
     return engine_settings(data, config)
 
 
@@ -119,7 +128,9 @@ class LocalActorGroup:
 
     world_size = 1
 
-    def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module | None, config: Any, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self, model: torch.nn.Module, ref_model: torch.nn.Module | None, config: Any, optimizer: torch.optim.Optimizer
+    ):
         self.model, self.ref_model, self.config, self.optimizer = model, ref_model, config, optimizer
         self._dispatch_info = {"actor": [0]}
 
@@ -154,8 +165,13 @@ class LocalActorGroup:
             loss, mini_metrics = ppo_mini_batch(self.config, self.model, mini)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.clip_grad)
             self.optimizer.step()
-            step = {k: Metric.aggregate_dp([v]) if isinstance(v, Metric) else sum(v) / len(v) for k, v in mini_metrics.items()}
-            step.update({"loss": float(loss), "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"]})
+            step = {
+                k: Metric.aggregate_dp([v]) if isinstance(v, Metric) else sum(v) / len(v)
+                for k, v in mini_metrics.items()
+            }
+            step.update(
+                {"loss": float(loss), "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"]}
+            )
             step.update({name: 0.0 for name in WORKER_METRICS if name not in step})
             append_to_dict(metrics, step)
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})

@@ -64,7 +64,10 @@ def verl_direct(rows, cfg):
         config=verl_algorithm_config(cfg),
     )
     mask = out.batch["response_mask"].bool()
-    return [out.batch["advantages"][i][: len(row.response_ids)].numpy() * mask[i][: len(row.response_ids)].numpy() for i, row in enumerate(rows)]
+    return [
+        out.batch["advantages"][i][: len(row.response_ids)].numpy() * mask[i][: len(row.response_ids)].numpy()
+        for i, row in enumerate(rows)
+    ]
 
 
 @pytest.mark.parametrize("estimator", VERL_ESTIMATORS)
@@ -91,7 +94,8 @@ def test_multi_row_rollouts_get_their_representatives_value_on_every_trained_tok
         firsts.setdefault(row.rollout_id, row)
     representatives = list(firsts.values())
     per_rollout = {
-        rep.rollout_id: adv[rep.response_mask.astype(bool)][0] for rep, adv in zip(representatives, verl_direct(representatives, cfg))
+        rep.rollout_id: adv[rep.response_mask.astype(bool)][0]
+        for rep, adv in zip(representatives, verl_direct(representatives, cfg))
     }
     for row, adv in zip(rows, ours.per_row):
         np.testing.assert_allclose(adv[row.response_mask == 1], per_rollout[row.rollout_id], rtol=1e-6)

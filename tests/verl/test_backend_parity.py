@@ -55,7 +55,15 @@ TORCH_ONLY = {
 }
 
 # The terms of the actor loss, with verl's names, on both backends.
-LOSS_TERMS = {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/kl_coef", "actor/loss", "actor/grad_norm", "actor/lr"}
+LOSS_TERMS = {
+    "actor/pg_loss",
+    "actor/entropy_loss",
+    "actor/kl_loss",
+    "actor/kl_coef",
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/lr",
+}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +138,13 @@ def test_a_step_and_a_validation_report_the_same_names_on_both_backends(policy, 
         backend = running.backend
         torch_step, torch_val = backend.train_step(SAMPLES), backend.validate()
         config = load_verl_config(
-            CONFIG, [*overrides, "agentlightning.backend=verl", "trainer.device=cpu", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+            CONFIG,
+            [
+                *overrides,
+                "agentlightning.backend=verl",
+                "trainer.device=cpu",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            ],
         )
         plugins = PluginManager.from_config(config, load_entrypoints=False)
         trainer = verl_trainer(config, plugins, backend.tokenizer, backend.source, backend.engine.base_url)
@@ -144,5 +158,10 @@ def test_a_step_and_a_validation_report_the_same_names_on_both_backends(policy, 
     assert set(torch_step) - verl_names == TORCH_ONLY
     assert LOSS_TERMS <= set(torch_step) and any(name.startswith(VERL_ONLY_PREFIXES) for name in verl_step)
     assert set(torch_val) == set(verl_val)
-    assert {"val/n_rollouts_w_trace", "val/n_rollouts_w_reward", "val/turn_count", "val/mean_response_length_per_turn"} <= set(verl_val)
+    assert {
+        "val/n_rollouts_w_trace",
+        "val/n_rollouts_w_reward",
+        "val/turn_count",
+        "val/mean_response_length_per_turn",
+    } <= set(verl_val)
     assert torch_val["val/n_rollouts"] == verl_val["val/n_rollouts"] == 3 and torch_val["val/n_batches"] == 2

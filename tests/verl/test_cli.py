@@ -88,7 +88,9 @@ def test_a_misspelt_verl_key_is_refused_by_name(tmp_path, no_autoload):
 
 def test_a_verl_type_error_names_the_key(tmp_path, no_autoload):
     with pytest.raises(ConfigError) as refused:
-        resolve_config(str(write_config(tmp_path)), ["actor_rollout_ref.rollout.gpu_memory_utilization=lots"], no_autoload)
+        resolve_config(
+            str(write_config(tmp_path)), ["actor_rollout_ref.rollout.gpu_memory_utilization=lots"], no_autoload
+        )
     assert refused.value.key == "actor_rollout_ref.rollout.gpu_memory_utilization"
 
 
@@ -98,7 +100,15 @@ def test_an_unknown_backend_lists_the_registered_ones(tmp_path, no_autoload):
 
 
 def run_cli(tmp_path, capsys, *overrides):
-    code = main(["train", str(write_config(tmp_path, backend="torch")), "backend=verl", f"trainer.default_local_dir={tmp_path / 'run'}", *overrides])
+    code = main(
+        [
+            "train",
+            str(write_config(tmp_path, backend="torch")),
+            "backend=verl",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            *overrides,
+        ]
+    )
     return code, capsys.readouterr().err
 
 
@@ -180,7 +190,11 @@ def test_steps_stream_from_the_ray_actor_to_on_step_as_they_finish(ray_session):
                     while ray_session.get(gate.last_seen.remote()) != step - 1:
                         assert time.monotonic() < deadline, f"step {step - 1} never reached on_step"
                         time.sleep(0.01)
-                yield step, 2, {"training/reward": 0.5 * step, "n_train": float(len(train)), "n_plugins": float(len(plugins))}
+                yield (
+                    step,
+                    2,
+                    {"training/reward": 0.5 * step, "n_train": float(len(train)), "n_plugins": float(len(plugins))},
+                )
             raise RuntimeError("worker lost after step 2")
 
     gate = Gate.remote()

@@ -38,7 +38,15 @@ def cpu_platform():
 
 
 def cpu_config(*overrides: str):
-    return load_verl_config(None, [*CPU_KEYS, "actor_rollout_ref.model.path=/models/tiny", "agentlightning.agl_base_url=http://127.0.0.1:1", *overrides])
+    return load_verl_config(
+        None,
+        [
+            *CPU_KEYS,
+            "actor_rollout_ref.model.path=/models/tiny",
+            "agentlightning.agl_base_url=http://127.0.0.1:1",
+            *overrides,
+        ],
+    )
 
 
 def test_the_cpu_platform_is_registered_by_name_and_never_probed():
@@ -102,14 +110,19 @@ def test_cpu_keys_load_and_pass_the_cpu_checks():
     mode.use_fp32(config)
     for section in mode.ENGINE_SECTIONS:
         assert OmegaConf.select(config, section).mixed_precision == mode.FP32
-    assert not mode.is_cpu(load_verl_config(None, ["actor_rollout_ref.model.path=/m", "agentlightning.agl_base_url=http://127.0.0.1:1"]))
+    assert not mode.is_cpu(
+        load_verl_config(None, ["actor_rollout_ref.model.path=/m", "agentlightning.agl_base_url=http://127.0.0.1:1"])
+    )
 
 
 @pytest.mark.parametrize(
     "override, key",
     [
         ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.strategy"),
-        ("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2", "actor_rollout_ref.model.override_config.attn_implementation"),
+        (
+            "actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2",
+            "actor_rollout_ref.model.override_config.attn_implementation",
+        ),
         ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name"),
         ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_remove_padding"),
     ],
@@ -132,7 +145,9 @@ def test_ray_gets_one_rank_resource_per_rank_and_the_cpu_platform_everywhere():
     assert kwargs["resources"] == {mode.RANK_RESOURCE: 3.0}
     assert kwargs["runtime_env"]["env_vars"][mode.PLATFORM_ENV] == "cpu"
     assert kwargs["num_cpus"] == 12
-    gpu = ray_init_kwargs(load_verl_config(None, ["actor_rollout_ref.model.path=/m", "agentlightning.agl_base_url=http://127.0.0.1:1"]))
+    gpu = ray_init_kwargs(
+        load_verl_config(None, ["actor_rollout_ref.model.path=/m", "agentlightning.agl_base_url=http://127.0.0.1:1"])
+    )
     assert "resources" not in gpu and mode.PLATFORM_ENV not in gpu["runtime_env"]["env_vars"]
     with pytest.raises(ConfigError, match="has 1 .*resources=") as error:
         mode.check_ray_resources(cpu_config(), {mode.RANK_RESOURCE: 1.0})

@@ -105,9 +105,18 @@ def test_gae_advantages_are_computed_before_the_critic_has_values(tmp_path):
     from agl_core.data import TrainingRow
     from agl_core.plugins import PluginManager
 
-    config = cpu_config(tmp_path, tmp_path / "run", "algorithm.adv_estimator=gae", "algorithm.enable_rollout_level_advantage=false")
+    config = cpu_config(
+        tmp_path, tmp_path / "run", "algorithm.adv_estimator=gae", "algorithm.enable_rollout_level_advantage=false"
+    )
     rows = [
-        TrainingRow(prompt_ids=[1, 2], response_ids=np.array([3, 4]), response_mask=np.array([1, 1], dtype=np.int8), reward=float(k), rollout_id=f"r{k}", group_id="g")
+        TrainingRow(
+            prompt_ids=[1, 2],
+            response_ids=np.array([3, 4]),
+            response_mask=np.array([1, 1], dtype=np.int8),
+            reward=float(k),
+            rollout_id=f"r{k}",
+            group_id="g",
+        )
         for k in range(2)
     ]
     with pytest.raises(KeyError, match="values"):

@@ -87,7 +87,14 @@ def test_rows_round_trip_through_dataproto(rows):
 
 def test_selecting_rows_keeps_columns_aligned():
     rows = [
-        TrainingRow(prompt_ids=[1] * (i + 1), response_ids=[2, 3], response_mask=[1, 0], reward=float(i), rollout_id=f"r{i}", group_id=f"g{i % 2}")
+        TrainingRow(
+            prompt_ids=[1] * (i + 1),
+            response_ids=[2, 3],
+            response_mask=[1, 0],
+            reward=float(i),
+            rollout_id=f"r{i}",
+            group_id=f"g{i % 2}",
+        )
         for i in range(4)
     ]
     data = to_dataproto(tensorize(rows))

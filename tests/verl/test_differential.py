@@ -20,11 +20,11 @@ from verl.trainer.ppo.core_algos import AdvantageEstimator, get_policy_loss_fn, 
 from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.workers.config import ActorConfig
 
-from agl_core.stages.advantage import AdvantageSettings
-from agl_core.builtins.estimators import grpo, rloo
-from agl_core.data import TrainingRow
-from agl_core.builtins.losses import per_rollout_mean, token_mean
 from agl_backend_verl.policy_loss import as_verl_policy_loss
+from agl_core.builtins.estimators import grpo, rloo
+from agl_core.builtins.losses import per_rollout_mean, token_mean
+from agl_core.data import TrainingRow
+from agl_core.stages.advantage import AdvantageSettings
 from agl_core.stages.normalization import rollout_scales
 
 pytestmark = pytest.mark.verl
@@ -158,5 +158,7 @@ def test_per_rollout_mean_of_single_row_rollouts_is_a_mean_over_rollouts(seed, w
     for mode, factor in (("upstream", 1.0), ("rollouts", float(n_mini_batches))):
         scales = rollout_scales(ids, mask.bool().sum(dim=-1).numpy(), mode=mode, n_mini_batches=n_mini_batches)
         scaled = adv * torch.as_tensor(scales, dtype=adv.dtype)[:, None]
-        loss, metrics = get_policy_loss_fn(AGL_PER_ROLLOUT_MEAN)(old, new, scaled, mask, "token-mean", config, is_weights)
+        loss, metrics = get_policy_loss_fn(AGL_PER_ROLLOUT_MEAN)(
+            old, new, scaled, mask, "token-mean", config, is_weights
+        )
         _assert_same((loss / factor, metrics), reference)

@@ -1,15 +1,15 @@
 """What ``scripts/gpu_check.py`` and ``examples/corridor/run_verl.sh`` would hand verl on a GPU, checked on CPU.
 
 The GPU run cannot train here (vLLM needs a GPU), so the exact command ``gpu_check`` runs
-(``tests.helpers.verl_e2e.train_command`` with its GPU keys) is executed with a stand-in python that records its arguments; those are then resolved as ``agl train`` resolves them
-and put through verl's own checks (``validate_config`` and the worker config dataclasses, which load
-the built policy), so every key exists, has verl's type and fits one GPU.
+(``tests.helpers.verl_e2e.train_command`` with its GPU keys) is executed with a stand-in python
+that records its arguments; those are then resolved as ``agl train`` resolves them and put through
+verl's own checks (``validate_config`` and the worker config dataclasses, which load the built
+policy), so every key exists, has verl's type and fits one GPU.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 from pathlib import Path
 
@@ -60,7 +60,9 @@ def recorded_train_args(command: list[str], env: dict[str, str], tmp_path: Path)
 def gpu_check_config(gpu_check, policy_dir, tmp_path, monkeypatch):
     from tests.helpers.verl_e2e import train_command
 
-    command, env = train_command("http://127.0.0.1:4747", "gpu-key", policy_dir, tmp_path / "run", 2, 1, *gpu_check.GPU_KEYS)
+    command, env = train_command(
+        "http://127.0.0.1:4747", "gpu-key", policy_dir, tmp_path / "run", 2, 1, *gpu_check.GPU_KEYS
+    )
     args = recorded_train_args(command, env, tmp_path)
     assert args[:3] == ["-m", "agl_core.cli", "train"]
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
@@ -97,7 +99,9 @@ def test_verl_accepts_the_gpu_check_config(gpu_check_config, policy_dir):
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
     assert model.hf_config._attn_implementation == "sdpa"  # no flash-attn needed
-    assert model.hf_config.num_attention_heads and model.hf_config.hidden_size // model.hf_config.num_attention_heads >= 32
+    assert (
+        model.hf_config.num_attention_heads and model.hf_config.hidden_size // model.hf_config.num_attention_heads >= 32
+    )
     assert omega_conf_to_dataclass(config.actor_rollout_ref.rollout).max_model_len == 512
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     assert actor.ppo_micro_batch_size_per_gpu == 2 and actor.ppo_mini_batch_size == 1
@@ -116,15 +120,22 @@ def test_run_verl_asks_for_the_model_path(tmp_path):
 
 
 def test_check_rows_wants_the_steps_with_finite_metrics_and_every_rollout_traced():
-    from tests.helpers.verl_e2e import BATCH, N, SHARED_METRICS, check_rows
+    from tests.helpers.verl_e2e import BATCH, SHARED_METRICS, N, check_rows
 
-    good = {name: 1.0 for name in SHARED_METRICS} | {"training/n_rollouts": BATCH * N, "training/n_rollouts_w_trace": BATCH * N}
+    good = {name: 1.0 for name in SHARED_METRICS} | {
+        "training/n_rollouts": BATCH * N,
+        "training/n_rollouts_w_trace": BATCH * N,
+    }
     good["training/async/n_calls_wo_model_version"] = 0
     assert check_rows([{"step": 1, **good}, {"step": 2, **good}], [1, 2]) == []
     # one step only, its loss NaN (agl train writes it as null), two rollouts without a trace
-    problems = check_rows([{**good, "step": 1, "actor/pg_loss": None, "training/n_rollouts_w_trace": BATCH * N - 2}], [1, 2])
+    problems = check_rows(
+        [{**good, "step": 1, "actor/pg_loss": None, "training/n_rollouts_w_trace": BATCH * N - 2}], [1, 2]
+    )
     assert len(problems) == 3
     assert "steps logged: [1]" in problems[0]
     assert f"traced {BATCH * N - 2}" in problems[1]
     assert "actor/pg_loss = None" in problems[2]
-    assert "lacks ['actor/lr']" in check_rows([{k: v for k, v in {"step": 1, **good}.items() if k != "actor/lr"}], [1])[0]
+    assert (
+        "lacks ['actor/lr']" in check_rows([{k: v for k, v in {"step": 1, **good}.items() if k != "actor/lr"}], [1])[0]
+    )

@@ -45,7 +45,11 @@ MICRO_BATCH_MEANS = {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_low
 # Both losses, both normalisations of per_rollout_mean, each without and with the entropy and KL terms.
 CASES = [
     pytest.param(loss, normalization, entropy, kl, id=f"{loss}-{normalization}-{'entropy-kl' if kl else 'pg-only'}")
-    for loss, normalization in (("per_rollout_mean", "rollouts"), ("per_rollout_mean", "upstream"), ("token_mean", "rollouts"))
+    for loss, normalization in (
+        ("per_rollout_mean", "rollouts"),
+        ("per_rollout_mean", "upstream"),
+        ("token_mean", "rollouts"),
+    )
     for entropy, kl in ((0.0, False), (0.1, True))
 ]
 
@@ -76,18 +80,28 @@ def assert_close(got, want, what):
 
 
 @pytest.mark.parametrize(("loss", "normalization", "entropy", "kl"), CASES)
-def test_verls_ppo_loss_equals_the_torch_update(tiny_model_dir, tokenizer, rollouts, models, loss, normalization, entropy, kl):
+def test_verls_ppo_loss_equals_the_torch_update(
+    tiny_model_dir, tokenizer, rollouts, models, loss, normalization, entropy, kl
+):
     config = verl_config(tiny_model_dir, loss, normalization, entropy, kl)
     update, prepared, mini, per_mini = torch_update(config, models, tokenizer, rollouts)
     assert per_mini == 4 and prepared.shaped.n_mini_batches >= 2
-    assert len({row.rollout_id for row in prepared.shaped.rows}) < len(prepared.shaped.rows), "some rollout has several rows"
+    assert len({row.rollout_id for row in prepared.shaped.rows}) < len(prepared.shaped.rows), (
+        "some rollout has several rows"
+    )
 
     update.model.zero_grad(set_to_none=True)
     torch_loss, torch_metrics = update.loss(mini)
     torch_loss.backward()
     torch_grad = flat_grad(update.model)
     assert torch_metrics["actor/pg_clipfrac"] > 0, "the perturbed old log-probs make some ratios clip"
-    expected_names = {"actor/pg_loss", "actor/entropy_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    expected_names = {
+        "actor/pg_loss",
+        "actor/entropy_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+    }
     expected_names |= {"actor/kl_loss", "actor/kl_coef"} if kl else set()
     assert set(torch_metrics) == expected_names | {"actor/loss"}
 
@@ -97,19 +111,25 @@ def test_verls_ppo_loss_equals_the_torch_update(tiny_model_dir, tokenizer, rollo
         actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
         update.model.zero_grad(set_to_none=True)
         verl_loss, merged = ppo_mini_batch(actor_config, update.model, engine_mini_batch(batch, actor_config))
-        verl_metrics = {k: Metric.aggregate_dp([v]) if isinstance(v, Metric) else float(np.mean(v)) for k, v in merged.items()}
+        verl_metrics = {
+            k: Metric.aggregate_dp([v]) if isinstance(v, Metric) else float(np.mean(v)) for k, v in merged.items()
+        }
         verl_metrics = rename_dict(verl_metrics, "actor/")  # as verl's trainer names them
 
         assert_close(float(verl_loss), torch_loss.item(), f"loss, micro-batches of {micro}")
         assert set(verl_metrics) == expected_names
         for name in expected_names - (MICRO_BATCH_MEANS if micro < per_mini else set()):
             assert_close(verl_metrics[name], torch_metrics[name], f"{name}, micro-batches of {micro}")
-        torch.testing.assert_close(flat_grad(update.model), torch_grad, rtol=RTOL, atol=RTOL * float(torch_grad.abs().max()))
+        torch.testing.assert_close(
+            flat_grad(update.model), torch_grad, rtol=RTOL, atol=RTOL * float(torch_grad.abs().max())
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("loss", "entropy", "kl"), [("per_rollout_mean", 0.1, False), ("token_mean", 0.0, True)], ids=["per_rollout_mean-entropy", "token_mean-kl"]
+    ("loss", "entropy", "kl"),
+    [("per_rollout_mean", 0.1, False), ("token_mean", 0.0, True)],
+    ids=["per_rollout_mean-entropy", "token_mean-kl"],
 )
 def test_verls_fsdp_engine_on_two_cpu_ranks_steps_as_the_torch_backend(tiny_model_dir, tmp_path, loss, entropy, kl):
     """verl's FSDP2 engine (tests/helpers/verl_fsdp_cpu.py: gloo, two ranks, half the mini-batch each) trains
@@ -125,7 +145,10 @@ def test_verls_fsdp_engine_on_two_cpu_ranks_steps_as_the_torch_backend(tiny_mode
         "normalization": "rollouts",
         "entropy": entropy,
         "kl": kl,
-        "overrides": ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+        "overrides": [
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        ],
     }
     torch.multiprocessing.spawn(run_rank, args=(2, free_port(), case, str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -16,7 +16,7 @@ pytest.importorskip("verl")
 # or importing it would register the plugins and hide which path did.
 EXTERNAL_MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
 
-THIRD_PARTY = '''
+THIRD_PARTY = """
 from agl_core import hookimpl
 
 
@@ -27,7 +27,7 @@ def doubled_sum(old_log_prob, log_prob, advantages, response_mask, settings, rol
 @hookimpl
 def agl_register_policy_losses(register):
     register("doubled_sum_test", doubled_sum)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,12 @@ def test_external_modules_env_registers_it_when_entry_points_are_off(ray_session
 
 
 def test_third_party_agl_loss_reaches_verl_workers(ray_session, third_party_site):
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join([third_party_site, os.environ.get("PYTHONPATH", "")]), "AGL_DISABLE_PLUGIN_AUTOLOAD": ""}}
+    env = {
+        "env_vars": {
+            "PYTHONPATH": os.pathsep.join([third_party_site, os.environ.get("PYTHONPATH", "")]),
+            "AGL_DISABLE_PLUGIN_AUTOLOAD": "",
+        }
+    }
     result = ray.get(remote_verl_loss.options(runtime_env=env).remote("doubled_sum_test"))
     assert result["found"]
     assert result["plugin"] == "doubled"

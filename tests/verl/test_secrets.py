@@ -97,7 +97,9 @@ def in_process_ray(monkeypatch):
     monkeypatch.setattr(verl_run, "check_gpus", lambda config: None)
     monkeypatch.setattr(verl_run, "RemoteTaskRunner", type("Remote", (), {"remote": staticmethod(lambda: None)}))
     monkeypatch.setattr(
-        verl_run, "actor_steps", lambda runner, *args: verl_run.TaskRunner().run(*ray.cloudpickle.loads(ray.cloudpickle.dumps(args)))
+        verl_run,
+        "actor_steps",
+        lambda runner, *args: verl_run.TaskRunner().run(*ray.cloudpickle.loads(ray.cloudpickle.dumps(args))),
     )
     monkeypatch.setattr(AglRayPPOTrainer, "init_workers", lambda self: setattr(self, "calls", FakeWorkers(self.config)))
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
@@ -121,7 +123,9 @@ def test_a_verl_run_starts_plugins_once_in_the_task_runner_and_never_shows_the_k
     seen = tmp_path / "seen.jsonl"
     plugin = Startup(seen)
     with SimulatedController(keyed_gateway, always(Plan())):
-        run_dir = run(str(write_config(tmp_path, keyed_gateway, tiny_model_dir)), [], plugins=[plugin], show_progress=False)
+        run_dir = run(
+            str(write_config(tmp_path, keyed_gateway, tiny_model_dir)), [], plugins=[plugin], show_progress=False
+        )
 
     records = [json.loads(line) for line in seen.read_text().splitlines()]
     startups = [r for r in records if r["hook"] == "startup"]
@@ -138,7 +142,12 @@ def test_a_verl_run_starts_plugins_once_in_the_task_runner_and_never_shows_the_k
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
     out, err = capfd.readouterr()
-    outputs = {"captured logs": caplog.text, "stdout": out, "stderr": err, "ray.init arguments": json.dumps(in_process_ray)}
+    outputs = {
+        "captured logs": caplog.text,
+        "stdout": out,
+        "stderr": err,
+        "ray.init arguments": json.dumps(in_process_ray),
+    }
     assert len(in_process_ray) == 1 and "env_vars" in in_process_ray[0]["runtime_env"]
     files = sorted(p for p in run_dir.rglob("*") if p.is_file())
     assert files, "the run wrote files"
@@ -162,6 +171,8 @@ class Locked:
 def test_a_plugin_given_in_code_that_cannot_be_pickled_is_refused_before_ray_starts(monkeypatch, tmp_path):
     started = []
     monkeypatch.setattr(verl_run, "init_ray", lambda config: started.append(config))
-    with pytest.raises(PluginError, match=r"cannot be pickled.*entry point in group 'agl'.*hook file named in agentlightning\.hooks"):
+    with pytest.raises(
+        PluginError, match=r"cannot be pickled.*entry point in group 'agl'.*hook file named in agentlightning\.hooks"
+    ):
         verl_run.run_ppo(None, [{"q": 1}], [{"q": 1}], plugins=[Locked()])
     assert started == []
