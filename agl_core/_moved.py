@@ -70,7 +70,8 @@ def new_import(old: str, name: str) -> tuple[str, Any]:
             home = "agl_core" if _stable(name) else module_name
             return home, getattr(module, name)
     raise AttributeError(
-        f"{old}.{name} no longer exists ({old} moved to {' and '.join(MOVED[old])}, which have no {name!r}); see CHANGELOG.md, Migration"
+        f"{old}.{name} no longer exists ({old} moved to {' and '.join(MOVED[old])}, which have no {name!r}); see "
+        "CHANGELOG.md, Migration"
     )
 
 
@@ -82,7 +83,8 @@ class _MovedModule(types.ModuleType):
             raise AttributeError(name)
         home, value = new_import(self.__name__, name)
         warnings.warn(
-            f"{self.__name__}.{name} has moved: use 'from {home} import {name}' ({self.__name__} goes in agl {REMOVED_IN})",
+            f"{self.__name__}.{name} has moved: use 'from {home} import {name}' ({self.__name__} goes in agl "
+            f"{REMOVED_IN})",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -103,8 +105,8 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         warnings.warn(
-            f"{module.__name__} has moved to {' and '.join(MOVED[module.__name__])}; import from there, or from agl_core "
-            f"for the stable names ({module.__name__} goes in agl {REMOVED_IN}; see CHANGELOG.md, Migration)",
+            f"{module.__name__} has moved to {' and '.join(MOVED[module.__name__])}; import from there, or from "
+            f"agl_core for the stable names ({module.__name__} goes in agl {REMOVED_IN}; see CHANGELOG.md, Migration)",
             DeprecationWarning,
             stacklevel=2,
         )

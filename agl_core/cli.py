@@ -86,7 +86,8 @@ def _check(args: argparse.Namespace) -> int:
     report.append(f"metric sinks: {', '.join(name for name, _ in sinks)}")
     if config.agentlightning.local.env_map:
         report.append(
-            f"agentlightning.local.env_map: not checked against the rows, since agl_on_enqueue of {', '.join(rewriters)} may rewrite them"
+            "agentlightning.local.env_map: not checked against the rows, since agl_on_enqueue of "
+            f"{', '.join(rewriters)} may rewrite them"
             if rewriters
             else "agentlightning.local.env_map: every field present in every row"
         )

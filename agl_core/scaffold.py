@@ -3,8 +3,9 @@
 The package (``DIR/NAME``, ``src/`` layout) has a ``pyproject.toml`` with an ``agl`` entry point,
 one module that declares typed settings, registers an aggregator, an advantage estimator and a
 policy loss under the plugin's name and implements a lifecycle hook, and tests that run agl's
-contract suites on each part and train two real steps with the harness (:mod:`agl_core.testing.harness`). The files are rendered from the
-templates in ``agl_core/plugin_template/``.
+contract suites on each part and train two real steps with the harness
+(:mod:`agl_core.testing.harness`). The files are rendered from the templates in
+``agl_core/plugin_template/``.
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ def main() -> None:
         ]
     print(f"{args.rollouts} rollouts finishing at random times over {args.spread:.0f} s, real agl-server\n")
     print(
-        f"{'strategy':38} {'done':>5} {'HTTP req':>9} {'req/rollout':>12} {'pickup p50':>11} {'pickup p90':>11} {'wall':>7}"
+        f"{'strategy':38} {'done':>5} {'HTTP req':>9} {'req/rollout':>12} {'pickup p50':>11} {'pickup p90':>11} "
+        f"{'wall':>7}"
     )
     for r in results:
         print(

@@ -202,10 +202,12 @@ def main() -> None:
                 written[name] = Bodies.write(folder, n_rollouts, n_turns, None)
             spread = f"completions over {window:g} s" if window else "every rollout finishing at once"
             print(
-                f"\n== {name}: {n_rollouts} rollouts x {n_turns} turns, {written[name].meta['raw_bytes'] / 1e6:.0f} MB of events, {spread}"
+                f"\n== {name}: {n_rollouts} rollouts x {n_turns} turns, {written[name].meta['raw_bytes'] / 1e6:.0f} MB "
+                f"of events, {spread}"
             )
             print(
-                f"    {'':24} {'tail s':>7} {'of it: collect':>15} {'tail CPU s':>11} {'step CPU s':>11} {'tail/step CPU':>14} {'rows':>5} {'peak RSS MB':>12}"
+                f"    {'':24} {'tail s':>7} {'of it: collect':>15} {'tail CPU s':>11} {'step CPU s':>11} "
+                f"{'tail/step CPU':>14} {'rows':>5} {'peak RSS MB':>12}"
             )
             results = {}
             for label, tree in ((f"before ({args.before})", before), ("after (working tree)", REPO_ROOT)):
@@ -216,7 +218,8 @@ def main() -> None:
                 )
             first, second = results.values()
             print(
-                f"    tail {first['tail'] / second['tail']:.1f}x shorter, step CPU {first['cpu'] / second['cpu']:.1f}x less"
+                f"    tail {first['tail'] / second['tail']:.1f}x shorter, step CPU {first['cpu'] / second['cpu']:.1f}x "
+                "less"
             )
 
 

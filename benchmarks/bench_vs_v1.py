@@ -351,7 +351,8 @@ def measure(
         meta = bodies.meta
         print(
             f"\n== {name}: {n_rollouts} rollouts x {n_turns} turns; bodies: raw {meta['raw_bytes'] / 1e6:.0f} MB "
-            f"(agl reads these), format=triplet {meta['triplet_bytes'] / 1e6:.0f} MB (v1.0 reads both); best of {repeat}"
+            f"(agl reads these), format=triplet {meta['triplet_bytes'] / 1e6:.0f} MB (v1.0 reads both); best of "
+            f"{repeat}"
         )
         for level in levels:
             results = {"agl-after": side("agl-after", folder, level, None, repeat)}
@@ -368,7 +369,8 @@ def measure(
                 + ", ".join(f"{k} {v:.3f} s" for k, v in floor["decoders"].items())
             )
             print(
-                f"    {'':22} {'decode s':>9} {'process s':>10} {'total s':>9} {'x floor':>8} {'peak RSS MB':>12} {'above start':>12} {'padded/real':>12}"
+                f"    {'':22} {'decode s':>9} {'process s':>10} {'total s':>9} {'x floor':>8} {'peak RSS MB':>12} "
+                f"{'above start':>12} {'padded/real':>12}"
             )
             labels = {
                 "v1": "v1.0 (2 bodies, json)",
@@ -384,7 +386,9 @@ def measure(
                     continue
                 r = results[key]
                 print(
-                    f"    {labels[key]:22} {r['decode']:9.3f} {r['process']:10.3f} {r['total']:9.3f} {r['total'] / floor['total']:8.2f} {r['peak_mb']:12.0f} {r['peak_mb'] - r['start_mb']:12.0f} {padding(r):>12}"
+                    f"    {labels[key]:22} {r['decode']:9.3f} {r['process']:10.3f} {r['total']:9.3f} "
+                    f"{r['total'] / floor['total']:8.2f} {r['peak_mb']:12.0f} {r['peak_mb'] - r['start_mb']:12.0f} "
+                    f"{padding(r):>12}"
                 )
             after = results["agl-after"]["total"]
             line = f"    agl after vs before {results['agl-before']['total'] / after:5.1f}x faster"

@@ -162,7 +162,7 @@ class Bodies:
         offsets: dict[str, list[int]] = {kind: [0] for kind in kinds}
         n_ints = 0
         files = {kind: open(folder / f"{kind}.bin", "wb") for kind in kinds}
-        for record, events in rollouts(n_rollouts, n_turns):
+        for _record, events in rollouts(n_rollouts, n_turns):
             n_ints += sum(_event_ints(event) for event in events)
             bodies = {"raw": gateway_json(events)}
             if triplet_view:

@@ -127,9 +127,8 @@ class TorchBackendConfig:
     """The reference PyTorch backend (``backend: torch``)."""
 
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
-    num_threads: int | None = checked(
-        None, integer().or_null()
-    )  # torch intra-op threads; None keeps torch's default
+    # torch intra-op threads; None keeps torch's default
+    num_threads: int | None = checked(None, integer().or_null())
     # After the last step, write the policy here as a Hugging Face model folder (weights, config,
     # tokenizer); a LoRA run's adapters are merged into the base weights. null: no export.
     merged_model_dir: str | None = None

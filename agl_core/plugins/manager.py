@@ -288,7 +288,8 @@ class PluginManager:
             classes = impl.function()
             if not isinstance(classes, Mapping):
                 raise PluginError(
-                    f"plugin {impl.plugin_name!r}: agl_plugin_settings must return {{section: settings class}}, got {classes!r}"
+                    f"plugin {impl.plugin_name!r}: agl_plugin_settings must return {{section: settings class}}, got "
+                    f"{classes!r}"
                 )
             for section, cls in classes.items():
                 try:
@@ -297,8 +298,8 @@ class PluginManager:
                     raise PluginError(str(exc)) from None
                 if section in declared:
                     raise PluginError(
-                        f"settings {section!r} are declared by both plugin {declared[section].plugin_name!r} and plugin "
-                        f"{impl.plugin_name!r}; block one of them ({BLOCKED_PLUGINS_ENV}) or rename a section"
+                        f"settings {section!r} are declared by both plugin {declared[section].plugin_name!r} and "
+                        f"plugin {impl.plugin_name!r}; block one of them ({BLOCKED_PLUGINS_ENV}) or rename a section"
                     )
                 declared[section] = SettingsDeclaration(section, cls, impl.plugin_name)
         return declared

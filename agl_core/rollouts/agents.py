@@ -76,7 +76,8 @@ def install_thread_environ() -> ThreadEnviron:
     global _environ_users
     with _environ_lock:
         if not isinstance(os.environ, ThreadEnviron):
-            os.environ = ThreadEnviron(os.environ)  # type: ignore[assignment]
+            # Replacing the object is the point: code that reads os.environ must reach the overlay.
+            os.environ = ThreadEnviron(os.environ)  # type: ignore[assignment]  # noqa: B003
         _environ_users += 1
         return os.environ  # type: ignore[return-value]
 
@@ -87,7 +88,8 @@ def uninstall_thread_environ() -> None:
     with _environ_lock:
         _environ_users -= 1
         if _environ_users == 0 and isinstance(os.environ, ThreadEnviron):
-            os.environ = os.environ.base  # type: ignore[assignment]
+            # Put the original mapping object back, untouched.
+            os.environ = os.environ.base  # type: ignore[assignment]  # noqa: B003
 
 
 def load_agent_class(path: str | None) -> type:

@@ -65,7 +65,8 @@ class EmbeddedRolloutSource(RolloutSource):
         self.failed_rollout_policy: FailedRolloutPolicy = agl.failed_rollout_policy
         self.deadline_seconds = float(agl.rollout_timeout_seconds) + float(agl.rollout_timeout_grace_seconds)
         self.deadline_text = (
-            f"no result within {self.deadline_seconds:g} s (agentlightning.rollout_timeout_seconds={agl.rollout_timeout_seconds} "
+            f"no result within {self.deadline_seconds:g} s "
+            f"(agentlightning.rollout_timeout_seconds={agl.rollout_timeout_seconds} "
             f"+ agentlightning.rollout_timeout_grace_seconds={agl.rollout_timeout_grace_seconds:g})"
         )
         workers = int(agl.embedded.max_workers)

@@ -260,7 +260,8 @@ class PolicyServer:
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
         if max_tokens > room:
             raise RequestError(
-                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed max_model_len={self.max_model_len}",
+                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed "
+                f"max_model_len={self.max_model_len}",
                 param="max_tokens",
             )
         temperature = _number(body, "temperature", 1.0, low=0.0)

@@ -69,19 +69,22 @@ class _RowView:
         mask = row.response_mask[here]
         if mask.size and np.any(np.diff(mask.astype(np.int8)) < 0):
             _fail(
-                f"call {j}: its tokens must be its observation (mask 0) then its response (mask 1); the mask is {shorten(mask)}",
+                f"call {j}: its tokens must be its observation (mask 0) then its response (mask 1); the mask is "
+                f"{shorten(mask)}",
                 row,
             )
         if j == row.turn_index and mask.size and mask[0] == 0:
             _fail(
-                f"call {j}: the first merged call's observation belongs to the prompt, yet the response starts with mask {shorten(mask)}",
+                f"call {j}: the first merged call's observation belongs to the prompt, yet the response starts with "
+                f"mask {shorten(mask)}",
                 row,
             )
         trained_ids = row.response_ids[here][mask == 1]
         n = len(trained_ids)
         if not np.array_equal(trained_ids, call.response_ids[:n]):
             _fail(
-                f"call {j}: trained tokens are {shorten(trained_ids)}, expected the call's response {shorten(call.response_ids)}",
+                f"call {j}: trained tokens are {shorten(trained_ids)}, expected the call's response "
+                f"{shorten(call.response_ids)}",
                 row,
             )
         if n < len(call.response_ids):
@@ -94,7 +97,8 @@ class _RowView:
                 _fail(f"call {j}: observation tokens carry log-probs {shorten(lp[mask == 0])}, expected 0", row)
             if not np.array_equal(lp[mask == 1], call.response_log_probs[:n]):
                 _fail(
-                    f"call {j}: log-probs are {shorten(lp[mask == 1])}, expected the call's {shorten(call.response_log_probs[:n])}",
+                    f"call {j}: log-probs are {shorten(lp[mask == 1])}, expected the call's "
+                    f"{shorten(call.response_log_probs[:n])}",
                     row,
                 )
 
@@ -148,7 +152,8 @@ def check_identity(rollouts, result, agg_settings) -> None:
         twice = sorted({j for j in covered if covered.count(j) > 1})
         if twice:
             _fail(
-                f"rollout {rollout_id!r}: calls {twice} are merged into more than one row; each call belongs to at most one row"
+                f"rollout {rollout_id!r}: calls {twice} are merged into more than one row; each call belongs to at "
+                "most one row"
             )
 
 
@@ -161,31 +166,36 @@ def check_tokens(rollouts, result, agg_settings) -> None:
             row = view.row
             if not row.response_mask.any():
                 _fail(
-                    "row has no trained token; it should have been skipped and counted in training/n_skipped_empty_rows",
+                    "row has no trained token; it should have been skipped and counted in "
+                    "training/n_skipped_empty_rows",
                     row,
                 )
             merged_have_log_probs = all(calls[j].response_log_probs is not None for j in view.calls)
             if merged_have_log_probs and row.log_probs is None:
                 _fail(
-                    f"every merged call ({view.calls.start}..{view.calls.stop - 1}) has log-probs, so the row should keep them",
+                    f"every merged call ({view.calls.start}..{view.calls.stop - 1}) has log-probs, so the row should "
+                    "keep them",
                     row,
                 )
             n_prompt = len(row.prompt_ids)
             if row.dropped:
                 if n_prompt <= agg_settings.max_prompt_length:
                     _fail(
-                        f"row marked dropped, but its {n_prompt}-token prompt is within max_prompt_length = {agg_settings.max_prompt_length}",
+                        f"row marked dropped, but its {n_prompt}-token prompt is within max_prompt_length = "
+                        f"{agg_settings.max_prompt_length}",
                         row,
                     )
                 continue
             if n_prompt > agg_settings.max_prompt_length:
                 _fail(
-                    f"the {n_prompt}-token prompt is over max_prompt_length = {agg_settings.max_prompt_length}, so the row should be marked dropped",
+                    f"the {n_prompt}-token prompt is over max_prompt_length = {agg_settings.max_prompt_length}, so the "
+                    "row should be marked dropped",
                     row,
                 )
             if len(row.response_ids) > agg_settings.max_response_length:
                 _fail(
-                    f"response of {len(row.response_ids)} tokens, expected it cut at max_response_length = {agg_settings.max_response_length}",
+                    f"response of {len(row.response_ids)} tokens, expected it cut at max_response_length = "
+                    f"{agg_settings.max_response_length}",
                     row,
                 )
 
@@ -216,7 +226,8 @@ def check_context(rollouts, result, agg_settings, exact_token_context: bool = Tr
                 got_text, want_text = tokenizer.decode(got.tolist()), tokenizer.decode(want.tolist())
                 if not (got_text == want_text or (view.at_limit and want_text.startswith(got_text))):
                     _fail(
-                        f"prompt + response decodes to {shorten(got_text)}, expected the last merged call's {shorten(want_text)}",
+                        f"prompt + response decodes to {shorten(got_text)}, expected the last merged call's "
+                        f"{shorten(want_text)}",
                         row,
                     )
 
@@ -233,7 +244,8 @@ def _check_ids_context(view: _RowView, got: np.ndarray, want: np.ndarray) -> Non
     if len(got) < len(want) and not view.at_limit:
         _fail(
             f"prompt + response is {len(got)} ids, the last merged call's {len(want)}: a row is shorter only when cut "
-            f"at max_response_length = {view.limit}, so it should have {min(len(want) - len(row.prompt_ids), view.limit)} response ids",
+            f"at max_response_length = {view.limit}, so it should have "
+            f"{min(len(want) - len(row.prompt_ids), view.limit)} response ids",
             row,
         )
 
@@ -263,7 +275,8 @@ def check_metrics(
     n_dropped = sum(view.row.dropped for rows in views.values() for view in rows)
     if metrics["training/n_sample_dropped/marked"] != n_dropped:
         _fail(
-            f"training/n_sample_dropped/marked is {metrics['training/n_sample_dropped/marked']}, expected {n_dropped} (the rows marked dropped)"
+            f"training/n_sample_dropped/marked is {metrics['training/n_sample_dropped/marked']}, expected {n_dropped} "
+            "(the rows marked dropped)"
         )
 
     truncated = metrics["training/n_truncated_sample"]
@@ -321,7 +334,8 @@ def _check_mismatch_metrics(rollouts, result, agg_settings, views) -> None:
     metrics = result.metrics
     if len(result.mismatches) > agg_settings.mismatch_sample_size:
         _fail(
-            f"{len(result.mismatches)} mismatches kept, expected at most mismatch_sample_size = {agg_settings.mismatch_sample_size}"
+            f"{len(result.mismatches)} mismatches kept, expected at most mismatch_sample_size = "
+            f"{agg_settings.mismatch_sample_size}"
         )
     breaks = metrics.get("training/n_trace_merge_mismatch_rows")
     if breaks is None:
@@ -331,7 +345,8 @@ def _check_mismatch_metrics(rollouts, result, agg_settings, views) -> None:
     by_class = [metrics.get(f"training/trace_merge_mismatch/{kind}", 0.0) for kind in MISMATCH_KINDS]
     if sum(by_class) != breaks:
         _fail(
-            f"per-class mismatch counts {dict(zip(MISMATCH_KINDS, by_class))} should add up to training/n_trace_merge_mismatch_rows = {breaks}"
+            f"per-class mismatch counts {dict(zip(MISMATCH_KINDS, by_class))} should add up to "
+            f"training/n_trace_merge_mismatch_rows = {breaks}"
         )
     low = sum(max(len(rows) - 1, 0) for rows in views.values())
     high = sum(max(len(r.triplets) - 1, 0) for r in rollouts)
@@ -346,12 +361,14 @@ def _check_mismatch_metrics(rollouts, result, agg_settings, views) -> None:
             or len(m.prompt_ids) > agg_settings.mismatch_max_length
         ):
             _fail(
-                f"mismatch sample of rollout {m.rollout_id!r} keeps more ids than mismatch_max_length = {agg_settings.mismatch_max_length}"
+                f"mismatch sample of rollout {m.rollout_id!r} keeps more ids than mismatch_max_length = "
+                f"{agg_settings.mismatch_max_length}"
             )
         for text in (m.context_text, m.prompt_text):
             if text is not None and len(text) > agg_settings.mismatch_max_length:
                 _fail(
-                    f"mismatch sample of rollout {m.rollout_id!r} keeps more text than mismatch_max_length = {agg_settings.mismatch_max_length}"
+                    f"mismatch sample of rollout {m.rollout_id!r} keeps more text than mismatch_max_length = "
+                    f"{agg_settings.mismatch_max_length}"
                 )
     unmerged = metrics.get("training/n_unmerged_rollouts")
     if unmerged is not None:

@@ -71,9 +71,15 @@ def describe_change(before: list[Any], after: list[Any], what: str, key: str) ->
     ids_before = [item.get(key) if isinstance(item, dict) else None for item in before]
     ids_after = [item.get(key) if isinstance(item, dict) else None for item in after]
     if len(before) != len(after):
-        return f"the list of {what} went from {len(before)} to {len(after)} items ({key}s before: {shorten(ids_before)}, after: {shorten(ids_after)})"
+        return (
+            f"the list of {what} went from {len(before)} to {len(after)} items "
+            f"({key}s before: {shorten(ids_before)}, after: {shorten(ids_after)})"
+        )
     if ids_before != ids_after and sorted(map(str, ids_before)) == sorted(map(str, ids_after)):
-        return f"the {what} were reordered in place: {key}s before {shorten(ids_before, 200)}, after {shorten(ids_after, 200)}"
+        return (
+            f"the {what} were reordered in place: "
+            f"{key}s before {shorten(ids_before, 200)}, after {shorten(ids_after, 200)}"
+        )
     for i, (b, a) in enumerate(zip(before, after)):
         found = _first_difference(b, a, f"{what}[{i}] ({key} {ids_before[i]!r})")
         if found:

@@ -119,9 +119,11 @@ def test_gradcheck_float64(name, with_weights):
         )
         new = new.clone().requires_grad_(True)
         adv = adv.clone().requires_grad_(True)
-        assert torch.autograd.gradcheck(
-            lambda n, a: LOSSES[name](old, n, a, mask, s, rollout_is_weights=weights)[0], (new, adv)
-        )
+
+        def loss(n, a, old=old, mask=mask, weights=weights):
+            return LOSSES[name](old, n, a, mask, s, rollout_is_weights=weights)[0]
+
+        assert torch.autograd.gradcheck(loss, (new, adv))
         checked += 1
     assert checked >= 5
 

@@ -258,7 +258,8 @@ def test_a_hook_file_that_fails_to_import_is_one_line(tmp_path, capsys):
     code, _, err = run_cli(capsys, "plugins", "--hooks", str(hooks))
     assert code == 2
     assert err.splitlines() == [
-        f"agl: error: hook file {hooks.resolve()} failed to import: ModuleNotFoundError: No module named 'not_a_module_anywhere_xyz'",
+        f"agl: error: hook file {hooks.resolve()} failed to import: ModuleNotFoundError: No module named "
+        "'not_a_module_anywhere_xyz'",
         "agl: hint: run again with --traceback for the whole report",
     ]
 
@@ -298,7 +299,8 @@ def test_plot_reports_empty_and_malformed_metrics_in_one_line(tmp_path, capsys, 
 def test_a_misspelt_hook_method_stops_check_and_train_at_the_start(policy, tmp_path, capsys, command):
     hooks = tmp_path / "hooks.py"
     hooks.write_text(
-        "from agl_hooks import RolloutHooks\n\nclass Judge(RolloutHooks):\n    def onSucceeded(self, rollout, events, store):\n        pass\n"
+        "from agl_hooks import RolloutHooks\n\nclass Judge(RolloutHooks):\n"
+        "    def onSucceeded(self, rollout, events, store):\n        pass\n"
     )
     run_dir = tmp_path / "run"
     code, _, err = run_cli(
@@ -311,7 +313,8 @@ def test_a_misspelt_hook_method_stops_check_and_train_at_the_start(policy, tmp_p
     )
     assert code == 2
     assert err.splitlines()[0] == (
-        f"agl: error: hook file {hooks.resolve()}: Judge.onSucceeded is not a hook, so it would never be called; did you mean 'on_succeeded'?"
+        f"agl: error: hook file {hooks.resolve()}: Judge.onSucceeded is not a hook, so it would never be called; did "
+        "you mean 'on_succeeded'?"
     )
     assert not run_dir.exists()
 

@@ -97,7 +97,7 @@ def test_a_verl_key_under_the_torch_backend_says_to_use_verl(tmp_path, no_autolo
     with pytest.raises(ConfigError) as info:
         resolve_config(str(path), [])
     assert info.value.key == "actor_rollout_ref.rollout.name"
-    assert str(info.value).endswith("unknown key (in %s); it is a key of backend 'verl': run with backend=verl" % path)
+    assert str(info.value).endswith(f"unknown key (in {path}); it is a key of backend 'verl': run with backend=verl")
     with pytest.raises(ConfigError) as typo:
         resolve_config(None, ["trainer.total_epoch=3"])
     assert str(typo.value) == "config key trainer.total_epoch: unknown key (in overrides); did you mean 'total_epochs'?"

@@ -1,11 +1,11 @@
 """The corridor example learns: a CI-sized run of its own config reads the signs it is shown.
 
 A freshly built random policy replies with a direction word about once in 17 turns, the right one
-once in 34, so its reward (the fraction of right turns) starts near 0.03, and a policy that ignores the signs and always gives one
-direction scores 0.5. Sampling is seeded per call, so a run repeats. With the example's config,
-seeds 0-3 all had greedy validation at 1.0 by step 20, passed a sampled training reward of 0.9 at
-steps 27-34 and averaged 0.96-0.99 over steps 36-40; the thresholds below sit between that and what
-a policy blind to the signs can reach.
+once in 34, so its reward (the fraction of right turns) starts near 0.03, and a policy that ignores
+the signs and always gives one direction scores 0.5. Sampling is seeded per call, so a run
+repeats. With the example's config, seeds 0-3 all had greedy validation at 1.0 by step 20, passed a
+sampled training reward of 0.9 at steps 27-34 and averaged 0.96-0.99 over steps 36-40; the
+thresholds below sit between that and what a policy blind to the signs can reach.
 """
 
 from __future__ import annotations

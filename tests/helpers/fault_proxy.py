@@ -53,7 +53,7 @@ def _read_request(conn: socket.socket) -> bytes:
 
 def _force_close(message: bytes) -> bytes:
     head, _, body = message.partition(b"\r\n\r\n")
-    lines = [l for l in head.split(b"\r\n") if not l.lower().startswith(b"connection:")]
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
     return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body
 
 

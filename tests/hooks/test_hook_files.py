@@ -255,7 +255,8 @@ def test_a_v1_hook_rewriting_rollout_id_is_undone_warned_once_and_counted(tmp_pa
         ),
         (
             "typo_v1.py",
-            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def on_succeded(self, rollout, events, store): pass\n",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n"
+            "    def on_succeded(self, rollout, events, store): pass\n",
             r"A\.on_succeded is not a hook; did you mean 'on_succeeded'",
         ),
         (
@@ -265,22 +266,26 @@ def test_a_v1_hook_rewriting_rollout_id_is_undone_warned_once_and_counted(tmp_pa
         ),
         (
             "camel_v1.py",
-            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def onSucceeded(self, rollout, events, store): pass\n",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n"
+            "    def onSucceeded(self, rollout, events, store): pass\n",
             r"A\.onSucceeded is not a hook, so it would never be called; did you mean 'on_succeeded'",
         ),
         (
             "bare_v1.py",
-            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def enqueue(self, request): return request\n",
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n"
+            "    def enqueue(self, request): return request\n",
             r"A\.enqueue is not a hook, so it would never be called; did you mean 'on_enqueue'",
         ),
         (
             "unprefixed_mod.py",
-            "from agl_core import hookimpl\n@hookimpl\ndef agl_on_startup(config): pass\ndef on_succeeded(rollout, writer): pass\n",
+            "from agl_core import hookimpl\n@hookimpl\ndef agl_on_startup(config): pass\n"
+            "def on_succeeded(rollout, writer): pass\n",
             r"function on_succeeded is not a hook, so it would never be called; did you mean 'agl_on_succeeded'",
         ),
         (
             "v1_name_at_module_level.py",
-            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n    def on_failed(self, rollout, store): pass\n"
+            "from agl_hooks import RolloutHooks\nclass A(RolloutHooks):\n"
+            "    def on_failed(self, rollout, store): pass\n"
             "def onSucceeded(rollout, events, store): pass\n",
             r"function onSucceeded is not a hook, so it would never be called; did you mean 'agl_on_succeeded'",
         ),
@@ -392,7 +397,8 @@ class Models(RolloutHooks):
         SEEN.append(("config", rollout.config.timeout_seconds, rollout.config.k8s.job_template, DEFAULT_ATTEMPT_ID))
 
     def on_failed(self, rollout: Rollout, store) -> None:
-        SEEN.append(("failed", rollout.status.state == "failed", rollout.status.error_message, rollout.metadata.sample_idx_in_batch))
+        failed = rollout.status.state == "failed"
+        SEEN.append(("failed", failed, rollout.status.error_message, rollout.metadata.sample_idx_in_batch))
 """
 
 
@@ -422,9 +428,9 @@ def test_v1_hooks_read_and_write_what_v1_models_offer(tmp_path, standins):
 
 # Every name Agent Lightning v1.0's agentlightning/schemas.py defines.
 V1_SCHEMA_NAMES = (
-    "Event EventCreate ModelRequestData RewardData Model RolloutState VALID_TRANSITIONS TERMINAL_STATES DEFAULT_ATTEMPT_ID "
-    "RolloutLocalConfig RolloutK8sConfig RolloutConfig RolloutMetadata RolloutCreate RolloutLifecycleStatus "
-    "RolloutStatusPatch RolloutPatch Rollout"
+    "Event EventCreate ModelRequestData RewardData Model RolloutState VALID_TRANSITIONS TERMINAL_STATES "
+    "DEFAULT_ATTEMPT_ID RolloutLocalConfig RolloutK8sConfig RolloutConfig RolloutMetadata RolloutCreate "
+    "RolloutLifecycleStatus RolloutStatusPatch RolloutPatch Rollout"
 ).split()
 
 
@@ -458,7 +464,7 @@ def test_every_v1_schema_name_resolves_and_models_dump_and_copy(tmp_path):
     assert request.config.local.agent_class == "m:A"
     assert RolloutConfig().timeout_seconds == 3600 and str(RolloutState.FAILED) == "failed"
     with pytest.raises(AttributeError, match="RolloutConfig has no field 'timeout'"):
-        RolloutConfig().timeout
+        _ = RolloutConfig().timeout
 
 
 def test_a_hook_class_imported_from_a_helper_module_is_found(tmp_path):
@@ -567,8 +573,10 @@ class Pydantic(RolloutHooks):
         assert isinstance(rollout, Rollout) and isinstance(rollout.metadata, RolloutMetadata)
         assert all(isinstance(e, Event) for evs in events.values() for e in evs)
         dumped = json.loads(rollout.model_dump_json())
-        SEEN.append(("succeeded", dumped["status"]["state"], dumped["metadata"], [e.event_type for e in events["a0"]]))
-        store.add_event(rollout.rollout_id, rollout.status.last_attempt_id, "judge", {"dump": rollout.metadata.model_dump()})
+        event_types = [e.event_type for e in events["a0"]]
+        SEEN.append(("succeeded", dumped["status"]["state"], dumped["metadata"], event_types))
+        dump = {"dump": rollout.metadata.model_dump()}
+        store.add_event(rollout.rollout_id, rollout.status.last_attempt_id, "judge", dump)
 
     def on_failed(self, rollout, store):
         SEEN.append(("failed", Rollout.model_validate_json(rollout.model_dump_json()).status.error_message))

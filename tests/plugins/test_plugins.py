@@ -157,7 +157,7 @@ def test_duplicate_registry_names_name_both_plugins():
     with pytest.raises(
         RegistryError, match="'same' is registered by both plugin 'first-plugin' and plugin 'second-plugin'"
     ):
-        manager.aggregators
+        _ = manager.aggregators
 
 
 def test_unknown_name_lists_what_is_registered():

@@ -46,7 +46,7 @@ def batches(draw, min_group=2):
     for g in range(draw(st.integers(1, 4))):
         for r in range(draw(st.integers(min_group, 5))):
             reward = draw(rewards_st)
-            for k in range(draw(st.integers(1, 3))):
+            for _ in range(draw(st.integers(1, 3))):
                 mask = draw(st.lists(st.integers(0, 1), min_size=1, max_size=8))
                 rows.append(make_row(f"g{g}r{r}", f"g{g}", reward, mask))
     order = draw(st.permutations(range(len(rows))))
