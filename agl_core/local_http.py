@@ -48,7 +48,9 @@ class JSONRequestHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except ConnectionError:  # the client gave up waiting: nobody to answer
             self.close_connection = True
-            logger.debug("%s: the client of %s %s went away before its answer", self.server_label, self.command, self.path)
+            logger.debug(
+                "%s: the client of %s %s went away before its answer", self.server_label, self.command, self.path
+            )
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug(self.server_label + ": " + format, *args)

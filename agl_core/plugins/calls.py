@@ -110,13 +110,18 @@ class HookCalls:
                 "hook %s of plugin %r did not return within %g s (%s): abandoned and counted as a failure; its next "
                 "calls are skipped (and counted) until it returns; training continues "
                 "(agentlightning.hook_timeout_seconds sets the limit)",
-                hook_name, impl.plugin_name, self.timeout, subject,
+                hook_name,
+                impl.plugin_name,
+                self.timeout,
+                subject,
             )
         except Exception as exc:
             self.record_failure(hook_name, impl.plugin_name, subject, exc)
         return False, None
 
-    def call_each(self, impls: Sequence[Any], hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    def call_each(
+        self, impls: Sequence[Any], hook_name: str, subject: str, kwargs: Mapping[str, Any]
+    ) -> list[tuple[str, Any]]:
         """Call every implementation in order; return ``(plugin, result)`` of those that returned.
 
         Each call gets a writer of its own that starts with what the calls before it wrote (a later
@@ -131,7 +136,9 @@ class HookCalls:
                 for event in writer.pending:
                     own.add_event(event.rollout_id, event.attempt_id, event.event_type, event.data)
                 mark = len(writer.pending)
-            ok, result = self.call(impl, hook_name, subject, {**kwargs, "writer": own} if writer is not None else kwargs)
+            ok, result = self.call(
+                impl, hook_name, subject, {**kwargs, "writer": own} if writer is not None else kwargs
+            )
             if not ok:
                 self.discarded_events += own.discard(keep=mark)
                 continue
@@ -149,7 +156,11 @@ class HookCalls:
         self._traced.add(kind)
         logger.error(
             "hook %s of plugin %r failed (%s): %s: %s; training continues%s",
-            hook_name, plugin_name, subject, type(exc).__name__, exc,
+            hook_name,
+            plugin_name,
+            subject,
+            type(exc).__name__,
+            exc,
             "" if first else f" (traceback shown at its first failure; {TRACEBACKS_ENV}=1 shows every one)",
             exc_info=exc if first or env_flag(TRACEBACKS_ENV) else None,
         )
@@ -164,7 +175,11 @@ class HookCalls:
                 logger.warning(
                     "hook %s of plugin %r changed %s (%s), which a hook may not change: the change is undone, "
                     "the rest of the result kept; counted in %s, warned once",
-                    hook_name, plugin_name, field, subject, HOOK_CHANGES_IGNORED_METRIC,
+                    hook_name,
+                    plugin_name,
+                    field,
+                    subject,
+                    HOOK_CHANGES_IGNORED_METRIC,
                 )
 
     def pop_metrics(self) -> dict[str, float]:

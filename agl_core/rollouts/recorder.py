@@ -40,13 +40,21 @@ __all__ = ["EVENTS_ROUTE", "PROXY_ROUTE", "Recorder", "recorded_event", "recorde
 
 logger = logging.getLogger(__name__)
 
-PROXY_ROUTE = re.compile(r"^/proxy/rollout/([^/]+)/attempt/([^/]+)/mode/([^/]+)/openai/v1/(chat/completions|completions)$")
+PROXY_ROUTE = re.compile(
+    r"^/proxy/rollout/([^/]+)/attempt/([^/]+)/mode/([^/]+)/openai/v1/(chat/completions|completions)$"
+)
 EVENTS_ROUTE = re.compile(r"^/api/rollouts/([^/]+)(?:/attempt/([^/]+))?/events$")
 
 
 def recorded_event(rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any]) -> dict[str, Any]:
     """One event as the gateway's raw events route returns it, stamped now."""
-    return {"event_type": event_type, "rollout_id": rollout_id, "attempt_id": attempt_id, "timestamp": time.time(), "data": data}
+    return {
+        "event_type": event_type,
+        "rollout_id": rollout_id,
+        "attempt_id": attempt_id,
+        "timestamp": time.time(),
+        "data": data,
+    }
 
 
 class Recorder:
@@ -147,7 +155,11 @@ class Recorder:
         except ValueError:
             payload = {}
         choices = payload.get("choices") if isinstance(payload, dict) else None
-        finish = choices[0].get("finish_reason") if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+        finish = (
+            choices[0].get("finish_reason")
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict)
+            else None
+        )
         self.record(
             rollout_id,
             attempt_id,
@@ -169,7 +181,6 @@ class Recorder:
         )
         return response.status_code, payload
 
-
     def _failed(self, rollout_id: str, exc: httpx.HTTPError) -> tuple[int, Any]:
         """The answer to a model call that got none from the engine, counted by cause (not while closing)."""
         with self.lock:
@@ -178,9 +189,13 @@ class Recorder:
             logger.debug("model call of rollout %s ended by the source closing: %s", rollout_id, exc)
             return 503, {"detail": "the run is ending; no more model calls are served"}
         if isinstance(exc, httpx.TimeoutException):
-            status, cause = 504, (
-                f"the engine did not answer within agentlightning.rollout_timeout_seconds={self.call_timeout_s:g} s "
-                f"({type(exc).__name__})"
+            status, cause = (
+                504,
+                (
+                    f"the engine did not answer within "
+                    f"agentlightning.rollout_timeout_seconds={self.call_timeout_s:g} s "
+                    f"({type(exc).__name__})"
+                ),
             )
         else:
             status, cause = 502, f"the engine could not be reached: {type(exc).__name__}: {exc}"

@@ -84,9 +84,7 @@ def open_sinks(factories: Sequence[tuple[str, SinkFactory]], config: Any) -> lis
             except ConfigError:
                 raise
             except Exception as exc:
-                raise ConfigError(
-                    "trainer.logger", f"metric sink {name!r} could not start: {error_gist(exc)}"
-                ) from exc
+                raise ConfigError("trainer.logger", f"metric sink {name!r} could not start: {error_gist(exc)}") from exc
     except BaseException:
         for sink in sinks:
             sink.close()
