@@ -60,7 +60,13 @@ MIB = 2**20
 STATES = ("queuing", "running", "succeeded", "failed")
 COLUMNS = ("step", "rss_mib", "threads", "fds", "ledger", "run_dir_mib")
 # Step metrics the accounting sums over the run (with the group counts).
-SUMMED = ("training/rollouts/n_", "training/gateway/n_restarts", "training/n_hook_", "training/async/n_c", "training/n_sample")
+SUMMED = (
+    "training/rollouts/n_",
+    "training/gateway/n_restarts",
+    "training/n_hook_",
+    "training/async/n_c",
+    "training/n_sample",
+)
 
 
 @attrs.frozen
@@ -76,7 +82,8 @@ class Faults:
 
     def describe(self) -> list[str]:
         return [
-            f"gateway SIGKILLed and restarted (same port, all state lost) after every step s with s % {self.restart_every} == "
+            f"gateway SIGKILLed and restarted (same port, all state lost) after every step s with "
+            f"s % {self.restart_every} == "
             f"{self.restart_every // 2}, with the next step's rollouts in flight",
             f"{self.crash_rate:.0%} of agents exit (code 17) after their first model call",
             f"{self.slow_rate:.0%} of agents sleep {self.slow_seconds:g} s before starting",
@@ -129,13 +136,16 @@ class Soak:
             return
         self.steps.append(dict(metrics))
         if step == 1 or step % self.every == 0:
-            self.table.append({"step": float(step), **resources(), "ledger": self.ledger(), "run_dir_mib": tree_mib(self.run_dir)})
+            self.table.append(
+                {"step": float(step), **resources(), "ledger": self.ledger(), "run_dir_mib": tree_mib(self.run_dir)}
+            )
             row = self.table[-1]
             with (self.run_dir.parent / "table.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
                 f"soak step {step}: rss {row['rss_mib']:.1f} MiB, threads {row['threads']:g}, fds {row['fds']:g}, "
-                f"ledger {row['ledger']:g}, run dir {row['run_dir_mib']:.2f} MiB, reward {metrics.get('training/reward', float('nan')):.3f}",
+                f"ledger {row['ledger']:g}, run dir {row['run_dir_mib']:.2f} MiB, "
+                f"reward {metrics.get('training/reward', float('nan')):.3f}",
                 flush=True,
             )
         if self.faults.restart_after(step):
@@ -210,7 +220,11 @@ def accounting(soak: Soak, n_rows: int, n: int) -> dict[str, Any]:
     sums: Counter[str] = Counter()
     for metrics in soak.steps:
         for key, value in metrics.items():
-            if key.startswith(SUMMED) or key in ("training/n_groups", "training/n_groups_dropped_one_rollout_left", "training/n_skipped_empty_rows"):
+            if key.startswith(SUMMED) or key in (
+                "training/n_groups",
+                "training/n_groups_dropped_one_rollout_left",
+                "training/n_skipped_empty_rows",
+            ):
                 sums[key] += value
     last = soak.steps[-1] if soak.steps else {}
     return {
@@ -248,33 +262,56 @@ def problems(report: Mapping[str, Any], batch: int = 2, n: int = 4, rss_toleranc
         if values and max(values) - min(values) > slack:
             found.append(f"{column} range from {min(values):g} to {max(values):g} after warm-up")
     if max((r["ledger"] for r in report["table"]), default=0) > 2 * in_flight_cap:
-        found.append(f"the gateway held up to {max(r['ledger'] for r in report['table']):g} rollouts (bound {2 * in_flight_cap})")
+        found.append(
+            f"the gateway held up to {max(r['ledger'] for r in report['table']):g} rollouts (bound {2 * in_flight_cap})"
+        )
     if report["steps"] != report["steps_asked"]:
         found.append(f"{report['steps']} of {report['steps_asked']} steps ran")
-    if sums.get("training/gateway/n_restarts_detected", 0) < acc["gateway_restarts_injected"] - 1:  # the last may follow the last step
-        found.append(f"{acc['gateway_restarts_injected']} gateway restarts, {sums.get('training/gateway/n_restarts_detected', 0):g} detected")
+    if (
+        sums.get("training/gateway/n_restarts_detected", 0) < acc["gateway_restarts_injected"] - 1
+    ):  # the last may follow the last step
+        found.append(
+            f"{acc['gateway_restarts_injected']} gateway restarts, "
+            f"{sums.get('training/gateway/n_restarts_detected', 0):g} detected"
+        )
     if sums.get("training/n_hook_failures", 0) != acc["hook_raises_scheduled"]:
-        found.append(f"{acc['hook_raises_scheduled']} hook raises, {sums.get('training/n_hook_failures', 0):g} hook failures counted")
+        found.append(
+            f"{acc['hook_raises_scheduled']} hook raises, "
+            f"{sums.get('training/n_hook_failures', 0):g} hook failures counted"
+        )
     outcomes = acc["rollouts_by_outcome"]
     if outcomes.get("failed", 0) != sums.get("training/rollouts/n_failed", 0):
-        found.append(f"hooks saw {outcomes.get('failed', 0)} failed rollouts, the trainer counted {sums.get('training/rollouts/n_failed', 0):g}")
+        found.append(
+            f"hooks saw {outcomes.get('failed', 0)} failed rollouts, "
+            f"the trainer counted {sums.get('training/rollouts/n_failed', 0):g}"
+        )
     if outcomes.get("not terminal", 0) > in_flight_cap:
-        found.append(f"{outcomes['not terminal']} rollouts never reached a terminal state (at most {in_flight_cap} may be in flight at the end)")
+        found.append(
+            f"{outcomes['not terminal']} rollouts never reached a terminal state "
+            f"(at most {in_flight_cap} may be in flight at the end)"
+        )
     dropped = sum(acc["rows_dropped"].values()) + sums.get("training/n_skipped_empty_rows", 0)
     if acc["rows_collected"] != acc["rows_trained"] + dropped:
-        found.append(f"{acc['rows_collected']:g} rows collected, {acc['rows_trained']:g} trained + {dropped:g} dropped or skipped")
+        found.append(
+            f"{acc['rows_collected']:g} rows collected, {acc['rows_trained']:g} trained "
+            f"+ {dropped:g} dropped or skipped"
+        )
     if acc["epochs_with_a_repeated_row"]:
         found.append(f"{acc['epochs_with_a_repeated_row']} epochs enqueued a dataset row twice")
     return found
 
 
-def soak(steps: int, every: int, out: Path, faults: Faults = Faults(), batch: int = 2, n: int = 4, pool: int = 8) -> dict[str, Any]:
+def soak(
+    steps: int, every: int, out: Path, faults: Faults = Faults(), batch: int = 2, n: int = 4, pool: int = 8
+) -> dict[str, Any]:
     """Run the soak; return its table, growth and accounting (also written to ``out/report.json``)."""
     out.mkdir(parents=True, exist_ok=True)
     policy = build(out / "policy", seed=0)
     run_dir = out / "run"
     os.environ.update(
-        SOAK_CRASH_RATE=str(faults.crash_rate), SOAK_SLOW_RATE=str(faults.slow_rate), SOAK_SLOW_SECONDS=str(faults.slow_seconds)
+        SOAK_CRASH_RATE=str(faults.crash_rate),
+        SOAK_SLOW_RATE=str(faults.slow_rate),
+        SOAK_SLOW_SECONDS=str(faults.slow_seconds),
     )  # the controller passes its environment to the agents
     os.environ[DISABLE_AUTOLOAD_ENV] = "1"  # agl's own plugins and this one only, whatever else is installed
     gateway = GatewayServer(key="soak-key", model_name=str(policy))
@@ -333,7 +370,10 @@ def print_report(report: Mapping[str, Any]) -> None:
         print(f"  - {fault}")
     print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     for row in report["table"]:
-        print(f"| {row['step']:.0f} | {row['rss_mib']:.1f} | {row['threads']:.0f} | {row['fds']:.0f} | {row['ledger']:.0f} | {row['run_dir_mib']:.2f} |")
+        print(
+            f"| {row['step']:.0f} | {row['rss_mib']:.1f} | {row['threads']:.0f} | {row['fds']:.0f} "
+            f"| {row['ledger']:.0f} | {row['run_dir_mib']:.2f} |"
+        )
     print(f"\ngrowth per 100 steps after step {report['warmup_steps']} (least-squares slope; % of the mean):")
     for column, (absolute, percent) in report["growth_per_100_steps"].items():
         print(f"  {column}: {absolute:+.3f} ({percent:+.2f}%)")
@@ -350,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hook-raise-every", type=int, default=Faults().hook_raise_every)
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a new temporary one)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background, where SIGINT is ignored
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # also when started in the background, where SIGINT is ignored
     out = args.out or Path(tempfile.mkdtemp(prefix="agl-soak-"))
     faults = Faults(restart_every=args.restart_every, hook_raise_every=args.hook_raise_every)
     report = soak(args.steps, args.every, out, faults)

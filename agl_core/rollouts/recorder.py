@@ -192,8 +192,9 @@ class Recorder:
             status, cause = (
                 504,
                 (
-                    f"the engine did not answer within agentlightning.rollout_timeout_seconds={self.call_timeout_s:g} "
-                    f"s ({type(exc).__name__})"
+                    f"the engine did not answer within "
+                    f"agentlightning.rollout_timeout_seconds={self.call_timeout_s:g} s "
+                    f"({type(exc).__name__})"
                 ),
             )
         else:

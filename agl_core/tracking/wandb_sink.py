@@ -51,8 +51,9 @@ class WandB:
             raise ConfigError(
                 "trainer.logger",
                 f"metric sink 'wandb' could not start a W&B run ({error_gist(exc)}); log in (wandb login, "
-                f"or WANDB_API_KEY), or set WANDB_MODE=offline to keep the run in {folder} only (wandb sync uploads it "
-                "later), or leave wandb out of trainer.logger",
+                f"or WANDB_API_KEY), or set WANDB_MODE=offline to keep the run in {folder} only "
+                "(wandb sync uploads it later), "
+                "or leave wandb out of trainer.logger",
             ) from exc
 
     def log_samples(self, step: int, samples: StepSamples) -> None:
