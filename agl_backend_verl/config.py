@@ -5,11 +5,12 @@ same values Hydra's compose of ``ppo_trainer`` yields), plus the typed ``agentli
 :class:`agl_core.config.AgentLightningConfig`, plus :func:`overlay` (Agent Lightning v1.0's values).
 :func:`load_verl_config` then merges the user's YAML and ``key=value`` overrides over it through
 :func:`agl_core.config.merge_config` and validates once: unknown keys (struct mode), the types of verl's
-keys (a value must have the type of verl's default), then the core's ranges and cross-key rules
-(:func:`agl_core.config.checks.validate`), and the estimator choices this backend cannot run. A
-verl run config written for Hydra (``defaults: [ppo_trainer, _self_]``, ``hydra.searchpath``, as Agent
-Lightning v1.0's verl config is) loads as it is: its base is what those lines compose
-(:mod:`agl_core.config.composition`).
+keys (a value must have the type of verl's default, or one its config dataclass declares: see
+:mod:`agl_backend_verl.verl_dataclasses`, whose fields the defaults omit are known keys too), then
+the core's ranges and cross-key rules (:func:`agl_core.config.checks.validate`), and the estimator
+choices this backend cannot run. A verl run config written for Hydra (``defaults: [ppo_trainer,
+_self_]``, ``hydra.searchpath``, as Agent Lightning v1.0's verl config is) loads as it is: its base is
+what those lines compose (:mod:`agl_core.config.composition`).
 
 ``algorithm.enable_rollout_level_advantage`` is Agent Lightning's key and stays where its configs put
 it, but verl's ``AlgoConfig`` dataclass refuses unknown keys: verl's legacy ``RayPPOTrainer`` reads the
@@ -25,9 +26,10 @@ from collections.abc import Iterator, Sequence
 from functools import cache
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 
 from agl_backend_verl.moved_keys import with_moved_key_hint
+from agl_backend_verl.verl_dataclasses import declared_fields, type_names
 from agl_backend_verl.verl_version import VERL_INSTALL, check_verl_version
 from agl_core import AgentLightningConfig, ConfigError, default_config, merge_config, validate_config
 
@@ -58,6 +60,7 @@ def overlay() -> DictConfig:
         OmegaConf.update(values, key, OmegaConf.select(core, key), force_add=True)
     return values
 
+
 # The Hydra config the base holds: a user file's ``defaults`` may name it (verl's run configs do).
 COMPOSED = ("ppo_trainer",)
 
@@ -84,16 +87,31 @@ def _verl_defaults() -> DictConfig:
     return cfg
 
 
+@cache
+def _verl_fields() -> dict[str, Any]:
+    """Dotted key -> annotation of every field verl's config dataclasses declare for its defaults' sections."""
+    return declared_fields(_verl_defaults())
+
+
+@cache
+def _omitted_fields() -> tuple[str, ...]:
+    """The fields verl's dataclasses declare but its defaults leave out (``fsdp_config.mixed_precision``)."""
+    defaults = _verl_defaults()
+    return tuple(key for key in _verl_fields() if OmegaConf.select(defaults, key, default=_NO_TYPE) is _NO_TYPE)
+
+
 def verl_base() -> DictConfig:
     """verl's defaults + the typed ``agentlightning`` section + :func:`overlay`, in struct mode.
 
     Free-form mappings left empty by default (verl's ``override_config``, ``engine_kwargs``...; agl's
     ``agentlightning.local.env_map``) stay open, so users can fill them as they would with Hydra's
-    ``+key=value``.
+    ``+key=value``. The fields verl's dataclasses declare but its defaults omit are there as ``???``,
+    so a user may set them; :func:`load_verl_config` drops those nobody set.
     """
     agl = OmegaConf.structured(AgentLightningConfig)
     agl.backend = "verl"
-    cfg = OmegaConf.merge(_verl_defaults(), {"agentlightning": agl}, overlay())
+    omitted = OmegaConf.from_dotlist([f"{key}={MISSING}" for key in _omitted_fields()])
+    cfg = OmegaConf.merge(_verl_defaults(), omitted, {"agentlightning": agl}, overlay())
     assert isinstance(cfg, DictConfig)
     OmegaConf.set_struct(cfg, True)
     for _key, node in _walk(cfg):
@@ -109,6 +127,7 @@ def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequ
         cfg = merge_config(path, overrides, base=base.copy(), composed=COMPOSED)
     except ConfigError as exc:
         raise with_moved_key_hint(exc) from None
+    _drop_unset(cfg, _omitted_fields())
     check_types(cfg, base)
     validate_config(cfg)
     validate_verl(cfg)
@@ -116,6 +135,16 @@ def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequ
 
 
 _NO_TYPE = object()  # an interpolation or a mandatory value left unset: no default type
+
+
+def _drop_unset(cfg: DictConfig, keys: Sequence[str]) -> None:
+    """Remove the ``keys`` still ``???``, so verl gets its dataclasses' defaults for them, as without agl."""
+    for key in keys:
+        parent_key, _, name = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if isinstance(parent, DictConfig) and name in parent.keys() and OmegaConf.is_missing(parent, name):
+            with open_dict(parent):
+                del parent[name]
 
 
 def _walk(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -148,13 +177,14 @@ def _type_name(value: Any) -> str | None:
 
 
 def check_types(cfg: DictConfig, base: DictConfig) -> None:
-    """Each value must have the type of its default in ``base`` (an int is accepted for a float).
+    """Each value must have the type of its default in ``base`` (an int is accepted for a float), or
+    one the field's annotation in verl's dataclass admits (``target_modules``: a str or a list).
 
     Defaults that are ``None`` or interpolations carry no type and accept anything. verl writes some
     float settings with an int default (``rollout.top_p: 1``, ``val_kwargs.temperature: 0``); a float
     is accepted there when the core schema types the same key as a float.
     """
-    core = default_config()
+    core, fields = default_config(), _verl_fields()
     for key, default in _walk(base):
         expected = _type_name(default)
         if expected is None:
@@ -165,14 +195,31 @@ def check_types(cfg: DictConfig, base: DictConfig) -> None:
             continue
         if expected == "int" and got == "float" and isinstance(OmegaConf.select(core, key, default=None), float):
             continue
-        raise ConfigError(key, f"must be a {expected} like verl's default {default!r}, got {got or type(value).__name__} {value!r}")
+        declared = type_names(fields[key]) if key in fields else frozenset()
+        if declared is None or got in declared:
+            continue
+        raise ConfigError(
+            key, f"must be a {expected} like verl's default {default!r}, got {got or type(value).__name__} {value!r}"
+        )
+    for key in _omitted_fields():
+        value = OmegaConf.select(cfg, key, default=None)
+        declared, got = type_names(fields[key]), _type_name(value)
+        if value is None or declared is None or got in declared or ("float" in declared and got == "int"):
+            continue
+        raise ConfigError(
+            key,
+            f"must be a {' or '.join(sorted(declared))} as verl's dataclass declares it, "
+            f"got {got or type(value).__name__} {value!r}",
+        )
 
 
 def validate_verl(cfg: DictConfig) -> None:
     """Rules of this backend that the core's :func:`~agl_core.config.checks.validate` does not know."""
     estimator = str(cfg.algorithm.adv_estimator)
     if estimator in UNSUPPORTED_ESTIMATORS:
-        raise ConfigError("algorithm.adv_estimator", f"{estimator!r} is not supported: {UNSUPPORTED_ESTIMATORS[estimator]}")
+        raise ConfigError(
+            "algorithm.adv_estimator", f"{estimator!r} is not supported: {UNSUPPORTED_ESTIMATORS[estimator]}"
+        )
     if cfg.algorithm[ROLLOUT_LEVEL_KEY] and estimator == "gae":
         raise ConfigError(
             "algorithm.adv_estimator",
@@ -198,9 +245,13 @@ def check_verl_requirements(cfg: DictConfig) -> None:
             "backend 'verl' runs agents through the gateway: set its URL (or replay a recording)",
         )
     if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):
-        raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
+        raise ConfigError(
+            "actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)"
+        )
     if not cfg.actor_rollout_ref.model.path:
-        raise ConfigError("actor_rollout_ref.model.path", "the policy's model (a local folder or a Hugging Face id) is not set")
+        raise ConfigError(
+            "actor_rollout_ref.model.path", "the policy's model (a local folder or a Hugging Face id) is not set"
+        )
 
 
 def verl_algorithm_config(cfg: DictConfig) -> DictConfig:

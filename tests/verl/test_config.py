@@ -70,12 +70,20 @@ def test_verl_defaults_overlay_and_user_values_compose(user_yaml):
         ("actor_rollout_ref.actor.use_kl_loss=3", "actor_rollout_ref.actor.use_kl_loss", "must be a bool"),
         ("trainer.logger=console", "trainer.logger", "must be a list"),
         ("agentlightning.rollout_timeout_seconds=soon", "agentlightning.rollout_timeout_seconds", "Integer"),
-        ("agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size", "greater than"),
+        (
+            "agentlightning.async_rollout.enabled=true",
+            "agentlightning.async_rollout.async_train_batch_size",
+            "greater than",
+        ),
         ("algorithm.adv_estimator=remax", "algorithm.adv_estimator", "not supported"),
         ("algorithm.adv_estimator=gae", "algorithm.adv_estimator", "per-token"),
         # the core's ranges and relations hold under verl too
         ("actor_rollout_ref.actor.grad_clip=-1", "actor_rollout_ref.actor.grad_clip", "greater than 0"),
-        ("actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size", "larger than data.train_batch_size"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            "larger than data.train_batch_size",
+        ),
         ("trainer.total_training_steps=0", "trainer.total_training_steps", "positive integer or null"),
         # verl clips at optim.clip_grad and never reads grad_clip: a difference would be ignored silently
         ("actor_rollout_ref.actor.grad_clip=0.5", "actor_rollout_ref.actor.grad_clip", "give both the same value"),
@@ -90,13 +98,16 @@ def test_errors_name_the_key(user_yaml, override, key, fragment):
 
 
 def test_the_same_gradient_clip_under_both_keys_is_accepted(user_yaml):
-    cfg = verl_config.load_verl_config(user_yaml, ["actor_rollout_ref.actor.grad_clip=0.5", "actor_rollout_ref.actor.optim.clip_grad=0.5"])
+    cfg = verl_config.load_verl_config(
+        user_yaml, ["actor_rollout_ref.actor.grad_clip=0.5", "actor_rollout_ref.actor.optim.clip_grad=0.5"]
+    )
     assert cfg.actor_rollout_ref.actor.optim.clip_grad == 0.5
 
 
 def test_async_batch_size_rule_accepts_a_larger_in_flight_size(user_yaml):
     cfg = verl_config.load_verl_config(
-        user_yaml, ["agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=6"]
+        user_yaml,
+        ["agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=6"],
     )
     assert cfg.agentlightning.async_rollout.async_train_batch_size == 6
 
@@ -134,7 +145,9 @@ def test_missing_verl_is_a_config_error(monkeypatch):
 
 
 def test_floats_where_verl_writes_an_int_default_are_accepted_only_for_float_settings():
-    cfg = verl_config.load_verl_config(None, ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.val_kwargs.temperature=0.0"])
+    cfg = verl_config.load_verl_config(
+        None, ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.val_kwargs.temperature=0.0"]
+    )
     assert cfg.actor_rollout_ref.rollout.top_p == 0.9
     with pytest.raises(ConfigError) as refused:
         verl_config.load_verl_config(None, ["actor_rollout_ref.rollout.top_k=0.5"])
@@ -160,7 +173,9 @@ def test_an_unsupported_verl_is_refused_at_backend_start_naming_both_versions(mo
     finally:
         verl_config._verl_defaults.cache_clear()
     assert info.value.key == "agentlightning.backend"
-    assert info.value.message.startswith(f"backend 'verl' supports verl >=0.9.1,<0.10 (0.9.x), but verl {installed} is installed ({reason}")
+    assert info.value.message.startswith(
+        f"backend 'verl' supports verl >=0.9.1,<0.10 (0.9.x), but verl {installed} is installed ({reason}"
+    )
     assert info.value.message.endswith("pip install 'verl>=0.9.1,<0.10'")
 
 
@@ -171,3 +186,55 @@ def test_verl_09_releases_are_accepted(installed):
     check_verl_version(installed)
     check_verl_version()  # the verl installed here
     assert installed_verl_version().startswith("0.9.")
+
+
+def test_keys_verls_dataclasses_take_beyond_its_defaults_reach_verls_dataclasses(tmp_path):
+    """``fsdp_config.mixed_precision`` (a field verl's YAML defaults omit) and a list of ``target_modules``
+    (a default of ``"all-linear"``) load under backend verl and build verl's dataclasses."""
+    pytest.importorskip("verl")
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import FSDPActorConfig, HFModelConfig
+
+    from tests.helpers.corridor_policy import build_corridor_policy
+
+    policy = build_corridor_policy(tmp_path / "policy")
+    cfg = verl_config.load_verl_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={policy}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        ],
+    )
+    model = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, HFModelConfig)
+    assert list(model.target_modules) == ["q_proj", "v_proj"]
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor, FSDPActorConfig) and actor.fsdp_config.mixed_precision == {"param_dtype": "bf16"}
+    engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.fsdp_config)
+    assert engine.mixed_precision == {"param_dtype": "bf16"}
+    # an omitted field nobody set stays out of what verl gets, as without agl
+    assert "mixed_precision" not in cfg.actor_rollout_ref.ref.fsdp_config.keys()
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fragment"),
+    [
+        (
+            "actor_rollout_ref.actor.fsdp_config.mixed_precison.param_dtype=bf16",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precison",
+            "did you mean 'mixed_precision'",
+        ),
+        (
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision=bf16",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision",
+            "must be a mapping",
+        ),
+        ("actor_rollout_ref.model.lora_rank=[8]", "actor_rollout_ref.model.lora_rank", "must be a int"),
+    ],
+)
+def test_keys_verls_dataclasses_do_not_take_are_refused_by_name(override, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        verl_config.load_verl_config(None, [override])
+    assert info.value.key == key and fragment in info.value.message
