@@ -86,6 +86,14 @@ def check_cpu_config(config: DictConfig, use_critic: bool) -> None:
         got = OmegaConf.select(config, key, default=None)
         if got != value:
             raise ConfigError(key, f"is {got!r}, but trainer.device=cpu needs {value!r} ({why})")
+    for section in ENGINE_SECTIONS:  # CPU mode trains in fp32: a user's other dtype is refused, not replaced
+        mixed = OmegaConf.select(config, f"{section}.mixed_precision", default=None)
+        for field, dtype in (mixed or {}).items():
+            if str(dtype).lower() not in ("fp32", "float32"):
+                raise ConfigError(
+                    f"{section}.mixed_precision.{field}",
+                    f"is {dtype!r}, but trainer.device=cpu trains in fp32 (set fp32 or leave mixed_precision out)",
+                )
 
 
 def use_fp32(config: DictConfig) -> None:

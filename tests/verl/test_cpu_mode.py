@@ -125,6 +125,10 @@ def test_cpu_keys_load_and_pass_the_cpu_checks():
         ),
         ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name"),
         ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_remove_padding"),
+        (
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+        ),
     ],
 )
 def test_what_cannot_run_on_cpu_is_refused_by_key(override, key):
