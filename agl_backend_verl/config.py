@@ -58,6 +58,7 @@ def overlay() -> DictConfig:
         OmegaConf.update(values, key, OmegaConf.select(core, key), force_add=True)
     return values
 
+
 # The Hydra config the base holds: a user file's ``defaults`` may name it (verl's run configs do).
 COMPOSED = ("ppo_trainer",)
 
@@ -165,19 +166,28 @@ def check_types(cfg: DictConfig, base: DictConfig) -> None:
             continue
         if expected == "int" and got == "float" and isinstance(OmegaConf.select(core, key, default=None), float):
             continue
-        raise ConfigError(key, f"must be a {expected} like verl's default {default!r}, got {got or type(value).__name__} {value!r}")
+        raise ConfigError(
+            key, f"must be a {expected} like verl's default {default!r}, got {got or type(value).__name__} {value!r}"
+        )
 
 
 def validate_verl(cfg: DictConfig) -> None:
     """Rules of this backend that the core's :func:`~agl_core.config.checks.validate` does not know."""
     estimator = str(cfg.algorithm.adv_estimator)
     if estimator in UNSUPPORTED_ESTIMATORS:
-        raise ConfigError("algorithm.adv_estimator", f"{estimator!r} is not supported: {UNSUPPORTED_ESTIMATORS[estimator]}")
+        raise ConfigError(
+            "algorithm.adv_estimator", f"{estimator!r} is not supported: {UNSUPPORTED_ESTIMATORS[estimator]}"
+        )
     if cfg.algorithm[ROLLOUT_LEVEL_KEY] and estimator == "gae":
         raise ConfigError(
             "algorithm.adv_estimator",
             "'gae' gives per-token advantages, which cannot be computed once per rollout; choose an outcome "
             f"estimator (grpo, rloo, ...) or set algorithm.{ROLLOUT_LEVEL_KEY}=false",
+        )
+    if estimator == "gae" and cfg.critic.enable is not None and not cfg.critic.enable:
+        raise ConfigError(
+            "critic.enable",
+            "is false, but 'gae' needs the critic's values: enable the critic or choose another estimator",
         )
     actor = cfg.actor_rollout_ref.actor
     clip_grad = OmegaConf.select(actor, "optim.clip_grad", default=None)
@@ -198,9 +208,13 @@ def check_verl_requirements(cfg: DictConfig) -> None:
             "backend 'verl' runs agents through the gateway: set its URL (or replay a recording)",
         )
     if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):
-        raise ConfigError("actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)")
+        raise ConfigError(
+            "actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)"
+        )
     if not cfg.actor_rollout_ref.model.path:
-        raise ConfigError("actor_rollout_ref.model.path", "the policy's model (a local folder or a Hugging Face id) is not set")
+        raise ConfigError(
+            "actor_rollout_ref.model.path", "the policy's model (a local folder or a Hugging Face id) is not set"
+        )
 
 
 def verl_algorithm_config(cfg: DictConfig) -> DictConfig:

@@ -7,7 +7,8 @@ rollout source → (async: the gateway paused and drained; sync: leftover replic
 (:mod:`agl_backend_verl.advantages`) → batch shaping (whole rollouts dropped, marked ones first) →
 tensorise → ``DataProto`` with the advantages (scaled per rollout under ``per_rollout_mean``) and
 the unscaled ``returns``, both one value per rollout → replicas slept → old log-probs / reference /
-values through verl's workers → critic / actor update → weights pushed
+values through verl's workers → (``gae``: advantages and returns from the values, as verl's trainer
+orders it) → critic / actor update → weights pushed
 → the replicas' addresses registered with the gateway with ``version`` = step (stale ones deleted
 first; async: the gateway resumed). The loop around the step (validation over all validation
 batches, reporting, checkpoints) is the one every backend runs, :func:`agl_core.backends.loop.run_steps`.
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -29,6 +30,11 @@ from torch.utils.data import Dataset
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.metric import reduce_metrics
 
+from agl_backend_verl.advantages import advantages_from_values, compute_advantages, needs_values
+from agl_backend_verl.config import validate_verl
+from agl_backend_verl.dataproto import to_dataproto
+from agl_backend_verl.verl_plugins import ensure_registered
+from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 from agl_core import (
     CompletedRollout,
     LoopSettings,
@@ -42,11 +48,6 @@ from agl_core import (
     tensorize,
     validation_metrics,
 )
-from agl_backend_verl.advantages import compute_advantages
-from agl_backend_verl.config import validate_verl
-from agl_backend_verl.dataproto import to_dataproto
-from agl_backend_verl.verl_plugins import ensure_registered
-from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ SOURCE_STATE = "agl_rollout_source.pt"
 
 StepReport = tuple[int, int, dict[str, float], StepSamples]
 """``(step, total_steps, metrics, samples)``: what the trainer yields, and its Ray actor streams."""
+
 
 class SampleDataset(Dataset):
     """In-memory dataset rows (JSON-like dicts); each becomes one rollout group's ``input``."""
@@ -86,7 +88,14 @@ class AglRayPPOTrainer(RayPPOTrainer):
     verl's workers once :meth:`init_workers` has run.
     """
 
-    def __init__(self, *args: Any, plugins: PluginManager, rollout_source: RolloutSource, worker_calls: WorkerCalls | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        plugins: PluginManager,
+        rollout_source: RolloutSource,
+        worker_calls: WorkerCalls | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         validate_verl(self.config)
         self.plugins = plugins
@@ -144,7 +153,9 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.calls.load_checkpoint()
         self.calls.push_weights(self.global_steps)
         self._register_replicas(self.global_steps)
-        settings = LoopSettings.from_config(self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only))
+        settings = LoopSettings.from_config(
+            self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only)
+        )
         carried = self._restore_source()
         settings = attrs.evolve(settings, fill=max(0, settings.fill - carried))  # the fill counts what is carried
         for step in run_steps(self, settings):
@@ -222,8 +233,14 @@ class AglRayPPOTrainer(RayPPOTrainer):
             batch = batch.union(self.calls.ref_log_probs(batch))
         if self.use_critic:
             batch = batch.union(self.calls.values(batch))
+        if needs_values(self.config):  # gae: advantages and returns from the critic's values, as verl orders it
+            batch = advantages_from_values(batch, self.config)
+            if prepared.row_scales is not None:
+                batch.batch["advantages"] *= torch.as_tensor(prepared.row_scales, dtype=torch.float32)[:, None]
         updated = time.perf_counter()
-        metrics["timing/log_prob_s"] = updated - scored  # old, reference and critic values, as the torch backend times them
+        metrics["timing/log_prob_s"] = (
+            updated - scored
+        )  # old, reference and critic values, as the torch backend times them
         if self.use_critic:
             metrics.update(reduce_metrics(self.calls.update_critic(batch)))
         if self.config.trainer.critic_warmup <= self.global_steps:
