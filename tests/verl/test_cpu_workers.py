@@ -73,7 +73,7 @@ def test_abort_replicas_refuses_requests_until_resume_replicas(probe):
 def test_a_step_through_every_worker_call(probe):
     result = ray.get(probe.step.remote(1))
     print("worker calls:", result)
-    # sleep_replicas ran before, balance_batch reordered rows without losing any
+    # sleep_replicas ran before, order_for_workers reordered rows without losing any
     assert result["balanced"] and "global_seqlen/balanced_max" in result["balance_metrics"]
     # old_log_probs: the actor (FSDP2, fp32) scores the replica's own samples as the replica did
     assert result["old_vs_rollout_max_gap"] < 1e-4

@@ -139,7 +139,7 @@ def test_fit_runs_every_stage_in_order(tokenizer):
     step_calls = workers.calls[workers.calls.index(("push", 0)) :]
     first_step = step_calls[step_calls.index(("resume",), 3) :]  # after the initial validation
     names = [c[0] for c in first_step]
-    assert names[:7] == ["resume", "abort", "sleep", "balance", "old_log_probs", "update_actor", "push"]
+    assert names[:7] == ["resume", "abort", "sleep", "dp_size", "old_log_probs", "update_actor", "push"]
     assert ("save",) in workers.calls and workers.calls.count(("save",)) == 2
 
     # validation before training and at test_freq: all 5 validation samples over 3 batches
@@ -275,3 +275,27 @@ def test_gae_without_the_critic_is_rejected(tokenizer):
             "algorithm.enable_rollout_level_advantage=false",
             "critic.enable=false",
         )
+
+
+def test_on_two_ranks_verls_dispatch_gets_the_torch_backends_mini_batches(tokenizer):
+    """verl hands each rank a contiguous share of the batch and cuts it into mini-batches; the trainer
+    orders the rows so that, across both ranks, mini-batch ``i`` is the shaped batch's ``i``-th slice."""
+    trainer, _, _ = make_trainer(
+        tokenizer, "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.total_training_steps=1"
+    )
+    workers = trainer.calls = FakeWorkers(trainer.config, dp_size=2)
+    prepared = []
+    prepare = trainer.pipeline.prepare
+    trainer.pipeline.prepare = lambda rollouts, step: prepared.append(prepare(rollouts, step)) or prepared[-1]
+    seen = []
+    trainer.fit(on_step=lambda step, total, metrics, samples: seen.append(metrics))
+    shaped = prepared[0].shaped
+    assert shaped.n_mini_batches == 2
+    per_mini, share = len(shaped.rows) // 2, len(shaped.rows) // 2
+    part = per_mini // 2
+    trained = list(workers.updated[0].non_tensor_batch["rollout_ids"])
+    for i in range(shaped.n_mini_batches):
+        verls = sorted(trained[r * share + i * part + j] for r in range(2) for j in range(part))
+        torchs = sorted(row.rollout_id for row in shaped.rows[i * per_mini : (i + 1) * per_mini])
+        assert verls == torchs
+    assert "global_seqlen/balanced_max" in seen[-1]  # trainer.balance_batch: balanced within each mini-batch
