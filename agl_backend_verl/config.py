@@ -226,6 +226,11 @@ def validate_verl(cfg: DictConfig) -> None:
             "'gae' gives per-token advantages, which cannot be computed once per rollout; choose an outcome "
             f"estimator (grpo, rloo, ...) or set algorithm.{ROLLOUT_LEVEL_KEY}=false",
         )
+    if estimator == "gae" and cfg.critic.enable is not None and not cfg.critic.enable:
+        raise ConfigError(
+            "critic.enable",
+            "is false, but 'gae' needs the critic's values: enable the critic or choose another estimator",
+        )
     actor = cfg.actor_rollout_ref.actor
     clip_grad = OmegaConf.select(actor, "optim.clip_grad", default=None)
     if clip_grad is not None and float(actor.grad_clip) != float(clip_grad):

@@ -5,9 +5,12 @@ top the rollout source's in-flight groups up), in order: replicas resumed → ro
 rollout source → (async: the gateway paused and drained; sync: leftover replica requests aborted) →
 :meth:`learn`: the configured aggregator → advantages on every collected row
 (:mod:`agl_backend_verl.advantages`) → batch shaping (whole rollouts dropped, marked ones first) →
-tensorise → ``DataProto`` with the advantages (scaled per rollout under ``per_rollout_mean``) and
-the unscaled ``returns``, both one value per rollout → replicas slept → old log-probs / reference /
-values through verl's workers → critic / actor update → weights pushed
+replicas slept → tensorise → ``DataProto`` with the advantages (scaled per rollout under
+``per_rollout_mean``) and the unscaled ``returns``, both one value per rollout → rows put in the
+order that makes verl's dispatch train the torch backend's mini-batches
+(:mod:`agl_backend_verl.dispatch`) → old log-probs / reference / values through verl's workers →
+(``gae``: advantages and returns from the values, as verl's trainer orders it) → critic / actor
+update → weights pushed
 → the replicas' addresses registered with the gateway with ``version`` = step (stale ones deleted
 first; async: the gateway resumed). The loop around the step (validation over all validation
 batches, reporting, checkpoints) is the one every backend runs, :func:`agl_core.backends.loop.run_steps`.
@@ -19,16 +22,23 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 from torch.utils.data import Dataset
+from verl import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.metric import reduce_metrics
 
+from agl_backend_verl.advantages import advantages_from_values, compute_advantages, needs_values
+from agl_backend_verl.config import validate_verl
+from agl_backend_verl.dataproto import to_dataproto
+from agl_backend_verl.dispatch import dispatch_order
+from agl_backend_verl.verl_plugins import ensure_registered
+from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 from agl_core import (
     CompletedRollout,
     LoopSettings,
@@ -42,11 +52,6 @@ from agl_core import (
     tensorize,
     validation_metrics,
 )
-from agl_backend_verl.advantages import compute_advantages
-from agl_backend_verl.config import validate_verl
-from agl_backend_verl.dataproto import to_dataproto
-from agl_backend_verl.verl_plugins import ensure_registered
-from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,7 @@ SOURCE_STATE = "agl_rollout_source.pt"
 
 StepReport = tuple[int, int, dict[str, float], StepSamples]
 """``(step, total_steps, metrics, samples)``: what the trainer yields, and its Ray actor streams."""
+
 
 class SampleDataset(Dataset):
     """In-memory dataset rows (JSON-like dicts); each becomes one rollout group's ``input``."""
@@ -86,7 +92,14 @@ class AglRayPPOTrainer(RayPPOTrainer):
     verl's workers once :meth:`init_workers` has run.
     """
 
-    def __init__(self, *args: Any, plugins: PluginManager, rollout_source: RolloutSource, worker_calls: WorkerCalls | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        plugins: PluginManager,
+        rollout_source: RolloutSource,
+        worker_calls: WorkerCalls | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         validate_verl(self.config)
         self.plugins = plugins
@@ -144,7 +157,9 @@ class AglRayPPOTrainer(RayPPOTrainer):
         self.calls.load_checkpoint()
         self.calls.push_weights(self.global_steps)
         self._register_replicas(self.global_steps)
-        settings = LoopSettings.from_config(self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only))
+        settings = LoopSettings.from_config(
+            self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only)
+        )
         carried = self._restore_source()
         settings = attrs.evolve(settings, fill=max(0, settings.fill - carried))  # the fill counts what is carried
         for step in run_steps(self, settings):
@@ -211,9 +226,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
         batch.batch["advantages"] = prepared.advantages(width)  # scaled per rollout for per-rollout losses
         batch.batch["returns"] = prepared.returns(width)  # per rollout, as Agent Lightning v1.0 puts them
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
-        if self.config.trainer.balance_batch:
-            self.calls.balance_batch(batch, metrics)
+        order = self.order_for_workers(batch, shaped.n_mini_batches, metrics)
         scored = time.perf_counter()
         old, old_metrics = self.calls.old_log_probs(batch)
         batch = batch.union(old)
@@ -222,8 +235,15 @@ class AglRayPPOTrainer(RayPPOTrainer):
             batch = batch.union(self.calls.ref_log_probs(batch))
         if self.use_critic:
             batch = batch.union(self.calls.values(batch))
+        if needs_values(self.config):  # gae: advantages and returns from the critic's values, as verl orders it
+            batch = advantages_from_values(batch, self.config)
+            if prepared.row_scales is not None:
+                scales = torch.as_tensor(prepared.row_scales, dtype=torch.float32)[order]
+                batch.batch["advantages"] *= scales[:, None]
         updated = time.perf_counter()
-        metrics["timing/log_prob_s"] = updated - scored  # old, reference and critic values, as the torch backend times them
+        metrics["timing/log_prob_s"] = (
+            updated - scored
+        )  # old, reference and critic values, as the torch backend times them
         if self.use_critic:
             metrics.update(reduce_metrics(self.calls.update_critic(batch)))
         if self.config.trainer.critic_warmup <= self.global_steps:
@@ -231,6 +251,18 @@ class AglRayPPOTrainer(RayPPOTrainer):
         metrics["timing/actor_update_s"] = time.perf_counter() - updated
         metrics["timing/update_s"] = time.perf_counter() - started
         return metrics
+
+    def order_for_workers(self, batch: DataProto, n_mini_batches: int, metrics: dict[str, float]) -> list[int]:
+        """Put the batch's rows in :func:`~agl_backend_verl.dispatch.dispatch_order` (in place), so that
+        verl's dispatch over the actor's data-parallel ranks trains the torch backend's mini-batches,
+        balanced within each mini-batch under ``trainer.balance_batch``; the order applied."""
+        seqlens = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        balance = bool(self.config.trainer.balance_batch)
+        order, balance_metrics = dispatch_order(seqlens, n_mini_batches, self.calls.actor_dp_size(), balance)
+        batch.reorder(torch.as_tensor(order))
+        batch.meta_info["global_token_num"] = [seqlens[i] for i in order]
+        metrics.update(balance_metrics)
+        return order
 
     def validate(self) -> dict[str, float]:
         """One validation pass over every validation batch; ``val/*`` metrics over all of them

@@ -37,8 +37,8 @@ class WorkerCalls(Protocol):
     def values(self, batch: DataProto) -> DataProto:
         """``values`` from the critic."""
 
-    def balance_batch(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        """Reorder rows in place so each data-parallel rank gets a similar token count."""
+    def actor_dp_size(self) -> int:
+        """The actor's data-parallel size: how many contiguous shares verl's dispatch cuts a batch into."""
 
     def update_critic(self, batch: DataProto) -> dict[str, Any]:
         """One critic update; its metrics."""
@@ -103,8 +103,8 @@ class VerlWorkerCalls:
     def values(self, batch: DataProto) -> DataProto:
         return self.trainer._compute_values(batch)
 
-    def balance_batch(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        self.trainer._balance_batch(batch, metrics=metrics)
+    def actor_dp_size(self) -> int:
+        return self.trainer._get_dp_size(self.trainer.actor_rollout_wg, "actor")
 
     def update_critic(self, batch: DataProto) -> dict[str, Any]:
         return self.trainer._update_critic(batch).meta_info["metrics"]

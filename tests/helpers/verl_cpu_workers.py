@@ -173,11 +173,10 @@ class WorkerCallsProbe:
         batch.batch["advantages"] = prepared.advantages(width)
         batch.batch["returns"] = prepared.returns(width)
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
         result: dict[str, Any] = {}
         before = [int(i) for i in batch.batch["responses"][:, 0]]
         metrics: dict[str, float] = {}
-        calls.balance_batch(batch, metrics)
+        trainer.order_for_workers(batch, prepared.shaped.n_mini_batches, metrics)
         result["balanced"] = sorted(before) == sorted(int(i) for i in batch.batch["responses"][:, 0])
         result["balance_metrics"] = sorted(metrics)
         old, old_metrics = calls.old_log_probs(batch)

@@ -11,8 +11,9 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 class FakeWorkers:
     """The GPU-only calls, recorded; the actor update runs verl's registered policy loss for real."""
 
-    def __init__(self, config):
+    def __init__(self, config, dp_size=1):
         self.config = config
+        self.dp_size = dp_size
         self.calls: list[tuple] = []
         self.updated: list[DataProto] = []
         self.losses: list[float] = []
@@ -41,9 +42,9 @@ class FakeWorkers:
     def values(self, batch):
         raise AssertionError("no critic is configured")
 
-    def balance_batch(self, batch, metrics):
-        self.calls.append(("balance", len(batch)))
-        batch.reorder(__import__("torch").arange(len(batch) - 1, -1, -1))
+    def actor_dp_size(self):
+        self.calls.append(("dp_size",))
+        return self.dp_size
 
     def update_critic(self, batch):
         raise AssertionError("no critic is configured")

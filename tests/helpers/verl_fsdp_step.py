@@ -14,10 +14,12 @@ rollouts, each through its backend's own way to the update:
   share's mini-batches) → verl's FSDP2 engine ``train_batch`` with verl's ``ppo_loss`` per
   mini-batch (its own micro-batches).
 
-With several ranks and several mini-batches that split trains other mini-batches than the torch
-backend (whose mini-batch ``i`` is rows ``i × per_mini`` onwards): ``dispatch: verl`` keeps the
-trainer's order as it is, ``dispatch: torch_mini_batches`` first puts the rows in
-:func:`mini_batch_major_order`.
+With several ranks and several mini-batches that split alone trains other mini-batches than the
+torch backend (whose mini-batch ``i`` is rows ``i × per_mini`` onwards), so the rows are reordered
+first: ``dispatch: torch_mini_batches`` puts them in
+:func:`~agl_backend_verl.dispatch.mini_batch_major_order`, ``dispatch: verl`` in the trainer's own
+:func:`~agl_backend_verl.dispatch.dispatch_order` (balanced within each mini-batch, as under
+``trainer.balance_batch``), ``dispatch: contiguous`` leaves them as they are.
 
 The old and reference log-probs are the torch side's (the old ones perturbed, so that ratios clip),
 handed to both: what is compared is the update, not a second forward pass. ``planted`` plants a known
@@ -140,15 +142,6 @@ def run_cases(rank: int, world_size: int, port: int, cases: list[dict], out_dir:
         torch.distributed.destroy_process_group()
 
 
-def mini_batch_major_order(n_rows: int, n_mini: int, dp_size: int) -> list[int]:
-    """The row order that makes verl's dispatch (a contiguous share per rank, then that share's
-    mini-batches) train the torch backend's mini-batches (contiguous rows of the batch): rank ``r``'s
-    share holds the ``r``-th part of each mini-batch in turn."""
-    per_mini = n_rows // n_mini
-    part = per_mini // dp_size
-    return [i * per_mini + r * part + j for r in range(dp_size) for i in range(n_mini) for j in range(part)]
-
-
 def _pipelines(config, plugins, tokenizer, rollouts, step):
     """The step's prepared batch as the torch backend builds it and as the verl trainer does."""
     from agl_backend_verl.advantages import compute_advantages
@@ -170,6 +163,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     from verl.workers.utils.losses import ppo_loss
 
     from agl_backend_verl.dataproto import to_dataproto
+    from agl_backend_verl.dispatch import dispatch_order, mini_batch_major_order
     from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
     from agl_core.recording import read_recording
     from agl_core.stages.tensorize import tensorize
@@ -216,6 +210,9 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     share, per_rank_mini = n_rows // world_size, per_mini // world_size
     if case["dispatch"] == "torch_mini_batches":
         data = data[mini_batch_major_order(n_rows, n_mini, world_size)]
+    elif case["dispatch"] == "verl":
+        seqlens = data.batch["attention_mask"].sum(-1).tolist()
+        data = data[dispatch_order(seqlens, n_mini, world_size, balance=True)[0]]
     mine = data[rank * share : (rank + 1) * share]
     verl_grads, verl_minis = _capture_grads(engine.optimizer, lambda: full_state(engine, grads=True)), []
     for i in range(n_mini):

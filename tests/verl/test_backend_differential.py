@@ -6,7 +6,9 @@ corridor's tiny policy; :mod:`tests.helpers.verl_fsdp_step` runs both sides. Cas
 both ``agentlightning.loss_normalization`` modes, with the entropy bonus and the KL term on, on one
 and two ranks, with one micro-batch per mini-batch and with token-budget micro-batches
 (``use_dynamic_bsz``), over two mini-batches (two optimizer steps); and a third-party plugin set
-(``examples/retoken_merge``'s aggregator and :class:`~tests.helpers.median_baseline.MedianBaseline`, a plugin's estimator).
+(``examples/retoken_merge``'s aggregator and :class:`~tests.helpers.median_baseline.MedianBaseline`,
+a plugin's estimator). On two ranks the verl side's rows are put in the verl trainer's dispatch order
+first (:mod:`agl_backend_verl.dispatch`), without which verl trains other mini-batches.
 
 Tolerances, in fp32: the first optimizer step's clipped gradient within 1e-5 of its largest
 element, every shared metric within 1e-5 relative; the second step's gradient and the weights after
@@ -77,6 +79,9 @@ PLANTED = case(
 VERL_DISPATCH = case(
     "per_rollout_mean-rollouts-dp2-several_micro-verl_dispatch", micro="several", dp=2, dispatch="verl"
 )
+CONTIGUOUS = case(
+    "per_rollout_mean-rollouts-dp2-several_micro-contiguous", micro="several", dp=2, dispatch="contiguous"
+)
 
 
 def differences(result: dict) -> dict[str, float]:
@@ -117,7 +122,7 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("differential")
     policy = build_corridor_policy(root / "policy")
     common = {"model_dir": str(policy), "recording": str(RECORDED_ROLLOUTS), "step": STEP}
-    cases = [{**c, **common} for c in (*CASES, PLANTED, VERL_DISPATCH)]
+    cases = [{**c, **common} for c in (*CASES, PLANTED, VERL_DISPATCH, CONTIGUOUS)]
     for dp in (1, 2):
         torch.multiprocessing.spawn(
             run_cases, args=(dp, free_port(), [c for c in cases if c["dp"] == dp], str(root)), nprocs=dp
@@ -145,10 +150,19 @@ def test_a_planted_backend_difference_is_caught(results):
     assert measured["grad_first_step"] > 1e-2 and measured["params"] > 1e-2 and measured["actor/pg_loss"] > 1e-2
 
 
-def test_verls_dispatch_trains_other_mini_batches_on_two_ranks(results):
-    """verl's worker dispatch gives each rank a contiguous share of the batch and cuts that share into
-    mini-batches, so with two ranks mini-batch 1 is rows 0-7 and 16-23, not the torch backend's rows
-    0-15: the same step trains different mini-batches, and the updates part (the other cases put the
-    rows in :func:`tests.helpers.verl_fsdp_step.mini_batch_major_order` first)."""
-    measured = differences(results[VERL_DISPATCH["id"]])
+def test_the_trainers_dispatch_order_trains_the_torch_backends_mini_batches_on_two_ranks(results):
+    """The verl trainer's row order (:func:`agl_backend_verl.dispatch.dispatch_order`, balanced within
+    each mini-batch) makes verl's dispatch (a contiguous share per rank, then that share's mini-batches)
+    train the torch backend's mini-batches: the same updates."""
+    result = results[VERL_DISPATCH["id"]]
+    print("dp=2, the trainer's dispatch order:", differences(result))
+    assert result["n_optimizer_steps"] == result["n_mini_batches"] == 2
+    assert_same(result)
+
+
+def test_without_the_dispatch_order_verl_trains_other_mini_batches_on_two_ranks(results):
+    """Why the order is needed: left as they are, the rows reach verl's ranks as contiguous shares,
+    so its first mini-batch is rows 0-7 and 16-23 instead of rows 0-15, and the updates part."""
+    measured = differences(results[CONTIGUOUS["id"]])
+    print("dp=2, rows left as they are:", measured)
     assert measured["grad_first_step"] > 1e-2 and measured["params"] > 1e-2

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.verl
 
 pytest.importorskip("verl")
 
+from verl import DataProto  # noqa: E402
 from verl.trainer.ppo.ray_trainer import Role  # noqa: E402
 
 from agl_backend_verl.config import load_verl_config  # noqa: E402
@@ -46,7 +47,11 @@ class FakeSource:
                 second = self.rng.integers(3, 60, 3)
                 triplets = [
                     Triplet(prompt_ids=prompt, response_ids=first, response_log_probs=-self.rng.random(4)),
-                    Triplet(prompt_ids=np.concatenate([prompt, first, observation]), response_ids=second, response_log_probs=-self.rng.random(3)),
+                    Triplet(
+                        prompt_ids=np.concatenate([prompt, first, observation]),
+                        response_ids=second,
+                        response_log_probs=-self.rng.random(3),
+                    ),
                 ]
                 rollouts.append(
                     CompletedRollout(
@@ -134,7 +139,7 @@ def test_fit_runs_every_stage_in_order(tokenizer):
     step_calls = workers.calls[workers.calls.index(("push", 0)) :]
     first_step = step_calls[step_calls.index(("resume",), 3) :]  # after the initial validation
     names = [c[0] for c in first_step]
-    assert names[:7] == ["resume", "abort", "sleep", "balance", "old_log_probs", "update_actor", "push"]
+    assert names[:7] == ["resume", "abort", "sleep", "dp_size", "old_log_probs", "update_actor", "push"]
     assert ("save",) in workers.calls and workers.calls.count(("save",)) == 2
 
     # validation before training and at test_freq: all 5 validation samples over 3 batches
@@ -183,7 +188,13 @@ def test_advantages_are_normalised_per_rollout_before_the_update(tokenizer):
         assert values.abs().sum() == pytest.approx(abs(float(values[0])) * tokens, rel=1e-5)
         assert returns[rows][mask[rows]].unique().numel() == 1 and not returns[rows][~mask[rows]].any()
         torch.testing.assert_close(advantages[rows], returns[rows] * n_mini / (tokens * n_rollouts))
-    grpo_like = [float(advantages[i][mask[i]][0]) * int(mask[[j for j, r in enumerate(rollout_ids) if r == rollout_ids[i]]].sum()) * n_rollouts / n_mini for i in range(len(batch))]
+    grpo_like = [
+        float(advantages[i][mask[i]][0])
+        * int(mask[[j for j, r in enumerate(rollout_ids) if r == rollout_ids[i]]].sum())
+        * n_rollouts
+        / n_mini
+        for i in range(len(batch))
+    ]
     # undoing the scale gives verl's grpo on rewards target - k (k = 0..3): (1.5 - k) / std([0, 1, 2, 3])
     expected = {round((1.5 - k) / (np.std([0, 1, 2, 3], ddof=1) + 1e-6), 3) for k in range(N)}
     assert {round(v, 3) for v in grpo_like} <= expected
@@ -193,3 +204,98 @@ def test_advantages_are_normalised_per_rollout_before_the_update(tokenizer):
 def test_remax_is_rejected_with_a_clear_error(tokenizer):
     with pytest.raises(ConfigError, match="REMAX"):
         make_trainer(tokenizer, estimator="remax")
+
+
+class CriticFakeWorkers(FakeWorkers):
+    """The fake workers with a critic: ``values`` from the batch's scores (a value per token, so that
+    gae's advantages differ from its returns), the critic update's loss computed by verl's value loss."""
+
+    def values(self, batch):
+        self.calls.append(("values", len(batch)))
+        values = 0.1 * torch.cumsum(batch.batch["response_mask"].float(), dim=-1) * batch.batch["response_mask"]
+        return DataProto.from_dict(tensors={"values": values})
+
+    def update_critic(self, batch):
+        from verl.trainer.ppo.core_algos import compute_value_loss
+
+        self.calls.append(("update_critic", len(batch)))
+        self.critic_batch = batch
+        loss, clipfrac = compute_value_loss(
+            batch.batch["values"] + 0.01,
+            batch.batch["values"],
+            batch.batch["returns"],
+            batch.batch["response_mask"],
+            0.5,
+        )
+        return {"critic/vf_loss": [float(loss)], "critic/vf_clipfrac": [float(clipfrac)]}
+
+
+def test_gae_trains_the_critic_on_advantages_from_its_values(tokenizer):
+    """Under gae the critic's values come before the advantages (verl's order: values, advantages,
+    critic update, actor update), and the actor trains on verl's gae advantages of those values."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    trainer, _, _ = make_trainer(
+        tokenizer,
+        "algorithm.adv_estimator=gae",
+        "algorithm.enable_rollout_level_advantage=false",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=1",
+    )
+    workers = trainer.calls = CriticFakeWorkers(trainer.config)
+    assert trainer.use_critic
+    seen = []
+    trainer.fit(on_step=lambda step, total, metrics, samples: seen.append(metrics))
+    names = [c[0] for c in workers.calls]
+    assert names.index("values") < names.index("update_critic") < names.index("update_actor")
+    batch = workers.updated[0]
+    mask = batch.batch["response_mask"]
+    want_adv, want_ret = compute_gae_advantage_return(
+        batch.batch["token_level_rewards"],
+        batch.batch["values"],
+        mask,
+        trainer.config.algorithm.gamma,
+        trainer.config.algorithm.lam,
+    )
+    torch.testing.assert_close(batch.batch["advantages"], want_adv)
+    torch.testing.assert_close(batch.batch["returns"], want_ret)
+    assert batch.batch["advantages"][mask.bool()].abs().sum() > 0
+    assert workers.critic_batch.batch["returns"] is batch.batch["returns"]
+    metrics = seen[-1]
+    assert np.isfinite(metrics["critic/vf_loss"]) and metrics["critic/vf_loss"] > 0
+
+
+def test_gae_without_the_critic_is_rejected(tokenizer):
+    with pytest.raises(ConfigError, match="critic.enable"):
+        make_trainer(
+            tokenizer,
+            "algorithm.adv_estimator=gae",
+            "algorithm.enable_rollout_level_advantage=false",
+            "critic.enable=false",
+        )
+
+
+def test_on_two_ranks_verls_dispatch_gets_the_torch_backends_mini_batches(tokenizer):
+    """verl hands each rank a contiguous share of the batch and cuts it into mini-batches; the trainer
+    orders the rows so that, across both ranks, mini-batch ``i`` is the shaped batch's ``i``-th slice."""
+    trainer, _, _ = make_trainer(
+        tokenizer, "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.total_training_steps=1"
+    )
+    workers = trainer.calls = FakeWorkers(trainer.config, dp_size=2)
+    prepared = []
+    prepare = trainer.pipeline.prepare
+    trainer.pipeline.prepare = lambda rollouts, step: prepared.append(prepare(rollouts, step)) or prepared[-1]
+    seen = []
+    trainer.fit(on_step=lambda step, total, metrics, samples: seen.append(metrics))
+    shaped = prepared[0].shaped
+    assert shaped.n_mini_batches == 2
+    per_mini, share = len(shaped.rows) // 2, len(shaped.rows) // 2
+    part = per_mini // 2
+    trained = list(workers.updated[0].non_tensor_batch["rollout_ids"])
+    for i in range(shaped.n_mini_batches):
+        verls = sorted(trained[r * share + i * part + j] for r in range(2) for j in range(part))
+        torchs = sorted(row.rollout_id for row in shaped.rows[i * per_mini : (i + 1) * per_mini])
+        assert verls == torchs
+    assert "global_seqlen/balanced_max" in seen[-1]  # trainer.balance_batch: balanced within each mini-batch
