@@ -2,9 +2,10 @@
 verl's ``ppo_loss``, beside the torch backend's update of the same mini-batch from the same weights.
 
 verl 0.9.1 has no CPU platform: it falls back to CUDA on a machine without GPUs, and
-``EngineRegistry`` registers the FSDP engines for ``cuda`` and ``npu`` only. :class:`CpuPlatform`
-stands in for verl's device platform (``verl.plugin.platform.set_platform``) and
-``VERL_ENGINE_DEVICE=cuda`` picks the engine class; the engine then runs unchanged, with
+``EngineRegistry`` registers the FSDP engines for ``cuda`` and ``npu`` only. The verl backend's CPU
+platform (:class:`agl_backend_verl.cpu.platform.CpuPlatform`) is set as verl's device platform
+(``verl.plugin.platform.set_platform``) and ``VERL_ENGINE_DEVICE=cuda`` picks the engine class; the
+engine then runs unchanged, with
 ``strategy: fsdp2`` (FSDP1 refuses CPU parameters with ``sync_module_states``), SDPA attention
 (FlashAttention2 is verl's default) and fp32 mixed precision (verl's default autocasts to bf16).
 
@@ -14,7 +15,6 @@ what it measured to ``out_dir/rank{N}.json``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -22,77 +22,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from verl.plugin.platform.platform_base import PlatformBase
+
+from agl_backend_verl.cpu.mode import FP32
+from agl_backend_verl.cpu.platform import CpuPlatform
 
 ENGINE_OVERRIDES = (
     "actor_rollout_ref.actor.strategy=fsdp2",
     "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
 )
-FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-
-
-class CpuPlatform(PlatformBase):
-    """verl's device platform on CPU: the torch.cpu module, gloo, no device to select."""
-
-    device_name = "cpu"
-    vendor_name = "cpu"
-    device_module = torch.cpu
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self) -> str:
-        return "cpu"
-
-    def device_count(self) -> int:
-        return 1
-
-    def set_device(self, device_index: int) -> None:
-        pass
-
-    def synchronize(self, device_index: int | None = None) -> None:
-        pass
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    manual_seed_all = manual_seed
-
-    def set_allocator_settings(self, settings: str) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
-        return None, None
-
-    def communication_backend_name(self) -> str:
-        return "gloo"
-
-    def visible_devices_envvar(self) -> str:
-        return "CUDA_VISIBLE_DEVICES"
-
-    @contextlib.contextmanager
-    def nvtx_range(self, msg: str):
-        yield
-
-    def profiler_start(self) -> None:
-        pass
-
-    profiler_stop = profiler_start
-
-    def ray_resource_name(self) -> str:
-        return "CPU"
-
-    def ray_noset_envvars(self) -> list[str]:
-        return []
-
-    def is_ipc_supported(self) -> bool:
-        return False
-
-    def cudart(self) -> None:
-        return None
 
 
 def build_engine(config):
