@@ -18,6 +18,7 @@ pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 
 from agl_backend_verl import run as verl_run  # noqa: E402
+from agl_backend_verl.cpu import CPU_KEYS  # noqa: E402
 from agl_backend_verl.trainer import AglRayPPOTrainer  # noqa: E402
 from agl_core import hookimpl  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginError  # noqa: E402
@@ -46,13 +47,11 @@ actor_rollout_ref:
     ppo_mini_batch_size: 2
     ppo_micro_batch_size_per_gpu: 1
   rollout:
-    name: vllm
     n: 2
     log_prob_micro_batch_size_per_gpu: 1
 trainer:
   logger: [console, tensorboard, wandb]
   n_gpus_per_node: 1
-  device: cpu
   total_training_steps: 2
   test_freq: 2
   save_freq: 1
@@ -123,8 +122,11 @@ def test_a_verl_run_starts_plugins_once_in_the_task_runner_and_never_shows_the_k
     seen = tmp_path / "seen.jsonl"
     plugin = Startup(seen)
     with SimulatedController(keyed_gateway, always(Plan())):
-        run_dir = run(
-            str(write_config(tmp_path, keyed_gateway, tiny_model_dir)), [], plugins=[plugin], show_progress=False
+        run_dir = run(  # verl's CPU mode, with its workers faked
+            str(write_config(tmp_path, keyed_gateway, tiny_model_dir)),
+            list(CPU_KEYS),
+            plugins=[plugin],
+            show_progress=False,
         )
 
     records = [json.loads(line) for line in seen.read_text().splitlines()]
