@@ -70,10 +70,11 @@ class _Job:
 class PolicyServer:
     """An :class:`~agl_core.serving.engine.InferenceEngine` serving a Hugging Face causal LM in-process.
 
-        ``model`` is copied (a PEFT model as its base with the adapters merged in,
-    :mod:`agl_core.serving.weights`), so the trainer may keep updating its own module; ``tokenizer`` renders chat
-        prompts and decodes. ``max_batch_size`` caps how many queued requests one generation pass takes;
-        ``batch_wait_s`` is how long the generation thread lingers for more requests once one arrives.
+    ``model`` is copied (a PEFT model as its base with the adapters merged in,
+    :mod:`agl_core.serving.weights`), so the trainer may keep updating its own module; ``tokenizer``
+    renders chat prompts and decodes. ``max_batch_size`` caps how many queued requests one generation
+    pass takes; ``batch_wait_s`` is how long the generation thread lingers for more requests once one
+    arrives.
     """
 
     def __init__(
