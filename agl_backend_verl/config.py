@@ -249,7 +249,8 @@ def check_verl_requirements(cfg: DictConfig) -> None:
             "agentlightning.agl_base_url",
             "backend 'verl' runs agents through the gateway: set its URL (or replay a recording)",
         )
-    if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):
+    rollout = cfg.actor_rollout_ref.rollout
+    if "name" not in rollout or OmegaConf.is_missing(rollout, "name"):
         raise ConfigError(
             "actor_rollout_ref.rollout.name", "backend 'verl' needs verl's rollout engine named: vllm (or sglang)"
         )
