@@ -203,9 +203,13 @@ def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = (
         missing = [name for name in SHARED_METRICS if name not in row]
         if missing:
             problems.append(f"step {step}: lacks {missing}")
-    if rows and not any(row.get("actor/grad_norm") for row in rows):
+    # A step whose every group has equal rewards has zero advantages, so a zero gradient is right
+    # there (likely with an untrained policy and few groups); one with a group to learn from must move.
+    learnable = [row for row in rows if row.get("training/n_zero_adv_groups", 0) < row.get("training/n_groups", 0)]
+    if learnable and not any(row.get("actor/grad_norm") for row in learnable):
         problems.append(
-            f"steps {steps}: zero gradients only (all rewards of every group equal?), the weights never changed"
+            f"steps {[row['step'] for row in learnable]}: zero gradients although a group's rewards differ, "
+            "the weights never changed"
         )
     return problems
 

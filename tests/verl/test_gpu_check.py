@@ -139,3 +139,7 @@ def test_check_rows_wants_the_steps_with_finite_metrics_and_every_rollout_traced
     assert (
         "lacks ['actor/lr']" in check_rows([{k: v for k, v in {"step": 1, **good}.items() if k != "actor/lr"}], [1])[0]
     )
+    # zero gradients are a problem only in a step with a group whose rewards differ
+    flat = {**good, "actor/grad_norm": 0.0, "training/n_groups": BATCH}
+    assert check_rows([{**flat, "step": 1, "training/n_zero_adv_groups": BATCH}], [1]) == []
+    assert "zero gradients" in check_rows([{**flat, "step": 1, "training/n_zero_adv_groups": 0}], [1])[0]
