@@ -192,6 +192,8 @@ def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = (
                 f"step {step}: rollouts {n}, traced {traced}, expected {rollouts}"
                 + (f" less at most {lost} failed" if lost else "")
             )
+        if lost >= rollouts:
+            continue  # every rollout called the killed run's replica: all failed and counted, none to train
         if not row.get("training/n_sample_trained"):
             problems.append(f"step {step}: no row trained")
         for key in FINITE:
