@@ -25,6 +25,7 @@ from tests.helpers.scripted_backend import (
     Scripted,
     scripted_run,
 )
+from tests.helpers.wandb_mode import use_wandb_mode
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +127,7 @@ def wandb_history(path, wait_s=60.0):
 
 
 def test_wandb_offline_keeps_the_run_with_its_metrics_and_tables_in_the_run_directory(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    use_wandb_mode(monkeypatch, "offline")
     scripted_run(tmp_path, ["wandb"])
     run_id = (tmp_path / "wandb" / "run_id").read_text().strip()
     (folder,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
@@ -226,10 +226,7 @@ def without_wandb_login(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config" / "wandb"))
-    monkeypatch.setenv("WANDB_MODE", "online")
-    import wandb
-
-    wandb.teardown()  # W&B keeps the settings an earlier run in this process read (offline mode)
+    use_wandb_mode(monkeypatch, "online")
 
 
 def test_wandb_without_a_login_names_trainer_logger_the_sink_and_offline_mode(tmp_path, monkeypatch, capsys):

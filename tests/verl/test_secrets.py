@@ -26,6 +26,7 @@ from agl_core.train import run  # noqa: E402
 from tests.helpers.gateway_fixtures import Plan, SimulatedController, always  # noqa: E402
 from tests.helpers.gateway_server import GatewayServer  # noqa: E402
 from tests.helpers.verl_fake_workers import FakeWorkers  # noqa: E402
+from tests.helpers.wandb_mode import use_wandb_mode  # noqa: E402
 
 KEY = "sk-agl-do-not-show-8c41f0e2"
 
@@ -102,7 +103,7 @@ def in_process_ray(monkeypatch):
     )
     monkeypatch.setattr(AglRayPPOTrainer, "init_workers", lambda self: setattr(self, "calls", FakeWorkers(self.config)))
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    use_wandb_mode(monkeypatch, "offline")
     return started
 
 
