@@ -223,6 +223,8 @@ class PluginManager:
                 f"plugin {name or plugin!r} is already registered as {existing!r} "
                 f"({self._sources.get(existing, 'code')}); register each plugin once"
             )
+        if name is None and not isinstance(getattr(plugin, "__name__", None), str):
+            name = self._instance_name(plugin)
         try:
             registered = self._pm.register(plugin, name=name)
         except ValueError as exc:
@@ -241,6 +243,16 @@ class PluginManager:
         self._registries.clear()
         self._settings = None
         return registered
+
+    def _instance_name(self, plugin: Any) -> str:
+        """The name of an object registered without one: its class's dotted path (numbered from the
+        second instance), so hook failures and listings name it rather than pluggy's ``str(id(...))``."""
+        base = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        name, number = base, 1
+        while self._pm.has_plugin(name) or self._pm.is_blocked(name):
+            number += 1
+            name = f"{base}#{number}"
+        return name
 
     def _refuse_wrappers(self, plugin: Any, name: str) -> None:
         """Unregister ``plugin`` and raise if it implements one of the hooks the manager calls one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -255,3 +256,18 @@ def test_a_registry_is_a_read_only_mapping_of_names():
     ).plugin_name == "aggregators"
     with pytest.raises(TypeError):
         aggregators["mine"] = lambda rollouts, settings: None  # noqa: ARG005
+
+
+def test_an_object_registered_without_a_name_is_named_by_its_class():
+    """Hook failures and listings name a plugin given in code by its class, not by pluggy's id string."""
+
+    class Counter:
+        @hookimpl
+        def agl_on_enqueue(self, request):
+            return None
+
+    manager = PluginManager(load_entrypoints=False, builtins={})
+    first, second = manager.register(Counter()), manager.register(Counter())
+    base = f"{__name__}.test_an_object_registered_without_a_name_is_named_by_its_class.<locals>.Counter"
+    assert (first, second) == (base, base + "#2")
+    assert manager.register(types.ModuleType("shout_plugin")) == "shout_plugin"  # a module keeps its name
