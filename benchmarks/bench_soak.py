@@ -12,8 +12,11 @@ Faults on a schedule:
   fixed rates, chosen per rollout by a hash of its id (``benchmarks/soak_agent.py``);
 - a hook raises in ``agl_on_succeeded`` on every ``--hook-raise-every``-th call.
 
-Every ``--every`` steps it records the trainer's RSS, open file descriptors and threads, the number
-of rollouts the gateway holds (its ledger) and the run directory's size. At the end it prints that
+Every ``--every`` steps it records the trainer's RSS, the bytes its C heap has handed out and not
+taken back (glibc's ``mallinfo2``: RSS growing while these stay flat is memory the allocator keeps,
+not a leak), open file descriptors and threads, the number of rollouts the gateway holds (its
+ledger) and the run directory's size. The benchmark's own bookkeeping stays small: step metrics are
+summed as they arrive, not kept per step. At the end it prints that
 table, the growth per 100 steps after warm-up (a least-squares slope), and the accounting: each
 group the trainer enqueued (one dataset row, ``rollout.n`` rollouts) was trained, left out with one
 rollout left, had every rollout fail, or was still in flight when the run ended; every rollout
@@ -28,6 +31,7 @@ Ctrl-C (SIGINT), it stops the gateway and controller and reports the steps that 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -58,7 +62,7 @@ CONFIG = REPO_ROOT / "examples" / "corridor" / "config.yaml"
 DATASET = REPO_ROOT / "examples" / "corridor" / "dataset.jsonl"
 MIB = 2**20
 STATES = ("queuing", "running", "succeeded", "failed")
-COLUMNS = ("step", "rss_mib", "threads", "fds", "ledger", "run_dir_mib")
+COLUMNS = ("step", "rss_mib", "heap_mib", "threads", "fds", "ledger", "run_dir_mib")
 # Step metrics the accounting sums over the run (with the group counts).
 SUMMED = (
     "training/rollouts/n_",
@@ -67,6 +71,7 @@ SUMMED = (
     "training/async/n_c",
     "training/n_sample",
 )
+GROUP_COUNTS = ("training/n_groups", "training/n_groups_dropped_one_rollout_left", "training/n_skipped_empty_rows")
 
 
 @attrs.frozen
@@ -91,11 +96,33 @@ class Faults:
         ]
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def heap_in_use_mib() -> float:
+    """Bytes glibc's malloc has handed out and not been given back, over all its arenas (``uordblks``,
+    plus ``hblkhd`` for blocks it mapped on their own); NaN where ``mallinfo2`` is missing (not glibc
+    2.33+)."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return float("nan")
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / MIB
+
+
 def resources() -> dict[str, float]:
-    """This process's resident memory, threads (the kernel's count, native threads included) and open fds."""
+    """This process's resident memory, its C heap in use, threads (the kernel's count, native threads
+    included) and open fds."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     return {
         "rss_mib": int(status["VmRSS"].split()[0]) * 1024 / MIB,
+        "heap_mib": heap_in_use_mib(),
         "threads": float(status["Threads"]),
         "fds": float(len(os.listdir("/proc/self/fd"))),
     }
@@ -114,7 +141,9 @@ class Soak:
         self.client = GatewayClient(gateway.url, gateway.key, timeout_seconds=5.0)
         self.lock = threading.Lock()
         self.table: list[dict[str, float]] = []
-        self.steps: list[dict[str, float]] = []
+        self.n_steps = 0
+        self.sums: Counter[str] = Counter()  # the SUMMED step metrics, over the run
+        self.last: dict[str, float] = {}  # the last step's metrics
         self.groups: dict[str, Any] = {}  # group id -> dataset row id, in enqueue order
         self.rollouts: dict[str, str] = {}  # rollout id -> group id
         self.outcomes: dict[str, str] = {}  # rollout id -> the terminal state the hooks saw
@@ -134,7 +163,11 @@ class Soak:
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         if step <= 0:
             return
-        self.steps.append(dict(metrics))
+        self.n_steps += 1
+        self.last = dict(metrics)
+        for key, value in metrics.items():
+            if key.startswith(SUMMED) or key in GROUP_COUNTS:
+                self.sums[key] += value
         if step == 1 or step % self.every == 0:
             self.table.append(
                 {"step": float(step), **resources(), "ledger": self.ledger(), "run_dir_mib": tree_mib(self.run_dir)}
@@ -143,7 +176,8 @@ class Soak:
             with (self.run_dir.parent / "table.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
-                f"soak step {step}: rss {row['rss_mib']:.1f} MiB, threads {row['threads']:g}, fds {row['fds']:g}, "
+                f"soak step {step}: rss {row['rss_mib']:.1f} MiB, heap {row['heap_mib']:.1f} MiB, "
+                f"threads {row['threads']:g}, fds {row['fds']:g}, "
                 f"ledger {row['ledger']:g}, run dir {row['run_dir_mib']:.2f} MiB, "
                 f"reward {metrics.get('training/reward', float('nan')):.3f}",
                 flush=True,
@@ -217,16 +251,7 @@ def accounting(soak: Soak, n_rows: int, n: int) -> dict[str, Any]:
             kinds["every rollout failed"] += 1
     order = list(soak.groups.values())
     epochs = [order[i : i + n_rows] for i in range(0, len(order), n_rows)]
-    sums: Counter[str] = Counter()
-    for metrics in soak.steps:
-        for key, value in metrics.items():
-            if key.startswith(SUMMED) or key in (
-                "training/n_groups",
-                "training/n_groups_dropped_one_rollout_left",
-                "training/n_skipped_empty_rows",
-            ):
-                sums[key] += value
-    last = soak.steps[-1] if soak.steps else {}
+    sums, last = soak.sums, soak.last
     return {
         "groups_enqueued": len(per_group),
         "groups": dict(kinds),
@@ -345,14 +370,14 @@ def soak(
             try:
                 run(str(CONFIG), overrides, plugins=[plugin], show_progress=False)
             except KeyboardInterrupt:  # Ctrl-C (SIGINT): report the steps that ran
-                print(f"soak: interrupted after step {len(plugin.steps)}", flush=True)
+                print(f"soak: interrupted after step {plugin.n_steps}", flush=True)
         finally:
             controller.stop()
     n_rows = sum(1 for line in DATASET.read_text().splitlines() if line.strip())
     warmup = max(every, steps // 5)
     report = {
         "steps_asked": steps,
-        "steps": len(plugin.steps),
+        "steps": plugin.n_steps,
         "wall_s": round(time.monotonic() - started, 1),
         "faults": faults.describe(),
         "table": plugin.table,
@@ -371,8 +396,8 @@ def print_report(report: Mapping[str, Any]) -> None:
     print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     for row in report["table"]:
         print(
-            f"| {row['step']:.0f} | {row['rss_mib']:.1f} | {row['threads']:.0f} | {row['fds']:.0f} "
-            f"| {row['ledger']:.0f} | {row['run_dir_mib']:.2f} |"
+            f"| {row['step']:.0f} | {row['rss_mib']:.1f} | {row['heap_mib']:.1f} | {row['threads']:.0f} "
+            f"| {row['fds']:.0f} | {row['ledger']:.0f} | {row['run_dir_mib']:.2f} |"
         )
     print(f"\ngrowth per 100 steps after step {report['warmup_steps']} (least-squares slope; % of the mean):")
     for column, (absolute, percent) in report["growth_per_100_steps"].items():
