@@ -73,10 +73,13 @@ UNSUPPORTED_ESTIMATORS = {
 def generated_defaults_path() -> str:
     """Path of the flattened ``ppo_trainer`` defaults inside the installed verl (without importing verl),
     once the installed verl is one this backend supports."""
+    check_verl_version()
     spec = importlib.util.find_spec("verl")
     if spec is None or spec.origin is None:
-        raise ConfigError("agentlightning.backend", f"backend 'verl' needs verl installed ({VERL_INSTALL})")
-    check_verl_version()
+        raise ConfigError(
+            "agentlightning.backend",
+            f"verl's distribution is installed but its package is not importable: {VERL_INSTALL}",
+        )
     return os.path.join(os.path.dirname(spec.origin), "trainer", "config", "_generated_ppo_trainer.yaml")
 
 

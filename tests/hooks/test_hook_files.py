@@ -584,9 +584,7 @@ class Pydantic(RolloutHooks):
 
 
 def test_with_agent_lightning_installed_hooks_get_its_pydantic_models(tmp_path):
-    pytest.importorskip(
-        "agentlightning", reason="needs Agent Lightning installed (Python >= 3.12: the .ci/run py312 lane)"
-    )
+    pytest.importorskip("agentlightning", reason="needs Agent Lightning installed (Python >= 3.12: scripts/al_lane.sh)")
     import agentlightning.hooks
 
     path = write(tmp_path, "pydantic_hooks.py", AL_PYDANTIC_HOOK_FILE)

@@ -30,6 +30,7 @@ from tests.helpers.paths import REPO_ROOT
 SCRIPTS = REPO_ROOT / "scripts"
 DEVICE_CHECK = SCRIPTS / "device_check.py"
 SECTIONS = ["losses", "estimators", "verl", "corridor", "synthetic", "modes"]
+HAS_VERL = importlib.util.find_spec("verl") is not None
 MODES = ["full fp32", "full bf16", "lora bf16", "lora bf16 + checkpointing"]
 IMAGE_TRANSFORMERS = ("transformers==5.17.0", "tokenizers>=0.23.1,<0.24")
 
@@ -67,9 +68,12 @@ def test_the_tiny_cpu_run_passes_and_reports_every_section(tmp_path):
         assert set(sections[name]["tolerances"]) == {"float32", "bfloat16"}
         assert sections[name]["n_comparisons"] > 0 and not sections[name]["failures"]
     assert sections["estimators"]["unchecked"] == []
-    # verl is installed with this project: its loss runs, agl's losses through it equal the direct call
-    assert sections["verl"]["status"] == "passed"
-    assert sections["verl"]["registered"]["policy_losses"] == ["per_rollout_mean", "token_mean"]
+    if HAS_VERL:  # installed with this project: its loss runs, agl's losses through it equal the direct call
+        assert sections["verl"]["status"] == "passed"
+        assert sections["verl"]["registered"]["policy_losses"] == ["per_rollout_mean", "token_mean"]
+    else:  # Python 3.13 and later, which verl 0.9 does not support: reported, not failed
+        assert sections["verl"]["status"] == "unavailable"
+        assert "No module named 'verl'" in sections["verl"]["import_error"]
     corridor = sections["corridor"]
     assert corridor["steps"] == len(corridor["rewards"]) == 8
     assert corridor["reward_rose"] and corridor["reward_last_third"] > corridor["reward_first_third"]
@@ -168,6 +172,7 @@ def test_an_estimator_without_a_closed_form_is_listed_unchecked():
     assert result["unchecked"] == ["constant"]
 
 
+@pytest.mark.skipif(not HAS_VERL, reason="verl is not installed: the tiny run's report covers its absence")
 def test_the_verl_check_records_the_import_error_where_verl_cannot_import():
     code = (
         "import json, sys; sys.modules['ray'] = None; sys.path.insert(0, sys.argv[1]); import device_numerics; "

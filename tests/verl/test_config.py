@@ -154,40 +154,6 @@ def test_floats_where_verl_writes_an_int_default_are_accepted_only_for_float_set
     assert refused.value.key == "actor_rollout_ref.rollout.top_k"
 
 
-@pytest.mark.parametrize(
-    ("installed", "reason"),
-    [
-        ("0.8.0", "verl 0.8 lacks the verl.plugins entry points and device registries"),
-        ("0.7.1", "no other release is tested"),
-        ("0.10.0", "no other release is tested"),
-    ],
-)
-def test_an_unsupported_verl_is_refused_at_backend_start_naming_both_versions(monkeypatch, installed, reason):
-    from agl_backend_verl import verl_version
-
-    monkeypatch.setattr(verl_version, "installed_verl_version", lambda: installed)
-    verl_config._verl_defaults.cache_clear()
-    try:
-        with pytest.raises(ConfigError) as info:
-            verl_config.load_verl_config(None, [])
-    finally:
-        verl_config._verl_defaults.cache_clear()
-    assert info.value.key == "agentlightning.backend"
-    assert info.value.message.startswith(
-        f"backend 'verl' supports verl >=0.9.1,<0.10 (0.9.x), but verl {installed} is installed ({reason}"
-    )
-    assert info.value.message.endswith("pip install 'verl>=0.9.1,<0.10'")
-
-
-@pytest.mark.parametrize("installed", ["0.9.1", "0.9.2", "0.9.3rc1"])
-def test_verl_09_releases_are_accepted(installed):
-    from agl_backend_verl.verl_version import check_verl_version, installed_verl_version
-
-    check_verl_version(installed)
-    check_verl_version()  # the verl installed here
-    assert installed_verl_version().startswith("0.9.")
-
-
 def test_keys_verls_dataclasses_take_beyond_its_defaults_reach_verls_dataclasses(tmp_path):
     """``fsdp_config.mixed_precision`` (a field verl's YAML defaults omit) and a list of ``target_modules``
     (a default of ``"all-linear"``) load under backend verl and build verl's dataclasses."""
