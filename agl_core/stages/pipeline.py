@@ -234,7 +234,7 @@ class StepPipeline:
             return
         try:
             self._parts[rollout.rollout_id] = self._rollout_part(rollout)
-        except Exception:  # noqa: BLE001 - raised again, in batch order, by prepare
+        except Exception:  # raised again, in batch order, by prepare
             self._parts.pop(rollout.rollout_id, None)
 
     def _rollout_part(self, rollout: CompletedRollout) -> _RolloutPart:
