@@ -113,6 +113,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
             self.tokenizer,
             estimate=lambda rows: compute_advantages(rows, self.config, plugins, self.pad_token_id),
         )
+        self.source.on_rollout_done = self.pipeline.prepare_rollout
         self.is_async = bool(self.config.agentlightning.async_rollout.enabled)
         self.global_steps = 0
         self._batches: Iterator[list[Mapping[str, Any]]] | None = None

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     # backends: the contract, the step loop, the step pipeline and the rollout sources it drives
     from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
     from agl_core.backends.loop import LoopSettings, Step, run_steps
-    from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix
+    from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix, trajectory_rollout
     from agl_core.config import AgentLightningConfig, ConfigError, ConfigFile, default_config, load_config, merge_config
     from agl_core.config.checks import validate as validate_config
     from agl_core.data import (
@@ -76,6 +76,8 @@ if TYPE_CHECKING:
         AggregationSettings,
         Aggregator,
         Mismatch,
+        PerRolloutAggregator,
+        RolloutAggregation,
         Segment,
         merged_row,
         rollout_reward,

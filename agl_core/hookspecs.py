@@ -67,6 +67,13 @@ def agl_register_aggregators(register: Register, settings: PluginSettings) -> No
     mismatch sample size). It returns an :class:`~agl_core.stages.aggregation.Aggregation` (rows, metrics,
     mismatch samples) and must not mutate its input. ``agl_core.testing`` holds the contract suite
     every aggregator must pass.
+
+    A plain function is called once per step with the whole batch. An aggregator whose rows of a
+    rollout depend on that rollout alone may declare so by registering an
+    :class:`agl_core.PerRolloutAggregator` (``PerRolloutAggregator(aggregate_rollout)``, with
+    ``aggregate_rollout(rollout, settings) -> RolloutAggregation``): the step pipeline then aggregates
+    each training rollout as the rollout source finishes it and combines the parts in batch order,
+    which gives the same result as the whole batch. The built-ins are declared so.
     """
 
 

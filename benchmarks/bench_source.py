@@ -5,12 +5,15 @@ source uses: create, terminal cursor, events, delete) holds ``R`` rollouts × ``
 bodies are those of ``benchmarks/bench_vs_v1.py`` (``benchmarks/gateway_bodies.py``; 256×8: ~66 MB,
 1,024×16: ~0.7 GB). Its rollouts turn terminal at random times spread over a window of seconds after
 their creation (or all at once: a window of 0). The trainer side is ``GatewayRolloutSource.collect``
-(default config, ``rollout.n = 8``), then the trajectory aggregator and ``tensorize``. It reports,
-per side:
+(default config, ``rollout.n = 8``), then what a training step runs on its rollouts before the
+update: the step pipeline (``StepPipeline.prepare``: the trajectory aggregator, advantages, batch
+shaping into mini-batches of 8 rows, so nearly every row is trained) and ``tensorize``, with the
+source handing each rollout to the pipeline as it finishes where the side's revision does so. It
+reports, per side:
 
 - **tail**: wall seconds from the last rollout's completion to the tensors being ready (what the
   step waits for once its rollouts are done), how much of it passed before ``collect`` returned (the
-  rest is aggregation and ``tensorize``), and the CPU seconds the trainer's process spent in it;
+  rest is the step pipeline and ``tensorize``), and the CPU seconds the trainer's process spent in it;
 - **step CPU**: CPU seconds of the whole step in the trainer's process (reader threads included),
   and the tail's share of it;
 - **peak RSS** of the side's process.
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BEFORE = "d795a44^"  # the source before the events bodies were decoded from their bytes, fields skipped
+BEFORE = "87329aa"  # before each rollout was aggregated as it finished
 RUNS = "256x8:10,256x8:0,1024x16:30"  # workload:window; window 0: every rollout finishes at once
 N_PER_GROUP = 8
 
@@ -91,39 +94,41 @@ class SimulatedGateway:
         return self.done_at[-1][0]
 
 
-def run_side(tree: Path, folder: Path, window: float) -> dict[str, Any]:
-    """One step of the source of ``tree`` (first on ``sys.path``) against the simulated gateway."""
+def run_side(folder: Path, window: float) -> dict[str, Any]:
+    """One step of the agl first on ``sys.path`` against the simulated gateway."""
     import httpx
     import torch
+    from gateway_bodies import Bodies
 
     from agl_core.config import load_config
     from agl_core.plugins import PluginManager
     from agl_core.rollouts.gateway_client import GatewayClient
     from agl_core.rollouts.gateway_sync import GatewayRolloutSource
-    from agl_core.stages.aggregation import AggregationSettings
-
-    if (tree / "agl_core" / "builtins").is_dir():
-        from agl_core.builtins.aggregators import trajectory
-    else:  # a revision from before the built-ins moved
-        from agl_core.stages.levels import trajectory
-    from gateway_bodies import Bodies
-
+    from agl_core.stages.pipeline import StepPipeline
     from agl_core.stages.tensorize import tensorize
 
     torch.set_num_threads(1)
     bodies = Bodies(folder)
     gateway = SimulatedGateway(bodies, window)
+    samples = [{"i": i} for i in range(len(bodies) // N_PER_GROUP)]
     config = load_config(
         overrides=[
             "agentlightning.agl_base_url=http://gateway.invalid",
             "actor_rollout_ref.model.path=policy",
             f"actor_rollout_ref.rollout.n={N_PER_GROUP}",
             "agentlightning.rollout_timeout_seconds=3600",
+            # rows kept whole, in mini-batches of one group's rows: nearly every row is trained
+            f"agentlightning.trace_aggregator.trajectory_max_prompt_length={1 << 30}",
+            f"agentlightning.trace_aggregator.trajectory_max_response_length={1 << 30}",
+            f"data.train_batch_size={len(samples)}",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
         ]
     )
     client = GatewayClient("http://gateway.invalid", transport=httpx.MockTransport(gateway.handle))
     source = GatewayRolloutSource(config, PluginManager(load_entrypoints=False, builtins={}), client)
-    samples = [{"i": i} for i in range(len(bodies) // N_PER_GROUP)]
+    pipeline = StepPipeline(config, PluginManager(load_entrypoints=False))
+    if hasattr(pipeline, "prepare_rollout"):  # a revision that aggregates each rollout as it finishes
+        source.on_rollout_done = pipeline.prepare_rollout
     cpu = time.process_time()
     at_last_completion: list[float] = []  # the process's CPU time then, taken by a thread waiting for it
 
@@ -136,10 +141,7 @@ def run_side(tree: Path, folder: Path, window: float) -> dict[str, Any]:
     threading.Thread(target=watch, daemon=True).start()
     batch = source.collect(samples, step=1, is_train=True)
     collected = time.monotonic()
-    aggregation = trajectory(
-        batch.rollouts, AggregationSettings(max_prompt_length=1 << 30, max_response_length=1 << 30)
-    )
-    tensors = tensorize([row for row in aggregation.rows if not row.dropped]).tensors
+    tensors = tensorize(pipeline.prepare(batch.rollouts, step=1).shaped.rows).tensors
     ready, cpu_ready = time.monotonic(), time.process_time()
     source.close()
     return {
@@ -184,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.side_tree:
         sys.path[:0] = [str(args.side_tree), str(Path(__file__).parent)]
-        print(json.dumps(run_side(args.side_tree, args.folder, args.window)))
+        print(json.dumps(run_side(args.folder, args.window)))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from gateway_bodies import WORKLOADS, Bodies

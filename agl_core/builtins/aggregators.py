@@ -7,11 +7,13 @@ untrained. Any other call starts a new row, and the break is classified (:mod:`a
 
 :func:`aggregate_trajectories` takes the merge test as an argument, so an aggregator with its own
 idea of "this call continues the context" keeps everything else — limits, counts, mismatch
-sample — identical.
+sample — identical. Both built-ins are declared :class:`~agl_core.stages.aggregation.PerRolloutAggregator` objects
+over :func:`trajectory_rollout` / :func:`transition_rollout`: a rollout's rows depend on it alone.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -22,13 +24,23 @@ from agl_core.stages.aggregation import (
     Aggregation,
     AggregationCounts,
     AggregationSettings,
+    PerRolloutAggregator,
+    RolloutAggregation,
     Segment,
     merged_row,
     rollout_reward,
 )
 from agl_core.stages.mismatch import MismatchLog
 
-__all__ = ["Align", "aggregate_trajectories", "exact_prefix", "trajectory", "transition"]
+__all__ = [
+    "Align",
+    "aggregate_trajectories",
+    "exact_prefix",
+    "trajectory",
+    "trajectory_rollout",
+    "transition",
+    "transition_rollout",
+]
 
 # align(previous call, next call's prompt ids, settings) -> where the observation starts in the
 # prompt, or None when the prompt does not continue the context (a break).
@@ -53,60 +65,71 @@ def exact_prefix(previous: Triplet, prompt_ids: np.ndarray, settings: Aggregatio
     return None
 
 
-def aggregate_trajectories(
-    rollouts: Sequence[CompletedRollout], settings: AggregationSettings, align: Align = exact_prefix
-) -> Aggregation:
-    """Merge each rollout's calls into rows wherever ``align`` says a call continues the context."""
+def trajectory_rollout(
+    rollout: CompletedRollout, settings: AggregationSettings, align: Align = exact_prefix
+) -> RolloutAggregation:
+    """One rollout's rows, merging its calls wherever ``align`` says a call continues the context."""
     counts = AggregationCounts()
     log = MismatchLog(settings, counts)
     rows = []
 
-    def close(rollout: CompletedRollout, segments: list[Segment]) -> None:
+    def close(segments: list[Segment]) -> None:
         row = merged_row(rollout, segments, settings, counts)
         if row is not None:
             rows.append(row)
 
-    for rollout in rollouts:
-        rollout_reward(rollout)
-        counts.add_rollout(rollout)
-        calls = rollout.triplets
-        if not calls:
-            continue
-        segments = [Segment(0, calls[0], _NO_OBSERVATION)]
-        n_rows = 1
-        for index in range(1, len(calls)):
-            previous, call = calls[index - 1], calls[index]
-            start = align(previous, call.prompt_ids, settings)
-            if start is None:
-                log.record(rollout, index, previous, call.prompt_ids)
-                close(rollout, segments)
-                segments = [Segment(index, call, _NO_OBSERVATION)]
-                n_rows += 1
-            else:
-                segments.append(Segment(index, call, call.prompt_ids[start:]))
-        close(rollout, segments)
-        if n_rows > 1:
-            counts.unmerged_rollout()
-    return Aggregation(rows, counts.metrics(trajectory=True), log.sample)
+    rollout_reward(rollout)
+    counts.add_rollout(rollout)
+    calls = rollout.triplets
+    if not calls:
+        return RolloutAggregation(rows, counts)
+    segments = [Segment(0, calls[0], _NO_OBSERVATION)]
+    n_rows = 1
+    for index in range(1, len(calls)):
+        previous, call = calls[index - 1], calls[index]
+        start = align(previous, call.prompt_ids, settings)
+        if start is None:
+            log.record(rollout, index, previous, call.prompt_ids)
+            close(segments)
+            segments = [Segment(index, call, _NO_OBSERVATION)]
+            n_rows += 1
+        else:
+            segments.append(Segment(index, call, call.prompt_ids[start:]))
+    close(segments)
+    if n_rows > 1:
+        counts.unmerged_rollout()
+    return RolloutAggregation(rows, counts, log.sample)
 
 
-def trajectory(rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
-    """Merge calls whose prompt extends the context exactly (Agent Lightning's default level)."""
-    return aggregate_trajectories(rollouts, settings, exact_prefix)
+def aggregate_trajectories(
+    rollouts: Sequence[CompletedRollout], settings: AggregationSettings, align: Align = exact_prefix
+) -> Aggregation:
+    """Merge each rollout's calls into rows wherever ``align`` says a call continues the context.
+    (Registered as is, an aggregator built on it gets the whole batch; one registered as
+    ``PerRolloutAggregator(functools.partial(trajectory_rollout, align=align), trajectory=True)``
+    gives the same result aggregated as each rollout finishes.)"""
+    return PerRolloutAggregator(functools.partial(trajectory_rollout, align=align), trajectory=True)(rollouts, settings)
 
 
-def transition(rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
-    """One row per call, each carrying the rollout's final reward."""
+def transition_rollout(rollout: CompletedRollout, settings: AggregationSettings) -> RolloutAggregation:
+    """One row per call of ``rollout``, each carrying the rollout's final reward."""
     counts = AggregationCounts()
+    rollout_reward(rollout)
+    counts.add_rollout(rollout)
     rows = []
-    for rollout in rollouts:
-        rollout_reward(rollout)
-        counts.add_rollout(rollout)
-        for index, call in enumerate(rollout.triplets):
-            row = merged_row(rollout, [Segment(index, call, _NO_OBSERVATION)], settings, counts)
-            if row is not None:
-                rows.append(row)
-    return Aggregation(rows, counts.metrics(trajectory=False))
+    for index, call in enumerate(rollout.triplets):
+        row = merged_row(rollout, [Segment(index, call, _NO_OBSERVATION)], settings, counts)
+        if row is not None:
+            rows.append(row)
+    return RolloutAggregation(rows, counts)
+
+
+# Both built-ins declare that they work on each rollout alone, so the step pipeline aggregates each
+# rollout as it finishes.
+trajectory = PerRolloutAggregator(trajectory_rollout, trajectory=True)
+"""Merge calls whose prompt extends the context exactly (Agent Lightning's default level)."""
+transition = PerRolloutAggregator(transition_rollout)
+"""One row per call, each carrying the rollout's final reward."""
 
 
 @hookimpl

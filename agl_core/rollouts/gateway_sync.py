@@ -21,7 +21,8 @@ them terminal, while the others still run, so what is left when the last one fin
 read. The reads run concurrently, at most ``READ_WORKERS`` ahead of the rollout being finished, and
 a decoded body is dropped once parsed: a step holds a few rollouts' bodies, never its batch's.
 Events are decoded with only the fields the parser reads, unless an ``agl_on_succeeded`` hook is
-registered (hooks get the events in full).
+registered (hooks get the events in full). Each kept rollout is handed to ``on_rollout_done`` (the
+step pipeline's per-rollout work) as it is finished.
 """
 
 from __future__ import annotations
@@ -332,6 +333,8 @@ class GatewayRolloutSource(RolloutSource):
         self.counts.update(counts)
         group = self.groups[rollout.group_id]
         group.done[rollout.rollout_id] = kept[0] if kept else None
+        if kept and self.on_rollout_done is not None:
+            self.on_rollout_done(kept[0])
         if group.complete:
             group.completed_at = time.monotonic()
 

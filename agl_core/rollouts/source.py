@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -30,7 +30,15 @@ class RolloutBatch:
 
 
 class RolloutSource(Protocol):
-    """What a backend holds to get rollouts; every source subclasses it explicitly."""
+    """What a backend holds to get rollouts; every source subclasses it explicitly.
+
+    ``on_rollout_done``, when a backend sets it, is called with each rollout a source will return as
+    soon as that rollout is done and kept (the step pipeline's
+    :meth:`~agl_core.stages.pipeline.StepPipeline.prepare_rollout`), so per-rollout work runs while
+    other rollouts still run. A source that only has its rollouts once all are done need not call it.
+    """
+
+    on_rollout_done: Callable[[CompletedRollout], None] | None = None
 
     def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
         """Run rollouts for ``samples`` (``rollout.n`` each when training, one when validating) and return

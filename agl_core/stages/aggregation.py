@@ -11,6 +11,12 @@ of them and lives here, so a third-party aggregator keeps the same limits and co
   it (``training/n_truncated_sample``); a row left with no trained token is skipped instead;
 - calls an aggregator leaves out on purpose (it trains only some calls of a rollout, e.g. the last)
   are counted, one per call, in ``training/n_calls_left_out`` (:meth:`AggregationCounts.leave_out`).
+
+An aggregator whose rows of a rollout depend on that rollout alone can declare so by being a
+:class:`PerRolloutAggregator`: the step pipeline then aggregates each rollout as the rollout source
+finishes it, while the others still run, instead of the whole batch once the last one is done. The
+batch's result is the same either way (:meth:`PerRolloutAggregator.combine`). Any other
+aggregator gets the whole batch.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -37,6 +43,8 @@ __all__ = [
     "AggregationSettings",
     "Aggregator",
     "Mismatch",
+    "PerRolloutAggregator",
+    "RolloutAggregation",
     "Segment",
     "merged_row",
     "rollout_reward",
@@ -144,6 +152,47 @@ class Aggregator(Protocol):
     def __call__(self, rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation: ...
 
 
+@attrs.frozen
+class RolloutAggregation:
+    """One rollout's part of an aggregation: its rows, the counts made on it and its first
+    trajectory breaks (at most the settings' ``mismatch_sample_size``)."""
+
+    rows: tuple[TrainingRow, ...] = attrs.field(converter=tuple)
+    counts: AggregationCounts
+    mismatches: tuple[Mismatch, ...] = attrs.field(default=(), converter=tuple)
+
+
+@attrs.frozen
+class PerRolloutAggregator:
+    """An aggregator declared to work on each rollout alone: ``aggregate_rollout(rollout, settings)
+    -> RolloutAggregation`` gives one rollout's part, and the batch's aggregation is :meth:`combine`
+    of its rollouts' parts (``trajectory``: report the merge counts every step, as
+    :meth:`AggregationCounts.metrics`). Called on a batch, it is an ordinary :class:`Aggregator`;
+    registered, it lets the step pipeline aggregate each rollout as soon as it is done
+    (:meth:`StepPipeline.prepare_rollout <agl_core.stages.pipeline.StepPipeline.prepare_rollout>`)."""
+
+    aggregate_rollout: Callable[[CompletedRollout, AggregationSettings], RolloutAggregation] = attrs.field(
+        validator=attrs.validators.is_callable()
+    )
+    trajectory: bool = False
+
+    def __call__(self, rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
+        return self.combine((self.aggregate_rollout(r, settings) for r in rollouts), settings)
+
+    def combine(self, parts: Iterable[RolloutAggregation], settings: AggregationSettings) -> Aggregation:
+        """The batch's aggregation from its rollouts' parts, in batch order: rows and breaks in that
+        order (the sample is the batch's first breaks), counts summed and the metrics computed from
+        the sums, so means and rates come out as over the batch."""
+        rows: list[TrainingRow] = []
+        counts = AggregationCounts()
+        mismatches: list[Mismatch] = []
+        for part in parts:
+            rows.extend(part.rows)
+            counts.add(part.counts)
+            mismatches.extend(part.mismatches[: settings.mismatch_sample_size - len(mismatches)])
+        return Aggregation(rows, counts.metrics(trajectory=self.trajectory), mismatches)
+
+
 def write_mismatches_jsonl(path: str | os.PathLike[str], mismatches: Iterable[Mismatch]) -> int:
     """Append one JSON line per mismatch to ``path`` (created with its folder); return how many."""
     n = 0
@@ -200,6 +249,11 @@ class AggregationCounts:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.response_lengths: list[int] = []
+
+    def add(self, other: AggregationCounts) -> None:
+        """Add ``other``'s counts to these (a batch's counts are the sum of its rollouts')."""
+        self.counts.update(other.counts)
+        self.response_lengths.extend(other.response_lengths)
 
     def add_rollout(self, rollout: CompletedRollout) -> None:
         if rollout.triplets:

@@ -105,7 +105,7 @@ class MismatchLog:
             context_length=len(context),
             prompt_length=len(prompt_ids),
             common_prefix_length=common,
-            context_ids=tuple(int(i) for i in context[common : common + limit]),
-            prompt_ids=tuple(int(i) for i in prompt_ids[common : common + limit]),
+            context_ids=tuple(context[common : common + limit].tolist()),
+            prompt_ids=tuple(prompt_ids[common : common + limit].tolist()),
             **text_fields,
         )

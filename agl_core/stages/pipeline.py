@@ -19,7 +19,13 @@ import torch
 from agl_core.data import CompletedRollout, TrainingRow
 from agl_core.recording import RecordingWriter
 from agl_core.stages.advantage import Advantages, AdvantageSettings
-from agl_core.stages.aggregation import settings_from_config, write_mismatches_jsonl
+from agl_core.stages.aggregation import (
+    Aggregation,
+    PerRolloutAggregator,
+    RolloutAggregation,
+    settings_from_config,
+    write_mismatches_jsonl,
+)
 from agl_core.stages.policy_loss import policy_loss_spec
 from agl_core.stages.samples import step_samples
 from agl_core.stages.shaping import ShapedBatch, ShapingSettings, shape_batch
@@ -140,6 +146,17 @@ def _scales_per_rollout(config: Any, plugins: Any) -> bool:
     return policy_loss_spec(plugins.policy_losses.get(loss_mode)).scale_advantages_per_rollout
 
 
+@attrs.frozen
+class _RolloutPart:
+    """What the pipeline does to one rollout alone before the batch meets: the rollout as received,
+    as aggregated (without its out-of-vocabulary calls, ``removed`` of them) and its aggregation."""
+
+    received: CompletedRollout
+    kept: CompletedRollout
+    removed: int
+    aggregation: RolloutAggregation
+
+
 def _without_lone_rollouts(rows: Sequence[TrainingRow]) -> tuple[list[TrainingRow], int]:
     """``rows`` without the groups left with a single rollout, and how many such groups there were.
 
@@ -171,6 +188,11 @@ class StepPipeline:
     run's recording (:mod:`agl_core.recording`; ``training/record/bytes``) before anything else runs.
     Each :meth:`prepare` keeps the step's sample tables (:mod:`agl_core.stages.samples`) until the
     backend hands them on with :meth:`take_samples`.
+
+    With an aggregator declared per rollout (:class:`~agl_core.stages.aggregation.PerRolloutAggregator`),
+    the rollout source hands each training rollout to :meth:`prepare_rollout` as it finishes, so
+    that rollout's vocabulary check and aggregation are done while the others still run; the
+    batch's result is the same as without it.
     """
 
     def __init__(
@@ -200,6 +222,46 @@ class StepPipeline:
         )
         self._samples: dict[str, list[dict[str, Any]]] = {}
         self.recording = RecordingWriter(config, tokenizer) if config.agentlightning.record_rollouts else None
+        self._parts: dict[str, _RolloutPart] = {}  # by rollout id, made by prepare_rollout
+        self._parts_left_over: set[str] = set()  # not used by the last prepare
+
+    def prepare_rollout(self, rollout: CompletedRollout) -> None:
+        """Do the per-rollout part of the :meth:`prepare` that will get ``rollout`` now (what a rollout
+        source calls as each training rollout finishes). Nothing to do unless the aggregator is
+        declared per rollout; a rollout whose part fails is left to :meth:`prepare`, which fails on it
+        exactly as without this call."""
+        if not isinstance(self.aggregate, PerRolloutAggregator) or not rollout.is_train:
+            return
+        try:
+            self._parts[rollout.rollout_id] = self._rollout_part(rollout)
+        except Exception:  # raised again, in batch order, by prepare
+            self._parts.pop(rollout.rollout_id, None)
+
+    def _rollout_part(self, rollout: CompletedRollout) -> _RolloutPart:
+        kept, removed = rollout, 0
+        if self.vocab_size is not None:
+            [kept], removed = within_vocabulary([rollout], self.vocab_size)
+        return _RolloutPart(rollout, kept, removed, self.aggregate.aggregate_rollout(kept, self.aggregation_settings))
+
+    def _aggregated(self, rollouts: Sequence[CompletedRollout]) -> tuple[list[CompletedRollout], int, Aggregation]:
+        """The rollouts without their out-of-vocabulary calls, how many calls that removed, and their
+        aggregation: from the parts :meth:`prepare_rollout` made for these very rollouts (the rest made
+        now), or over the whole batch for an aggregator not declared per rollout."""
+        if not isinstance(self.aggregate, PerRolloutAggregator):
+            removed = 0
+            if self.vocab_size is not None:
+                rollouts, removed = within_vocabulary(rollouts, self.vocab_size)
+            return list(rollouts), removed, self.aggregate(rollouts, self.aggregation_settings)
+        parts = []
+        for rollout in rollouts:
+            part = self._parts.pop(rollout.rollout_id, None)
+            parts.append(part if part is not None and part.received is rollout else self._rollout_part(rollout))
+        # A part that waited through a whole step unused (its rollout never came) is let go.
+        for rollout_id in self._parts_left_over & self._parts.keys():
+            del self._parts[rollout_id]
+        self._parts_left_over = set(self._parts)
+        aggregation = self.aggregate.combine((p.aggregation for p in parts), self.aggregation_settings)
+        return [p.kept for p in parts], sum(p.removed for p in parts), aggregation
 
     def take_samples(self) -> dict[str, list[dict[str, Any]]]:
         """The sample tables of the last :meth:`prepare` (``trajectories``, ``mismatches``), once:
@@ -213,10 +275,9 @@ class StepPipeline:
         if self.recording is not None:
             metrics.update(self.recording.write(step, rollouts))
         metrics.update(staleness_metrics(rollouts, step))
+        rollouts, removed, aggregation = self._aggregated(rollouts)
         if self.vocab_size is not None:
-            rollouts, removed = within_vocabulary(rollouts, self.vocab_size)
             metrics[OUT_OF_VOCAB_METRIC] = float(removed)
-        aggregation = self.aggregate(rollouts, self.aggregation_settings)
         metrics.update(aggregation.metrics)
         if self.mismatch_log_path and aggregation.mismatches:
             write_mismatches_jsonl(os.path.expanduser(self.mismatch_log_path), aggregation.mismatches)

@@ -120,11 +120,17 @@ def tensorize(
     """
     if not rows:
         raise ValueError("tensorize: no rows to pad")
-    for row in rows:
+    # The reward goes on each row's last trained token: after truncation a row may end on
+    # observation tokens, which are never trained. Found in each row's own mask (short and
+    # contiguous): the same search over the padded batch reads every pad column of every row.
+    last_trained = np.empty(len(rows), np.int64)
+    for i, row in enumerate(rows):
         if row.dropped:
             raise DataValidationError("dropped", "a dropped row reached tensorisation", row.rollout_id)
-        if not row.response_mask.any():
+        trained = np.flatnonzero(row.response_mask)
+        if not len(trained):
             raise DataValidationError("response_mask", "row has no trained token to carry the reward", row.rollout_id)
+        last_trained[i] = trained[-1]
     prompts = [row.prompt_ids for row in rows]
     responses = [row.response_ids for row in rows]
     if prompt_length is None:
@@ -148,9 +154,6 @@ def tensorize(
     response_mask = _pack([row.response_mask for row in rows], response_length, np.int64, 0)
     log_probs = [row.log_probs for row in rows]
 
-    # The reward goes on each row's last trained token: after truncation a row may end on
-    # observation tokens, which are never trained.
-    last_trained = response_length - 1 - np.argmax(response_mask[:, ::-1], axis=1)
     scores = _blank((len(rows), response_length), np.float32, 0)
     scores[np.arange(len(rows)), last_trained] = [row.reward for row in rows]
 

@@ -251,6 +251,7 @@ class TorchBackend:
                 self.engine.restore_sampler_state(self._sampler_state)
             self.plugins.on_startup(self.config)
             self.source = self.make_source()
+            self.source.on_rollout_done = self.pipeline.prepare_rollout
             try:
                 self.source.after_weight_update([self.engine.base_url], self.step)
                 loop = self.loop
