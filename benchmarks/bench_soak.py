@@ -13,14 +13,14 @@ Faults on a schedule:
 - a hook raises in ``agl_on_succeeded`` on every ``--hook-raise-every``-th call.
 
 Every ``--every`` steps it records the trainer's RSS, the bytes its C heap has handed out and not
-taken back (glibc's ``mallinfo2``: RSS growing while these stay flat is memory the allocator keeps,
-not a leak), open file descriptors and threads, the number of rollouts the gateway holds (its
-ledger) and the run directory's size. The benchmark's own bookkeeping stays small: step metrics are
-summed as they arrive, not kept per step. At the end it prints that
-table, the growth per 100 steps after warm-up (a least-squares slope), and the accounting: each
-group the trainer enqueued (one dataset row, ``rollout.n`` rollouts) was trained, left out with one
-rollout left, had every rollout fail, or was still in flight when the run ended; every rollout
-reached a terminal state the hooks saw; each epoch enqueued every row once.
+taken back and the free bytes it keeps (glibc's ``mallinfo2``), Python's allocated blocks (RSS
+growing while these stay flat is memory an allocator keeps, not a leak), open file descriptors and
+threads, the number of rollouts the gateway holds (its ledger) and the run directory's size. The
+benchmark's own bookkeeping stays small: step metrics are summed as they arrive, not kept per step.
+At the end it prints that table, the growth per 100 steps after warm-up (a least-squares slope), and
+the accounting: each group the trainer enqueued (one dataset row, ``rollout.n`` rollouts) was
+trained, left out with one rollout left, had every rollout fail, or was still in flight when the run
+ended; every rollout reached a terminal state the hooks saw; each epoch enqueued every row once.
 
 Run: ``.venv/bin/python benchmarks/bench_soak.py [--steps 1000] [--every 20] [--out DIR]`` (a
 1,000-step run takes one to two hours on 2 CPU cores; run it at low priority). Interrupted with
@@ -62,7 +62,7 @@ CONFIG = REPO_ROOT / "examples" / "corridor" / "config.yaml"
 DATASET = REPO_ROOT / "examples" / "corridor" / "dataset.jsonl"
 MIB = 2**20
 STATES = ("queuing", "running", "succeeded", "failed")
-COLUMNS = ("step", "rss_mib", "heap_mib", "threads", "fds", "ledger", "run_dir_mib")
+COLUMNS = ("step", "rss_mib", "heap_mib", "heap_free_mib", "py_blocks_k", "threads", "fds", "ledger", "run_dir_mib")
 # Step metrics the accounting sums over the run (with the group counts).
 SUMMED = (
     "training/rollouts/n_",
@@ -103,26 +103,28 @@ class _MallInfo2(ctypes.Structure):
     ] + [("keepcost", ctypes.c_size_t)]
 
 
-def heap_in_use_mib() -> float:
-    """Bytes glibc's malloc has handed out and not been given back, over all its arenas (``uordblks``,
-    plus ``hblkhd`` for blocks it mapped on their own); NaN where ``mallinfo2`` is missing (not glibc
-    2.33+)."""
+def heap_mib() -> dict[str, float]:
+    """glibc malloc's bytes handed out and not given back, over all its arenas (``heap_mib``:
+    ``uordblks``, plus ``hblkhd`` for blocks mapped on their own), and the free bytes it keeps in its
+    arenas (``heap_free_mib``: ``fordblks``); NaN where ``mallinfo2`` is missing (not glibc 2.33+).
+    Python's small objects live in its own arenas, outside these: ``py_blocks_k`` counts them."""
     try:
         mallinfo2 = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):
-        return float("nan")
+        return {"heap_mib": float("nan"), "heap_free_mib": float("nan")}
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
-    return (info.uordblks + info.hblkhd) / MIB
+    return {"heap_mib": (info.uordblks + info.hblkhd) / MIB, "heap_free_mib": info.fordblks / MIB}
 
 
 def resources() -> dict[str, float]:
-    """This process's resident memory, its C heap in use, threads (the kernel's count, native threads
-    included) and open fds."""
+    """This process's resident memory, its C heap (:func:`heap_mib`), Python's allocated blocks, threads
+    (the kernel's count, native threads included) and open fds."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     return {
         "rss_mib": int(status["VmRSS"].split()[0]) * 1024 / MIB,
-        "heap_mib": heap_in_use_mib(),
+        **heap_mib(),
+        "py_blocks_k": sys.getallocatedblocks() / 1000,
         "threads": float(status["Threads"]),
         "fds": float(len(os.listdir("/proc/self/fd"))),
     }
@@ -176,7 +178,8 @@ class Soak:
             with (self.run_dir.parent / "table.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
-                f"soak step {step}: rss {row['rss_mib']:.1f} MiB, heap {row['heap_mib']:.1f} MiB, "
+                f"soak step {step}: rss {row['rss_mib']:.1f} MiB, heap {row['heap_mib']:.1f} MiB "
+                f"(+{row['heap_free_mib']:.1f} free), python blocks {row['py_blocks_k']:.0f}k, "
                 f"threads {row['threads']:g}, fds {row['fds']:g}, "
                 f"ledger {row['ledger']:g}, run dir {row['run_dir_mib']:.2f} MiB, "
                 f"reward {metrics.get('training/reward', float('nan')):.3f}",
@@ -396,8 +399,9 @@ def print_report(report: Mapping[str, Any]) -> None:
     print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     for row in report["table"]:
         print(
-            f"| {row['step']:.0f} | {row['rss_mib']:.1f} | {row['heap_mib']:.1f} | {row['threads']:.0f} "
-            f"| {row['fds']:.0f} | {row['ledger']:.0f} | {row['run_dir_mib']:.2f} |"
+            f"| {row['step']:.0f} | {row['rss_mib']:.1f} | {row['heap_mib']:.1f} | {row['heap_free_mib']:.1f} "
+            f"| {row['py_blocks_k']:.0f} | {row['threads']:.0f} | {row['fds']:.0f} | {row['ledger']:.0f} "
+            f"| {row['run_dir_mib']:.2f} |"
         )
     print(f"\ngrowth per 100 steps after step {report['warmup_steps']} (least-squares slope; % of the mean):")
     for column, (absolute, percent) in report["growth_per_100_steps"].items():
