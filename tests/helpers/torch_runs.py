@@ -14,6 +14,22 @@ CONFIG = "examples/corridor/config.yaml"
 SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["right", "right", "left"]}]
 
 
+def resume_overrides(policy, run_dir, steps):
+    """``agl train`` overrides for ``steps`` steps of the corridor on ``policy`` under ``run_dir``, a
+    checkpoint after every step (so a second run with more steps resumes), no validation."""
+    return [
+        f"actor_rollout_ref.model.path={policy}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    ]
+
+
 def torch_config(policy, run_dir, *extra):
     """The corridor example's config on ``policy``, writing under ``run_dir``, two rollout groups of four."""
     return load_config(

@@ -16,7 +16,15 @@ from agl_core.plugins import PluginManager
 from agl_core.serving.weights import save_served, served_state_dict
 from agl_core.train import run
 from tests.helpers.corridor_policy import build_corridor_policy
-from tests.helpers.torch_runs import CONFIG, SAMPLES, Running, served_log_probs, tensors_of, torch_config
+from tests.helpers.torch_runs import (
+    CONFIG,
+    SAMPLES,
+    Running,
+    resume_overrides,
+    served_log_probs,
+    tensors_of,
+    torch_config,
+)
 
 LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
 ADAPTER_PREFIXES = ("lora_A", "lora_B")
@@ -108,20 +116,7 @@ def test_served_and_exported_weights_are_the_merged_policy(policy, tmp_path):
 
 
 def _lora_run(policy, run_dir, steps, *extra):
-    overrides = [
-        f"actor_rollout_ref.model.path={policy}",
-        f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={steps}",
-        "trainer.save_freq=1",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-        "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.optim.lr=1e-2",
-        *LORA,
-        *extra,
-    ]
+    overrides = [*resume_overrides(policy, run_dir, steps), "actor_rollout_ref.actor.optim.lr=1e-2", *LORA, *extra]
     run(CONFIG, overrides, show_progress=False)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -11,8 +11,7 @@ from agl_core import hookimpl
 from agl_core.backends.torch.checkpoint import latest_checkpoint
 from agl_core.train import run
 from tests.helpers.corridor_policy import build_corridor_policy
-
-CONFIG = "examples/corridor/config.yaml"
+from tests.helpers.torch_runs import CONFIG, resume_overrides
 
 
 class SeenInputs:
@@ -33,30 +32,16 @@ def policy(tmp_path_factory):
     return build_corridor_policy(tmp_path_factory.mktemp("policy"))
 
 
-def _overrides(policy, run_dir, steps):
-    return [
-        f"actor_rollout_ref.model.path={policy}",
-        f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={steps}",
-        "trainer.save_freq=1",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-        "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    ]
-
-
 def test_restart_continues_from_step_k_with_the_same_data_order(policy, tmp_path):
     straight = SeenInputs()
-    run(CONFIG, _overrides(policy, tmp_path / "straight", 4), plugins=[straight], show_progress=False)
+    run(CONFIG, resume_overrides(policy, tmp_path / "straight", 4), plugins=[straight], show_progress=False)
 
     interrupted = SeenInputs()
-    run(CONFIG, _overrides(policy, tmp_path / "resumed", 2), plugins=[interrupted], show_progress=False)
+    run(CONFIG, resume_overrides(policy, tmp_path / "resumed", 2), plugins=[interrupted], show_progress=False)
     assert latest_checkpoint(tmp_path / "resumed").name == "global_step_2"
     state_after_2 = torch.load(tmp_path / "resumed" / "global_step_2" / "trainer_state.pt", weights_only=False)
     resumed = SeenInputs()
-    run(CONFIG, _overrides(policy, tmp_path / "resumed", 4), plugins=[resumed], show_progress=False)
+    run(CONFIG, resume_overrides(policy, tmp_path / "resumed", 4), plugins=[resumed], show_progress=False)
 
     assert sorted(resumed.by_step) == [3, 4]  # nothing before step k was redone
     assert interrupted.by_step == {1: straight.by_step[1], 2: straight.by_step[2]}
@@ -68,9 +53,14 @@ def test_restart_continues_from_step_k_with_the_same_data_order(policy, tmp_path
 
 
 def test_resume_mode_disable_starts_over(policy, tmp_path):
-    run(CONFIG, _overrides(policy, tmp_path, 1), show_progress=False)
+    run(CONFIG, resume_overrides(policy, tmp_path, 1), show_progress=False)
     again = SeenInputs()
-    run(CONFIG, [*_overrides(policy, tmp_path, 1), "trainer.resume_mode=disable"], plugins=[again], show_progress=False)
+    run(
+        CONFIG,
+        [*resume_overrides(policy, tmp_path, 1), "trainer.resume_mode=disable"],
+        plugins=[again],
+        show_progress=False,
+    )
     assert sorted(again.by_step) == [1]
 
 
@@ -123,7 +113,7 @@ def test_a_killed_agl_train_restarts_from_its_last_checkpoint(policy, tmp_path):
     hook = tmp_path / "seen_hook.py"
     hook.write_text(SEEN_HOOK)
     run_dir = tmp_path / "run"
-    overrides = [*_overrides(policy, run_dir, 4), "trainer.test_freq=-1", f"agentlightning.hooks={hook}"]
+    overrides = [*resume_overrides(policy, run_dir, 4), "trainer.test_freq=-1", f"agentlightning.hooks={hook}"]
     command = [sys.executable, "-m", "agl_core.cli", "train", CONFIG, *overrides]
 
     def start(seen_file):
