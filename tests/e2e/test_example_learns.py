@@ -10,28 +10,13 @@ thresholds below sit between that and what a policy blind to the signs can reach
 
 from __future__ import annotations
 
-import json
+from tests.helpers.torch_runs import corridor_run
 
-from agl_core.train import run
-from tests.helpers.corridor_policy import build_corridor_policy
-
-CONFIG = "examples/corridor/config.yaml"
 STEPS = 40
 
 
 def test_forty_steps_teach_the_policy_to_follow_the_signs(tmp_path):
-    policy = build_corridor_policy(tmp_path / "policy")
-    run_dir = tmp_path / "run"
-    overrides = [
-        f"actor_rollout_ref.model.path={policy}",
-        f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={STEPS}",
-        "trainer.save_freq=-1",
-        f"trainer.test_freq={STEPS}",
-        "trainer.val_before_train=false",
-    ]
-    run(CONFIG, overrides, show_progress=False)
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = corridor_run(tmp_path, STEPS)
     rewards = [line["training/reward"] for line in lines if line["step"] > 0]
     assert len(rewards) == STEPS
     assert rewards[0] < 0.2, "a random policy should start near the 0.03 baseline"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
 from agl_core.backends.torch.backend import TorchBackend
@@ -9,9 +11,29 @@ from agl_core.config import load_config
 from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager
 from agl_core.stages.tensorize import tensorize
+from agl_core.train import run
+from tests.helpers.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"
 SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["right", "right", "left"]}]
+
+
+def corridor_run(folder, steps, *extra):
+    """``agl train`` of the corridor example for ``steps`` steps on a freshly built policy, under
+    ``folder``, validated once at the end; its metrics lines (step 0 is the run's start)."""
+    policy = build_corridor_policy(folder / "policy")
+    run_dir = folder / "run"
+    overrides = [
+        f"actor_rollout_ref.model.path={policy}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=-1",
+        f"trainer.test_freq={steps}",
+        "trainer.val_before_train=false",
+        *extra,
+    ]
+    run(CONFIG, overrides, show_progress=False)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def resume_overrides(policy, run_dir, steps):

@@ -15,11 +15,11 @@ from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
 from agl_core.serving.weights import save_served, served_state_dict
 from agl_core.train import run
-from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.torch_runs import (
     CONFIG,
     SAMPLES,
     Running,
+    corridor_run,
     resume_overrides,
     served_log_probs,
     tensors_of,
@@ -216,19 +216,7 @@ CORRIDOR_STEPS = 40
 
 @pytest.mark.slow
 def test_lora_teaches_the_corridor_policy_to_follow_the_signs(tmp_path):
-    policy = build_corridor_policy(tmp_path / "policy")
-    run_dir = tmp_path / "run"
-    overrides = [
-        f"actor_rollout_ref.model.path={policy}",
-        f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={CORRIDOR_STEPS}",
-        "trainer.save_freq=-1",
-        f"trainer.test_freq={CORRIDOR_STEPS}",
-        "trainer.val_before_train=false",
-        *LORA_CORRIDOR,
-    ]
-    run(CONFIG, overrides, show_progress=False)
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = corridor_run(tmp_path, CORRIDOR_STEPS, *LORA_CORRIDOR)
     rewards = [line["training/reward"] for line in lines if line["step"] > 0]
     assert len(rewards) == CORRIDOR_STEPS
     assert rewards[0] < 0.2, "a random policy should start near the 0.03 baseline"
