@@ -24,19 +24,21 @@ from omegaconf import DictConfig, OmegaConf
 from agl_backend_verl.config import check_verl_requirements
 from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.trainer import SampleDataset, StepReport
-from agl_backend_verl.verl_plugins import ray_runtime_env
+from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
 from agl_core import ConfigError, OnStep, PluginError, PluginManager
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
     """The arguments :func:`init_ray` gives ``ray.init``: ``ray_kwargs.ray_init`` with verl's PPO
-    runtime env under the user's, and agl's module added to the workers' verl imports."""
+    runtime env under the user's, agl's module added to the workers' verl imports and the plugin
+    settings given to the workers (:func:`~agl_backend_verl.verl_plugins.plugin_settings_env`)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     ray_init = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {}
     assert isinstance(ray_init, dict)
     runtime_env = {**get_ppo_ray_runtime_env(config), **(ray_init.pop("runtime_env", None) or {})}
     kwargs = {"runtime_env": ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None}}
+    kwargs["runtime_env"]["env_vars"].update(plugin_settings_env(config))
     if cpu_mode.is_cpu(config):
         kwargs["runtime_env"]["env_vars"].update(cpu_mode.runtime_env_vars())
         kwargs = cpu_mode.ray_init_kwargs(config, kwargs)

@@ -12,6 +12,11 @@ imports verl:
 2. ``VERL_USE_EXTERNAL_MODULES`` naming this module, which :func:`ray_runtime_env` adds to the Ray
    runtime env when agl starts Ray (it still works with ``VERL_USE_EXTERNAL_PLUGINS=none``).
 
+Plugin settings (``agentlightning.plugins``) reach the workers as JSON in ``AGL_PLUGIN_SETTINGS``,
+which :func:`plugin_settings_env` makes from the run's config and agl adds to the Ray runtime env
+when it starts Ray: the losses and estimators registered there are built with the configured
+settings, as in the driver. Without it (Ray started elsewhere) they get their defaults.
+
 verl's own names win: an agl loss or estimator whose name verl already defines (``grpo``, ``rloo``...)
 is not registered, and is listed in :data:`SKIPPED`. verl swallows import errors of its plugins, so a
 failure here is logged and kept in :data:`REGISTRATION_ERROR`; :func:`ensure_registered` raises it.
@@ -19,7 +24,9 @@ failure here is logged and kept in :data:`REGISTRATION_ERROR`; :func:`ensure_reg
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MODULE = __name__
 EXTERNAL_MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
+PLUGIN_SETTINGS_ENV = "AGL_PLUGIN_SETTINGS"
 
 REGISTERED: dict[str, list[str]] = {"policy_losses": [], "advantage_estimators": []}
 SKIPPED: dict[str, str] = {}
@@ -75,11 +83,38 @@ def verl_advantage_estimator(estimate: Any, name: str) -> Any:
     return verl_estimator
 
 
+def plugin_settings_env(config: Any) -> dict[str, str]:
+    """The workers' ``AGL_PLUGIN_SETTINGS``: the run's ``agentlightning.plugins`` as JSON (none when empty)."""
+    from omegaconf import OmegaConf
+
+    section = OmegaConf.select(config, "agentlightning.plugins", default=None)
+    if not section:
+        return {}
+    return {PLUGIN_SETTINGS_ENV: json.dumps(OmegaConf.to_container(section, resolve=True), sort_keys=True)}
+
+
+def worker_plugins() -> PluginManager:
+    """The plugin manager of a process verl imports this module in (built-ins and entry points),
+    configured with the sections of ``AGL_PLUGIN_SETTINGS`` that its plugins declare: the driver has
+    checked them all, and sections of plugins only the driver loads (hook files, plugins given in
+    code) have no use here."""
+    plugins = PluginManager()
+    raw = os.environ.get(PLUGIN_SETTINGS_ENV)
+    if raw:
+        try:
+            sections = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"{PLUGIN_SETTINGS_ENV} is not JSON ({exc}): {raw[:200]!r}") from exc
+        declared = plugins.settings_declarations()
+        plugins.configure({"agentlightning": {"plugins": {k: v for k, v in sections.items() if k in declared}}})
+    return plugins
+
+
 def register_into_verl(plugins: PluginManager | None = None) -> dict[str, list[str]]:
     """Register every agl loss and estimator whose name verl does not define; return the names."""
     from verl.trainer.ppo import core_algos
 
-    plugins = plugins or PluginManager()
+    plugins = plugins or worker_plugins()
     verl_estimators = {e.value for e in core_algos.AdvantageEstimator}
     for entry in plugins.policy_losses.entries():
         existing = core_algos.POLICY_LOSS_REGISTRY.get(entry.name)

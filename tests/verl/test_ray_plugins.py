@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 
@@ -17,16 +18,29 @@ pytest.importorskip("verl")
 EXTERNAL_MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
 
 THIRD_PARTY = """
+import dataclasses
+
 from agl_core import hookimpl
 
 
-def doubled_sum(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
-    return 2.0 * ((log_prob - old_log_prob) * advantages * response_mask).sum(), {}
+@dataclasses.dataclass
+class ScaledSumSettings:
+    factor: float = 2.0
 
 
 @hookimpl
-def agl_register_policy_losses(register):
-    register("doubled_sum_test", doubled_sum)
+def agl_plugin_settings():
+    return {"scaled_sum_test": ScaledSumSettings}
+
+
+@hookimpl
+def agl_register_policy_losses(register, settings):
+    factor = settings["scaled_sum_test"].factor
+
+    def scaled_sum(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
+        return factor * ((log_prob - old_log_prob) * advantages * response_mask).sum(), {}
+
+    register("doubled_sum_test", scaled_sum)
 """
 
 
@@ -131,18 +145,53 @@ def test_external_modules_env_registers_it_when_entry_points_are_off(ray_session
     assert not ray.get(remote_verl_loss.options(runtime_env=neither).remote("per_rollout_mean"))["found"]
 
 
-def test_third_party_agl_loss_reaches_verl_workers(ray_session, third_party_site):
-    env = {
+def third_party_env(site, **env_vars):
+    return {
         "env_vars": {
-            "PYTHONPATH": os.pathsep.join([third_party_site, os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]),
             "AGL_DISABLE_PLUGIN_AUTOLOAD": "",
+            **env_vars,
         }
     }
-    result = ray.get(remote_verl_loss.options(runtime_env=env).remote("doubled_sum_test"))
+
+
+def scaled_sum(factor):
+    old, new, advantages, mask = loss_inputs()
+    return float(factor * ((new - old) * advantages * mask).sum())
+
+
+def test_third_party_agl_loss_reaches_verl_workers(ray_session, third_party_site):
+    result = ray.get(remote_verl_loss.options(runtime_env=third_party_env(third_party_site)).remote("doubled_sum_test"))
     assert result["found"]
     assert result["plugin"] == "doubled"
-    old, new, advantages, mask = loss_inputs()
-    assert result["loss"] == pytest.approx(float(2.0 * ((new - old) * advantages * mask).sum()), rel=1e-6)
+    assert result["loss"] == pytest.approx(scaled_sum(2.0), rel=1e-6)  # the setting's default
+
+
+def test_a_loss_in_a_verl_worker_is_built_with_the_runs_plugin_settings(ray_session, third_party_site):
+    """What agl puts in the runtime env when it starts Ray: the worker builds the loss with the
+    configured setting; a section only the driver's plugins declare is left out there, not refused."""
+    from agl_backend_verl.config import load_verl_config
+    from agl_backend_verl.run import ray_init_kwargs
+    from agl_backend_verl.verl_plugins import PLUGIN_SETTINGS_ENV
+
+    config = load_verl_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=/m",
+            "agentlightning.agl_base_url=http://127.0.0.1:1",
+            "agentlightning.plugins.scaled_sum_test.factor=3.0",
+            "agentlightning.plugins.only_in_the_driver.x=1",
+        ],
+    )
+    sent = ray_init_kwargs(config)["runtime_env"]["env_vars"][PLUGIN_SETTINGS_ENV]
+    assert json.loads(sent) == {"only_in_the_driver": {"x": 1}, "scaled_sum_test": {"factor": 3.0}}
+    env = third_party_env(third_party_site, **{PLUGIN_SETTINGS_ENV: sent})
+    result = ray.get(remote_verl_loss.options(runtime_env=env).remote("doubled_sum_test"))
+    assert result["found"] and result["loss"] == pytest.approx(scaled_sum(3.0), rel=1e-6)
+    plain = load_verl_config(
+        None, ["actor_rollout_ref.model.path=/m", "agentlightning.agl_base_url=http://127.0.0.1:1"]
+    )
+    assert PLUGIN_SETTINGS_ENV not in ray_init_kwargs(plain)["runtime_env"]["env_vars"]
 
 
 def test_runtime_env_keeps_other_external_modules():
