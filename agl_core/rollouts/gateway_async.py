@@ -9,8 +9,11 @@ pending) and the samples waiting in the backlog. A resumed run restores them bef
 pending rollouts the gateway still holds are polled again under their ids (those that finished
 while no trainer ran are read then); those it no longer holds (a gateway restart, or a run killed
 after the checkpoint that had read and deleted them) are re-created with the same request under a
-fresh id, as after a gateway restart. Nothing carried is dropped or trained twice, and the restore is
-counted (``training/async/n_resumed_*``, ``training/rollouts/n_lost``, ``n_reenqueued``).
+fresh id, as after a gateway restart. A pending rollout that failed before the resumed run registered
+its engines (the gateway's ``updated_at`` against this process's clock: agents could then only reach
+the stopped run's engines) is re-created the same way, per ``gateway.restart_policy``
+(``training/async/n_resumed_failed_unserved``). Nothing carried is dropped or trained twice, and the
+restore is counted (``training/async/n_resumed_*``, ``training/rollouts/n_lost``, ``n_reenqueued``).
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
         for saved in state["pending"]:
             request = RolloutRequest.from_dict(saved["request"])
             self.pending[request.rollout_id] = _Pending(
-                request, saved["queued_at"], now + self.deadline_seconds, saved["reenqueues"]
+                request, saved["queued_at"], now + self.deadline_seconds, saved["reenqueues"], restored=True
             )
         self.backlog = list(state["backlog"]) + self.backlog
         self.cursor = 0  # what finished while no trainer ran is in the terminal log from its start

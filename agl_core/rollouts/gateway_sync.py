@@ -61,6 +61,7 @@ class _Pending:
     queued_at: float  # wall clock
     deadline: float  # monotonic
     reenqueues: int = 0
+    restored: bool = False  # taken over from a checkpoint (async mode's restore)
 
 
 @attrs.define
@@ -105,6 +106,7 @@ class GatewayRolloutSource(RolloutSource):
         self.poll_interval = float(gateway.poll_interval_min_seconds)
         self.last_progress = time.monotonic()
         self.registered: tuple[list[str], int] | None = None
+        self.serving_since: float | None = None  # wall clock of this source's first registration
         self.counts: Counter[str] = Counter()
         self._requests_at_last_report = Counter(self.client.requests_sent)
 
@@ -218,15 +220,33 @@ class GatewayRolloutSource(RolloutSource):
         """Re-create each lost rollout under a fresh id (so a stale agent of the old one cannot write
         into it), or fail it, per ``gateway.restart_policy`` and ``gateway.max_reenqueues``."""
         for rid in lost:
-            pending = self.pending[rid]
-            if self.gateway.restart_policy == "reenqueue" and pending.reenqueues < self.gateway.max_reenqueues:
-                self._create([attrs.evolve(pending.request, rollout_id=new_id())], pending.reenqueues + 1)
-                del self.pending[rid]
-                self.terminal.pop(rid, None)
-                self.counts["training/rollouts/n_reenqueued"] += 1
-            else:
+            if not self._reenqueue(rid):
                 self._fail(rid, "lost by the gateway (restarted) and not re-enqueued", read_events=False)
             self.counts["training/rollouts/n_lost"] += 1
+
+    def _reenqueue(self, rid: str) -> bool:
+        """Re-create pending rollout ``rid`` under a fresh id if ``gateway.restart_policy`` and
+        ``gateway.max_reenqueues`` allow it; whether it was."""
+        pending = self.pending[rid]
+        if self.gateway.restart_policy != "reenqueue" or pending.reenqueues >= self.gateway.max_reenqueues:
+            return False
+        self._create([attrs.evolve(pending.request, rollout_id=new_id())], pending.reenqueues + 1)
+        del self.pending[rid]
+        self.terminal.pop(rid, None)
+        self.counts["training/rollouts/n_reenqueued"] += 1
+        return True
+
+    def _failed_unserved(self, rid: str, failed_at: Any) -> bool:
+        """Whether restored rollout ``rid`` failed (at ``failed_at``, the gateway's ``updated_at``)
+        before this source registered its engines: while no trainer ran, its agent could only reach
+        the engines of the run that stopped, so the failure says nothing of the policy."""
+        return (
+            self.pending[rid].restored
+            and self.serving_since is not None
+            and isinstance(failed_at, (int, float))
+            and not isinstance(failed_at, bool)
+            and failed_at < self.serving_since
+        )
 
     # -- finishing ----------------------------------------------------------------------------
 
@@ -236,15 +256,14 @@ class GatewayRolloutSource(RolloutSource):
         hooks_read = for_hooks and bool(self.plugins.implementations("agl_on_succeeded"))
         return self.client.get_events(rid, only_parsed_fields=not hooks_read)
 
-    def _read_terminal(self, rid: str, state: str) -> tuple[list[dict[str, Any]], str | None] | GatewayError:
+    def _read_terminal(self, rid: str, state: str) -> tuple[list[dict[str, Any]], str | None, Any] | GatewayError:
+        """A terminal rollout's events and, when it failed, its error message and when it failed."""
         try:
             events = self._events(rid, for_hooks=state == "succeeded")
-            error = (
-                self.client.get_rollout(rid)["rollout"]["status"].get("error_message") if state == "failed" else None
-            )
+            status = self.client.get_rollout(rid)["rollout"]["status"] if state == "failed" else {}
         except GatewayError as exc:
             return exc
-        return events, error
+        return events, status.get("error_message"), status.get("updated_at")
 
     def _reads(self, ready: list[tuple[str, str]]) -> Iterator[tuple[str, str, Any]]:
         """``(rid, state, read)`` for each of ``ready`` in order, read concurrently with at most
@@ -276,8 +295,12 @@ class GatewayRolloutSource(RolloutSource):
                 else:
                     self.counts["training/gateway/n_event_read_errors"] += 1
                 continue
-            self._finish(rid, state, *read)
+            events, error, failed_at = read
             finished.append(rid)
+            if state == "failed" and self._failed_unserved(rid, failed_at) and self._reenqueue(rid):
+                self.counts["training/async/n_resumed_failed_unserved"] += 1
+                continue
+            self._finish(rid, state, events, error)
         list(self._pool.map(self._delete, finished))
         return len(finished)
 
@@ -404,6 +427,8 @@ class GatewayRolloutSource(RolloutSource):
             self.client.delete_models()
         self.client.register_models(self.model_name, endpoints, version)
         self.registered = (list(endpoints), int(version))
+        if self.serving_since is None:
+            self.serving_since = time.time()
 
     def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
         """Register ``endpoints`` with ``version`` (upserted, so unchanged endpoints are never absent)."""

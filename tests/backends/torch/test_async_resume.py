@@ -185,3 +185,41 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
 
     with pytest.raises(ConfigError, match=r"agentlightning\.async_rollout\.enabled"):
         gateway_source(gateway_config(gateway), plugin_manager()).restore(state)
+
+
+def test_a_restored_rollout_that_failed_while_no_trainer_ran_is_run_again(gateway):  # noqa: F811
+    """A rollout in flight at the checkpoint whose agent failed before the resumed run registered its
+    engines (it could only reach the stopped run's) is re-created; one that fails afterwards is a
+    failure like any other."""
+    from agl_core.rollouts.gateway import gateway_source
+    from agl_core.rollouts.gateway_client import GatewayClient
+    from tests.helpers.gateway_fixtures import async_config, patch_rollout, plugin_manager
+
+    hold = {"on": True}  # while on, sample 1's agents never finish: they are in flight at the checkpoint
+
+    def plan(rollout):
+        return Plan(state=None) if hold["on"] and rollout["input"]["id"] == 1 else Plan()
+
+    with SimulatedController(gateway, plan), GatewayClient(gateway.url, gateway.key) as client:
+        before = gateway_source(async_config(gateway), plugin_manager())
+        first = before.collect([{"id": 0}, {"id": 1}, {"id": 2}], step=1, is_train=True)
+        assert {r.input["id"] for r in first.rollouts} == {0, 2}
+        state = before.state()
+        unserved, later = (p["request"]["rollout_id"] for p in state["pending"])
+        before.pending.clear()  # the run is killed
+        before.close()
+        hold["on"] = False
+        patch_rollout(client, unserved, state="failed", error_message="upstream model server request failed")
+        time.sleep(0.05)  # the gateway's clock ticks past the failure before the resumed run registers
+
+        after = gateway_source(async_config(gateway), plugin_manager())
+        after.after_weight_update(["http://127.0.0.1:1/v1"], 1)
+        assert after.restore(state) == 1
+        patch_rollout(client, later, state="failed", error_message="the agent raised")
+        second = after.collect([], step=2, is_train=True)
+        after.close()
+    m = second.metrics
+    assert m["training/async/n_resumed_failed_unserved"] == 1
+    assert (m["training/rollouts/n_reenqueued"], m["training/rollouts/n_failed"]) == (1, 1)
+    (trained,) = second.rollouts  # the re-created one, under a fresh id; the later failure is skipped
+    assert trained.input["id"] == 1 and trained.rollout_id not in (unserved, later) and trained.state == "succeeded"
