@@ -113,7 +113,6 @@ class AglRayPPOTrainer(RayPPOTrainer):
             self.tokenizer,
             estimate=lambda rows: compute_advantages(rows, self.config, plugins, self.pad_token_id),
         )
-        self.source.on_rollout_done = self.pipeline.prepare_rollout
         self.is_async = bool(self.config.agentlightning.async_rollout.enabled)
         self.global_steps = 0
         self._batches: Iterator[list[Mapping[str, Any]]] | None = None
@@ -155,6 +154,7 @@ class AglRayPPOTrainer(RayPPOTrainer):
         """Train (:func:`~agl_core.backends.loop.run_steps`), yielding each step's report after it
         (step 0: the validation before training)."""
         self.global_steps = 0
+        self.source.on_rollout_done = self.pipeline.prepare_rollout
         self.calls.load_checkpoint()
         self.calls.push_weights(self.global_steps)
         self._register_replicas(self.global_steps)

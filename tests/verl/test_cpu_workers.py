@@ -44,15 +44,17 @@ def probe(tmp_path_factory):
     policy = build(work / "policy", seed=0)
     config = cpu_config(policy, work / "run", *CRITIC_KEYS, f"critic.model.path={policy}")
     init_ray(config)
-    check_gpus(config)  # the CPU ranks are there
-    started = time.perf_counter()
-    actor = WorkerCallsProbe.remote(config)
-    ray.get(actor.endpoints.remote())
-    print(f"verl CPU workers and replica started in {time.perf_counter() - started:.1f}s")
-    try:
+    actor = None
+    try:  # Ray is stopped however this ends, so a failed start leaves no session to later tests
+        check_gpus(config)  # the CPU ranks are there
+        started = time.perf_counter()
+        actor = WorkerCallsProbe.remote(config)
+        ray.get(actor.endpoints.remote())
+        print(f"verl CPU workers and replica started in {time.perf_counter() - started:.1f}s")
         yield actor
     finally:
-        ray.kill(actor)
+        if actor is not None:
+            ray.kill(actor)
         ray.shutdown()
         if autoload is None:
             os.environ.pop(DISABLE_AUTOLOAD_ENV, None)
