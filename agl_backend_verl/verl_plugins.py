@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from agl_backend_verl.cpu import register as register_cpu_mode
 from agl_backend_verl.policy_loss import as_verl_policy_loss
@@ -85,8 +86,6 @@ def verl_advantage_estimator(estimate: Any, name: str) -> Any:
 
 def plugin_settings_env(config: Any) -> dict[str, str]:
     """The workers' ``AGL_PLUGIN_SETTINGS``: the run's ``agentlightning.plugins`` as JSON (none when empty)."""
-    from omegaconf import OmegaConf
-
     section = OmegaConf.select(config, "agentlightning.plugins", default=None)
     if not section:
         return {}
