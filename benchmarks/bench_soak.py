@@ -23,7 +23,7 @@ trained, left out with one rollout left, had every rollout fail, or was still in
 ended; every rollout reached a terminal state the hooks saw; each epoch enqueued every row once.
 
 Run: ``.venv/bin/python benchmarks/bench_soak.py [--steps 1000] [--every 20] [--out DIR]`` (a
-1,000-step run takes one to two hours on 2 CPU cores; run it at low priority). Interrupted with
+1,000-step run took 47 minutes on 2 CPU cores shared with other work; run it at low priority). Interrupted with
 Ctrl-C (SIGINT), it stops the gateway and controller and reports the steps that ran. ``tests/e2e/test_soak.py`` runs a
 60-step version with the same checks.
 """

@@ -121,8 +121,8 @@ def tensorize(
     if not rows:
         raise ValueError("tensorize: no rows to pad")
     # The reward goes on each row's last trained token: after truncation a row may end on
-    # observation tokens, which are never trained. Found in each row's own mask (short and
-    # contiguous): the same search over the padded batch reads every pad column of every row.
+    # observation tokens, which are never trained. Found in each row's own (unpadded) mask:
+    # the same search over the padded batch reads every pad column of every row.
     last_trained = np.empty(len(rows), np.int64)
     for i, row in enumerate(rows):
         if row.dropped:

@@ -193,7 +193,7 @@ def check_rows(rows: list[dict], steps: list[int], after_kill: Sequence[int] = (
                 + (f" less at most {lost} failed" if lost else "")
             )
         if lost >= rollouts:
-            continue  # every rollout called the killed run's replica: all failed and counted, none to train
+            continue  # every rollout failed (and was counted): nothing to train
         if not row.get("training/n_sample_trained"):
             problems.append(f"step {step}: no row trained")
         for key in FINITE:
