@@ -218,6 +218,7 @@ def check_types(cfg: DictConfig, base: DictConfig) -> None:
 
 def validate_verl(cfg: DictConfig) -> None:
     """Rules of this backend that the core's :func:`~agl_core.config.checks.validate` does not know."""
+    check_v1(cfg)
     estimator = str(cfg.algorithm.adv_estimator)
     if estimator in UNSUPPORTED_ESTIMATORS:
         raise ConfigError(
@@ -244,14 +245,75 @@ def validate_verl(cfg: DictConfig) -> None:
         )
 
 
+V1_MODES = ("sync", "colocate_async", "separate_async")
+AGL_AGENT_LOOP_MANAGER = "agl_backend_verl.agent_loop.RolloutLoopManager"
+
+
+def trainer_mode(cfg: DictConfig) -> str:
+    """The V1 trainer mode a run uses: ``trainer.v1.trainer_mode``, except that Agent Lightning's
+    ``agentlightning.async_rollout.enabled: true`` over verl's default ``sync`` means ``colocate_async``
+    (the mode whose rollouts run across weight updates on the trainer's own replicas)."""
+    mode = str(cfg.trainer.v1.trainer_mode)
+    return "colocate_async" if mode == "sync" and cfg.agentlightning.async_rollout.enabled else mode
+
+
+def warmup_batches(cfg: DictConfig) -> float:
+    """``trainer.v1.<mode>.num_warmup_batches`` of an async run: with Agent Lightning's async rollout,
+    the batches beyond the step's own that keep ``async_train_batch_size`` groups in flight."""
+    mode = trainer_mode(cfg)
+    section = cfg.trainer.v1[mode]
+    if not cfg.agentlightning.async_rollout.enabled:
+        return float(section.num_warmup_batches)
+    in_flight = int(cfg.agentlightning.async_rollout.async_train_batch_size)
+    return max(0.0, in_flight / int(cfg.data.train_batch_size) - 1.0)
+
+
+def check_v1(cfg: DictConfig) -> None:
+    """What of verl's V1 trainer this backend runs, refused by key where it cannot."""
+    if not cfg.trainer.use_v1:
+        raise ConfigError(
+            "trainer.use_v1",
+            "is false, but backend 'verl' runs verl's V1 trainer only (verl 0.9 deprecates the legacy "
+            "RayPPOTrainer and will remove it): set trainer.use_v1=true",
+        )
+    mode = str(cfg.trainer.v1.trainer_mode)
+    if mode not in V1_MODES:
+        raise ConfigError("trainer.v1.trainer_mode", f"is {mode!r}; backend 'verl' runs {', '.join(V1_MODES)}")
+    manager = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.agent_loop_manager_class", default=None)
+    if manager not in (None, AGL_AGENT_LOOP_MANAGER):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.agent.agent_loop_manager_class",
+            f"is {manager!r}, but agl's rollouts come from the Agent Lightning gateway (or the embedded agents, "
+            f"or a recording) through {AGL_AGENT_LOOP_MANAGER}: leave it unset",
+        )
+    if OmegaConf.select(cfg, "algorithm.filter_groups.enable", default=False):
+        raise ConfigError(
+            "algorithm.filter_groups.enable",
+            "is true, but agl's batch shaping already drops groups whose rewards are all equal first "
+            "(training/n_sample_dropped/same_reward); verl's DAPO filter reads reward scores agl's rollout "
+            "records do not hold: set it to false",
+        )
+    if cfg.algorithm.use_kl_in_reward:
+        raise ConfigError(
+            "algorithm.use_kl_in_reward",
+            "is true, but agl computes a rollout's advantage from its final reward, where a per-token KL "
+            "penalty has no place: put the KL term in the loss instead (actor_rollout_ref.actor.use_kl_loss=true)",
+        )
+    if trainer_mode(cfg) == "separate_async":
+        sync_steps = int(cfg.trainer.v1.separate_async.parameter_sync_step)
+        mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+        if int(cfg.data.train_batch_size) != sync_steps * mini:
+            raise ConfigError(
+                "trainer.v1.separate_async.parameter_sync_step",
+                f"is {sync_steps}, but separate_async trains data.train_batch_size ({cfg.data.train_batch_size}) "
+                f"groups as parameter_sync_step mini-batches of actor_rollout_ref.actor.ppo_mini_batch_size "
+                f"({mini}): their product must equal the batch",
+            )
+
+
 def check_verl_requirements(cfg: DictConfig) -> None:
     """What this backend needs beyond a valid config before it starts Ray (``agl check`` runs it too):
-    the gateway's URL, verl's rollout engine and the model."""
-    if cfg.agentlightning.agl_base_url is None and not cfg.agentlightning.replay:
-        raise ConfigError(
-            "agentlightning.agl_base_url",
-            "backend 'verl' runs agents through the gateway: set its URL (or replay a recording)",
-        )
+    verl's rollout engine, the model and, without a gateway or a recording, the embedded agents' class."""
     rollout = cfg.actor_rollout_ref.rollout
     if "name" not in rollout or OmegaConf.is_missing(rollout, "name"):
         raise ConfigError(
@@ -261,6 +323,10 @@ def check_verl_requirements(cfg: DictConfig) -> None:
         raise ConfigError(
             "actor_rollout_ref.model.path", "the policy's model (a local folder or a Hugging Face id) is not set"
         )
+    if cfg.agentlightning.agl_base_url is None and not cfg.agentlightning.replay:
+        from agl_core.rollouts.agents import load_agent_class
+
+        load_agent_class(cfg.agentlightning.local.agent_class)
 
 
 def verl_algorithm_config(cfg: DictConfig) -> DictConfig:

@@ -1,11 +1,15 @@
 """Entry points: :func:`run_ppo` for in-memory datasets, and :class:`VerlBackend` for ``agl train``.
 
 Both start Ray when nobody has (verl's PPO runtime env + ``ray_kwargs.ray_init`` + this package in
-``VERL_USE_EXTERNAL_MODULES``), then run :class:`TaskRunner` as a Ray actor: it builds verl's
-workers exactly as verl's own task runner does, validates the config with verl's
-``validate_config``, and trains with :class:`~agl_backend_verl.trainer.AglRayPPOTrainer`. The actor
-streams each step's ``(step, total_steps, metrics, samples)`` back to the driver as it finishes (a
-Ray streaming generator), where ``on_step`` sees them: ``agl train``'s metric sinks run there.
+``VERL_USE_EXTERNAL_MODULES``), then run :class:`TaskRunner` as a Ray actor on the node ``agl train``
+runs on (so the dataset files and hook files it names are the ones the driver sees). The actor does
+what verl's V1 task runner does — TransferQueue started, the trainer of ``trainer.v1.trainer_mode``
+built (:func:`~agl_backend_verl.trainer.trainer_class`) and initialised, its agent-loop manager
+created, ``fit`` — with agl's pieces in verl's slots: the dataset (``data.custom_cls``), the
+agent-loop manager (:class:`~agl_backend_verl.agent_loop.RolloutLoopManager` over the run's rollout
+source) and the trainer's step. The actor streams each step's ``(step, total_steps, metrics,
+samples)`` back to the driver as verl's loop logs it (a Ray streaming generator), where ``on_step``
+sees them: ``agl train``'s metric sinks run there.
 
 The rollout hooks run in the actor, so that is where the run's plugins live: hook files and entry
 points are loaded again there from the config, and plugins given in code are pickled and sent with
@@ -15,23 +19,29 @@ in the actor, with the config's secrets redacted.
 
 from __future__ import annotations
 
+import json
+import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from agl_backend_verl.config import check_verl_requirements
+from agl_backend_verl.config import AGL_AGENT_LOOP_MANAGER, check_verl_requirements, trainer_mode, warmup_batches
 from agl_backend_verl.cpu import mode as cpu_mode
-from agl_backend_verl.trainer import SampleDataset, StepReport
+from agl_backend_verl.dataset import DATASET_SLOT
+from agl_backend_verl.trainer import StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
 from agl_core import ConfigError, OnStep, PluginError, PluginManager
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
     """The arguments :func:`init_ray` gives ``ray.init``: ``ray_kwargs.ray_init`` with verl's PPO
-    runtime env under the user's, agl's module added to the workers' verl imports and the plugin
-    settings given to the workers (:func:`~agl_backend_verl.verl_plugins.plugin_settings_env`)."""
+    runtime env under the user's, agl's module added to the workers' verl imports, the plugin
+    settings given to the workers (:func:`~agl_backend_verl.verl_plugins.plugin_settings_env`) and
+    TransferQueue switched on (verl's V1 trainer runs on it)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     ray_init = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {}
@@ -39,6 +49,7 @@ def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
     runtime_env = {**get_ppo_ray_runtime_env(config), **(ray_init.pop("runtime_env", None) or {})}
     kwargs = {"runtime_env": ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None}}
     kwargs["runtime_env"]["env_vars"].update(plugin_settings_env(config))
+    kwargs["runtime_env"]["env_vars"]["TRANSFER_QUEUE_ENABLE"] = "1"
     if cpu_mode.is_cpu(config):
         kwargs["runtime_env"]["env_vars"].update(cpu_mode.runtime_env_vars())
         kwargs = cpu_mode.ray_init_kwargs(config, kwargs)
@@ -98,9 +109,33 @@ def run_ppo(
     total_steps, metrics, samples)`` runs in this process after every step (step 0: validation
     before training). ``plugins`` run in the Ray actor, as copies: they must pickle (:func:`shippable`).
     """
+    with tempfile.TemporaryDirectory(prefix="agl-verl-data-") as folder:
+        files = {
+            "train_files": write_rows(train_dataset, Path(folder) / "train.jsonl", "train_dataset"),
+            "val_files": write_rows(val_dataset, Path(folder) / "val.jsonl", "val_dataset"),
+        }
+        config = OmegaConf.merge(config, {"data": files})
+        train(config, plugins, on_step)
+
+
+def write_rows(rows: Sequence[Mapping[str, Any]], path: Path, name: str) -> str:
+    """``rows`` (a non-empty list of JSON-like dicts) as a JSON-lines file at ``path``; its path."""
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
+        raise ValueError(f"{name} must be a non-empty list of dicts, got {type(rows).__name__}")
+    with path.open("w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            if not isinstance(row, Mapping) or not all(isinstance(k, str) for k in row):
+                raise ValueError(f"{name}[{i}] must be a dict with string keys, got {row!r:.80}")
+            try:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}[{i}] is not JSON-like: {exc}") from None
+    return str(path)
+
+
+def train(config: DictConfig, plugins: Sequence[Any] = (), on_step: OnStep | None = None) -> None:
+    """Train on the dataset files ``data.train_files`` / ``data.val_files`` (see the module docstring)."""
     plugins = shippable(plugins)
-    train = SampleDataset(train_dataset, "train_dataset")
-    val = SampleDataset(val_dataset, "val_dataset")
     check_verl_requirements(config)
     if cpu_mode.is_cpu(config):
         from verl.trainer.ppo.utils import need_critic
@@ -108,108 +143,122 @@ def run_ppo(
         cpu_mode.check_cpu_config(config, use_critic=need_critic(config))
     init_ray(config)
     check_gpus(config)
-    for step, total, metrics, samples in actor_steps(
-        RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins
-    ):
+    here = ray.get_runtime_context().get_node_id()
+    runner = RemoteTaskRunner.options(
+        scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
+    ).remote()
+    for step, total, metrics, samples in actor_steps(runner, config, plugins):
         if on_step is not None:
             on_step(step, total, metrics, samples)
 
 
-def actor_steps(
-    runner: Any, config: DictConfig, train_samples: list, val_samples: list, plugins: list
-) -> Iterator[StepReport]:
+def actor_steps(runner: Any, config: DictConfig, plugins: list) -> Iterator[StepReport]:
     """Run ``runner.run`` (a :class:`TaskRunner` actor) and yield each step it streams as soon as it
     arrives; an error in the actor is raised here."""
-    for ref in runner.run.options(num_returns="streaming").remote(config, train_samples, val_samples, plugins):
+    for ref in runner.run.options(num_returns="streaming").remote(config, plugins):
         yield ray.get(ref)
 
 
-class TaskRunner:
-    """Builds verl's workers and runs the trainer, inside the Ray cluster (as verl's task runner)."""
+def v1_config(config: DictConfig) -> DictConfig:
+    """``config`` with verl's slots set to agl's: the dataset class, the agent-loop manager, the
+    trainer mode (Agent Lightning's async rollout is ``colocate_async``) and its warm-up batches,
+    TransferQueue on, and no tracker of verl's own (``trainer.logger`` names agl's sinks, which run
+    in ``agl train``)."""
+    mode = trainer_mode(config)
+    with open_dict(config):
+        config.trainer.logger = []
+        config.data.custom_cls = dict(DATASET_SLOT)
+        config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = AGL_AGENT_LOOP_MANAGER
+        config.trainer.v1.trainer_mode = mode
+        if mode != "sync":
+            config.trainer.v1[mode].num_warmup_batches = warmup_batches(config)
+        config.transfer_queue.enable = True
+    return config
 
-    def run(self, config: DictConfig, train_samples: list, val_samples: list, plugins: list) -> Iterator[StepReport]:
+
+class TaskRunner:
+    """Runs verl's V1 trainer with agl's pieces, inside the Ray cluster (as verl's task runner)."""
+
+    def run(self, config: DictConfig, plugins: list) -> Iterator[StepReport]:
         """Train, yielding ``(step, total_steps, metrics, samples)`` after each step."""
+        import transfer_queue as tq
+
+        from agl_backend_verl.agent_loop import RolloutLoopManager
+        from agl_backend_verl.trainer import trainer_class
 
         OmegaConf.resolve(config)
+        config = v1_config(config)
+        if cpu_mode.is_cpu(config):
+            cpu_mode.use_fp32(config)
         manager = PluginManager.from_config(config, plugins)
-        source = rollout_source(config, manager)
+        tq.init(config.transfer_queue)
+        loop = None
         try:
-            trainer = build_trainer(config, train_samples, val_samples, manager, source)
-            trainer.init_workers()
+            trainer = trainer_class(config.trainer.v1.trainer_mode)(config, plugins=manager)
+            trainer.init()
+            if trainer.global_steps > 0 and not config.trainer.val_only:
+                config.trainer.val_before_train = False  # agl validates first on a fresh run only
             manager.on_startup(config)  # redacted by the manager
-            yield from trainer.steps()
+            loop = RolloutLoopManager.create(
+                source=rollout_source(config, manager, trainer), n=int(config.actor_rollout_ref.rollout.n)
+            )
+            yield from fit_reports(trainer, loop)
         finally:
-            source.close()
+            if loop is not None:
+                loop.close()
+            tq.close()
 
 
-def rollout_source(config: DictConfig, manager: PluginManager) -> Any:
-    """The run's rollout source: the gateway's, or a recording's with ``agentlightning.replay``."""
+def fit_reports(trainer: Any, loop: Any) -> Iterator[StepReport]:
+    """Run ``trainer.fit(loop)`` in a thread and yield what it reports as it reports it; its error,
+    if it fails, is raised here after the reports made before it."""
+    failure: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit(loop)
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            trainer.reports.put(None)
+
+    thread = threading.Thread(target=fit, name="verl-fit", daemon=True)
+    thread.start()
+    while (report := trainer.reports.get()) is not None:
+        yield report
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def rollout_source(config: DictConfig, manager: PluginManager, trainer: Any) -> Any:
+    """The run's rollout source: a recording's with ``agentlightning.replay``, else the gateway's
+    (the async one, which pauses and drains around weight updates, in the async modes), else the
+    embedded agents calling the first replica."""
     from agl_core import ReplayRolloutSource, gateway_source
 
-    if config.agentlightning.replay:
-        from verl.utils.config import omega_conf_to_dataclass
+    agl = config.agentlightning
+    if agl.replay:
+        return ReplayRolloutSource(config, trainer.tokenizer)
+    if agl.agl_base_url:
+        async_mode = config.trainer.v1.trainer_mode != "sync"
+        return gateway_source(
+            OmegaConf.merge(config, {"agentlightning": {"async_rollout": {"enabled": async_mode}}}), manager
+        )
+    from agl_core.rollouts.embedded import EmbeddedRolloutSource
 
-        return ReplayRolloutSource(config, omega_conf_to_dataclass(config.actor_rollout_ref.model).tokenizer)
-    return gateway_source(config, manager)
-
-
-def build_trainer(
-    config: DictConfig, train_samples: list, val_samples: list, manager: PluginManager, source: Any
-) -> Any:
-    """The :class:`~agl_backend_verl.trainer.AglRayPPOTrainer` for a resolved ``config``, with verl's
-    worker classes and resource pools set up as verl's own task runner sets them (workers not started)."""
-    from verl.trainer.main_ppo_v0 import BaseTaskRunner
-    from verl.trainer.ppo.utils import create_rl_sampler, need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
-
-    from agl_backend_verl.trainer import AglRayPPOTrainer, collate_samples
-
-    cpu = cpu_mode.is_cpu(config)
-    if cpu:
-        cpu_mode.use_fp32(config)
-    workers = BaseTaskRunner()
-    _, worker_group_cls = workers.add_actor_rollout_worker(config)
-    workers.add_critic_worker(config)
-    workers.add_reward_model_resource_pool(config)
-    workers.add_teacher_model_resource_pool(config)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
-    train = SampleDataset(train_samples, "train_dataset")
-    return AglRayPPOTrainer(
-        config=config,
-        tokenizer=model.tokenizer,
-        processor=model.processor,
-        role_worker_mapping=workers.role_worker_mapping,
-        resource_pool_manager=resource_pool_manager(workers, config, cpu),
-        ray_worker_group_cls=worker_group_cls,
-        train_dataset=train,
-        val_dataset=SampleDataset(val_samples, "val_dataset"),
-        collate_fn=collate_samples,
-        train_sampler=create_rl_sampler(config.data, train),
-        plugins=manager,
-        rollout_source=source,
+    return EmbeddedRolloutSource(
+        config, manager, trainer.serving_endpoints()[0], str(config.actor_rollout_ref.model.path)
     )
-
-
-def resource_pool_manager(workers: Any, config: DictConfig, cpu: bool) -> Any:
-    """verl's resource pools for the run, checked against CPU rank slots in CPU mode."""
-    manager = workers.init_resource_pool_mgr(config)
-    if not cpu:
-        return manager
-    from agl_backend_verl.cpu.resources import CpuResourcePoolManager
-
-    return CpuResourcePoolManager.like(manager)
 
 
 RemoteTaskRunner = ray.remote(num_cpus=1)(TaskRunner)
 
 
 class VerlBackend:
-    """Backend ``verl`` for ``agl train``: the datasets are ``data.train_files`` / ``data.val_files`` (JSONL)."""
+    """Backend ``verl`` for ``agl train``: the datasets are ``data.train_files`` / ``data.val_files``."""
 
     def __init__(self, config: DictConfig, plugins: PluginManager):
-        from agl_core import load_dataset
-
         if "ray_kwargs" not in config:
             raise ConfigError(
                 "agentlightning.backend",
@@ -218,10 +267,8 @@ class VerlBackend:
             )
         self.config = config
         self.plugins = plugins
-        self.train = load_dataset(config.data.train_files, "data.train_files")
-        self.val = load_dataset(config.data.val_files, "data.val_files")
 
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train; each step's metrics and samples come back from the Ray actor to ``on_step``. Hook
         files and entry points are loaded again there from the config; plugins given in code are sent."""
-        run_ppo(self.config, self.train, self.val, plugins=self.plugins.given_in_code(), on_step=on_step)
+        train(self.config, plugins=self.plugins.given_in_code(), on_step=on_step)

@@ -1,280 +1,326 @@
-"""The verl trainer: verl's ``RayPPOTrainer`` (FSDP workers, vLLM replicas) with agl's training step.
+"""verl's V1 trainer with agl's rollouts, credit assignment and losses.
 
-One step (:meth:`AglRayPPOTrainer.train_step`) on the samples the step loop hands it (async: they
-top the rollout source's in-flight groups up), in order: replicas resumed → rollouts through the
-rollout source → (async: the gateway paused and drained; sync: leftover replica requests aborted) →
-:meth:`learn`: the configured aggregator → advantages on every collected row
-(:mod:`agl_backend_verl.advantages`) → batch shaping (whole rollouts dropped, marked ones first) →
-replicas slept → tensorise → ``DataProto`` with the advantages (scaled per rollout under
-``per_rollout_mean``) and the unscaled ``returns``, both one value per rollout → rows put in the
-order that makes verl's dispatch train the torch backend's mini-batches
-(:mod:`agl_backend_verl.dispatch`) → old log-probs / reference / values through verl's workers →
-(``gae``: advantages and returns from the values, as verl's trainer orders it) → critic / actor
-update → weights pushed
-→ the replicas' addresses registered with the gateway with ``version`` = step (stale ones deleted
-first; async: the gateway resumed). The loop around the step (validation over all validation
-batches, reporting, checkpoints) is the one every backend runs, :func:`agl_core.backends.loop.run_steps`.
+verl 0.9.1's trainer (``verl.trainer.ppo.v1``) owns the loop in every ``trainer.v1.trainer_mode``
+(``sync``, ``colocate_async``, ``separate_async``): validation before training, per step
+``prepare_step`` (new prompts handed to the agent-loop manager) → ``_step_once`` → checkpoint →
+``on_step_end`` (weights pushed to the replicas) → validation at ``trainer.test_freq`` → metrics
+logged. :func:`trainer_class` puts :class:`AglTrainer` in front of the class verl registered for
+the mode (``get_trainer_cls``), which changes what the loop does at a few points only:
 
-Only the calls of :class:`~agl_backend_verl.worker_calls.WorkerCalls` need GPUs.
+- ``_step_once``: verl's replay buffer samples finished groups (its staleness bound and carry-over
+  apply), then agl's step (:meth:`AglTrainer.learn`): the rollouts read back from TransferQueue →
+  the step pipeline (aggregation, advantages on every collected row, shaping, per-rollout scaling) →
+  the kept rows written to TransferQueue in the dispatch order → verl's own ``_compute_old_log_prob``,
+  ``_compute_ref_log_prob``, ``_compute_values``, (``gae``: ``_compute_advantage``), ``_update_critic``,
+  ``_update_actor``.
+- ``on_sample_end``: the gateway paused and drained (async modes) before verl aborts and sleeps the
+  replicas; ``on_init_end`` / ``on_step_end``: after verl pushed the weights, the replicas registered
+  with the gateway under the step's version (and the gateway resumed).
+- ``_validate``: one rollout per validation row through the same agent-loop manager, agl's ``val/*`` metrics.
+- ``_compute_metrics`` and ``logger``: the step's metrics are agl's (the torch backend's names), and
+  what verl's loop logs goes to the step reports ``agl train`` receives (:class:`StepReports`).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
-from torch.utils.data import Dataset
-from verl import DataProto
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-from verl.utils.metric import reduce_metrics
+from omegaconf import DictConfig
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.v1 import get_trainer_cls
+from verl.utils.debug import marked_timer
 
-from agl_backend_verl.advantages import advantages_from_values, compute_advantages, needs_values
-from agl_backend_verl.config import validate_verl
-from agl_backend_verl.dataproto import to_dataproto
+from agl_backend_verl.advantages import compute_advantages, needs_values
+from agl_backend_verl.agent_loop import RolloutLoopManager
+from agl_backend_verl.dataset import INPUT_KEY
 from agl_backend_verl.dispatch import dispatch_order
-from agl_backend_verl.verl_plugins import ensure_registered
-from agl_backend_verl.worker_calls import VerlWorkerCalls, WorkerCalls
+from agl_backend_verl.transfer import clear, partition, put_rows, read_rollouts
 from agl_core import (
     CompletedRollout,
-    LoopSettings,
-    OnStep,
     PluginManager,
-    RolloutSource,
-    Step,
     StepPipeline,
     StepSamples,
-    run_steps,
+    rollout_timing_metrics,
     tensorize,
     validation_metrics,
 )
 
+__all__ = ["AglTrainer", "StepReport", "StepReports", "trainer_class"]
+
 logger = logging.getLogger(__name__)
 
-SOURCE_STATE = "agl_rollout_source.pt"
-"""The rollout source's state (async: groups in flight, waiting samples) in verl's step folder."""
-
 StepReport = tuple[int, int, dict[str, float], StepSamples]
-"""``(step, total_steps, metrics, samples)``: what the trainer yields, and its Ray actor streams."""
+"""``(step, total_steps, metrics, samples)``: what the trainer reports after each step (step 0: the
+validation before training), and what its Ray actor streams to ``agl train``."""
 
 
-class SampleDataset(Dataset):
-    """In-memory dataset rows (JSON-like dicts); each becomes one rollout group's ``input``."""
+class StepReports:
+    """Stands in for verl's ``Tracking`` (agl's metric sinks run in the ``agl train`` process): each
+    ``log(data, step)`` of verl's loop becomes a :data:`StepReport`, with the step's sample tables,
+    on ``trainer.reports``, the queue the task runner streams from."""
 
-    def __init__(self, samples: Sequence[Mapping[str, Any]], name: str):
-        if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence) or not samples:
-            raise ValueError(f"{name} must be a non-empty list of dicts, got {type(samples).__name__}")
-        for i, sample in enumerate(samples):
-            if not isinstance(sample, Mapping) or not all(isinstance(k, str) for k in sample):
-                raise ValueError(f"{name}[{i}] must be a dict with string keys, got {sample!r:.80}")
-        self.samples = list(samples)
+    def __init__(self, trainer: AglTrainer):
+        self.trainer = trainer
 
-    def __len__(self) -> int:
-        return len(self.samples)
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        metrics = {k: float(v) for k, v in data.items() if _is_number(v)}
+        trainer = self.trainer
+        trainer.reports.put((int(step), int(trainer.total_training_steps), metrics, trainer.pipeline.take_samples()))
 
-    def __getitem__(self, index: int) -> Mapping[str, Any]:
-        return self.samples[index]
-
-
-def collate_samples(samples: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """A batch is the list of its samples: rollouts need the rows as they are, not as tensors."""
-    return list(samples)
+    def finish(self, exit_code: int = 0) -> None:
+        pass
 
 
-class AglRayPPOTrainer(RayPPOTrainer):
-    """``RayPPOTrainer`` whose rollouts come from agl's rollout source and whose step is agl's.
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    ``rollout_source`` is built by the caller (the gateway source); ``worker_calls`` defaults to
-    verl's workers once :meth:`init_workers` has run.
-    """
 
-    def __init__(
-        self,
-        *args: Any,
-        plugins: PluginManager,
-        rollout_source: RolloutSource,
-        worker_calls: WorkerCalls | None = None,
-        **kwargs: Any,
-    ):
-        super().__init__(*args, **kwargs)
-        validate_verl(self.config)
+class AglTrainer:
+    """The agl side of the trainer class :func:`trainer_class` builds (see the module docstring).
+
+    ``plugins`` is the run's plugin manager; the agent-loop manager (a :class:`RolloutLoopManager`)
+    is handed over by ``fit`` as verl's task runner does."""
+
+    agent_loop_manager: RolloutLoopManager
+    config: DictConfig
+
+    def __init__(self, config: DictConfig, *, plugins: PluginManager):
+        super().__init__(config)  # type: ignore[call-arg]
         self.plugins = plugins
-        self.source = rollout_source
-        self.calls = worker_calls
-        ensure_registered(str(self.config.actor_rollout_ref.actor.policy_loss.loss_mode))
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.reports: queue.Queue[StepReport | None] = queue.Queue()
+        self.step_metrics: dict[str, float] = {}
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _init_tokenizer(self) -> None:
+        super()._init_tokenizer()  # type: ignore[misc]
+        tokenizer = self.tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pipeline = StepPipeline(
             self.config,
-            plugins,
-            self.tokenizer,
-            estimate=lambda rows: compute_advantages(rows, self.config, plugins, self.pad_token_id),
+            self.plugins,
+            tokenizer,
+            estimate=lambda rows: compute_advantages(rows, self.config, self.plugins, self.pad_token_id),
         )
-        self.is_async = bool(self.config.agentlightning.async_rollout.enabled)
-        self.global_steps = 0
-        self._batches: Iterator[list[Mapping[str, Any]]] | None = None
-        self.epoch = 0
 
-    def init_workers(self) -> None:
-        super().init_workers()
-        self.calls = VerlWorkerCalls(self)
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()  # type: ignore[misc]
+        from agl_backend_verl.cpu import is_cpu
+
+        if is_cpu(self.config):
+            from agl_backend_verl.cpu.resources import CpuResourcePoolManager
+
+            self.resource_pool_manager = CpuResourcePoolManager.like(self.resource_pool_manager)
+
+    # -- reporting -----------------------------------------------------------------------------
 
     @property
-    def step(self) -> int:
-        """Training steps done (verl's ``global_steps``; a resumed run starts at its checkpoint's)."""
-        return self.global_steps
+    def logger(self) -> StepReports:
+        """Where verl's loop logs: the step reports."""
+        return StepReports(self)
 
-    def next_batch(self) -> list[Mapping[str, Any]]:
-        """The data loader's next batch; past its end, the first of the next epoch."""
-        while True:
-            if self._batches is None:
-                self._batches = iter(self.train_dataloader)
-            batch = next(self._batches, None)
-            if batch is not None:
-                return batch
-            self._batches = None
-            self.epoch += 1
+    @logger.setter
+    def logger(self, tracking: Any) -> None:
+        """verl's loop sets its ``Tracking`` at the start of ``fit``; it is not used (see :class:`StepReports`)."""
 
-    # -- the loop -------------------------------------------------------------------------------
+    def _compute_metrics(self, batch: KVBatchMeta, metrics: dict, timing_raw: dict, global_steps: int, epoch: int):
+        """The step's metrics under the torch backend's names (verl's own data metrics are not computed:
+        agl's pipeline reports the batch)."""
+        metrics.update(self.agent_loop_manager.pop_counts())
+        metrics.update(self.plugins.pop_metrics())
+        metrics["training/global_step"] = float(global_steps)
+        metrics["training/epoch"] = float(epoch)
+        for name, key in (
+            ("gen", "timing/gen_s"),
+            ("step", "timing/step_s"),
+            ("update_weights", "timing/update_weights_s"),
+        ):
+            if name in timing_raw:
+                metrics[key] = float(timing_raw[name])
+        if "testing" in timing_raw:
+            metrics["timing/val_s"] = float(timing_raw["testing"])
 
-    def _register_replicas(self, version: int) -> None:
-        self.source.after_weight_update(self.calls.rollout_endpoints(), version)
+    # -- the replicas and the gateway ----------------------------------------------------------
 
-    def fit(self, on_step: OnStep | None = None) -> None:  # type: ignore[override]
-        """Train until ``total_training_steps``; ``on_step(step, total, metrics, samples)`` sees every
-        step (and a validation before the first step, as step 0)."""
-        for step, total, metrics, samples in self.steps():
-            if on_step is not None:
-                on_step(step, total, metrics, samples)
+    def serving_endpoints(self) -> list[str]:
+        """The OpenAI base URLs of the replicas that serve agents (registered with the gateway)."""
+        managers = [self.llm_server_manager]
+        standalone = getattr(self, "standalone_server_manager", None)
+        if standalone is not None:
+            managers = [standalone]
+        return [_endpoint(address) for manager in managers for address in manager.server_addresses]
 
-    def steps(self) -> Iterator[StepReport]:
-        """Train (:func:`~agl_core.backends.loop.run_steps`), yielding each step's report after it
-        (step 0: the validation before training)."""
-        self.global_steps = 0
-        self.source.on_rollout_done = self.pipeline.prepare_rollout
-        self.calls.load_checkpoint()
-        self.calls.push_weights(self.global_steps)
-        self._register_replicas(self.global_steps)
-        settings = LoopSettings.from_config(
-            self.config, self.total_training_steps, val_only=bool(self.config.trainer.val_only)
+    def register_replicas(self) -> None:
+        """Register the serving replicas with the gateway under the current weights' version."""
+        self.agent_loop_manager.after_weight_update(self.serving_endpoints(), self.global_steps)
+
+    def on_sample_end(self) -> None:
+        self.step_metrics = self.agent_loop_manager.before_weight_update()  # async gateway: pause and drain
+        super().on_sample_end()  # type: ignore[misc]
+
+    def on_step_end(self) -> None:
+        super().on_step_end()  # type: ignore[misc]
+        self.register_replicas()
+
+    def fit(self, agent_loop_manager: RolloutLoopManager) -> None:
+        self.agent_loop_manager = agent_loop_manager
+        self.register_replicas()  # the weights verl pushed at the end of init
+        super().fit(agent_loop_manager)  # type: ignore[misc]
+
+    # -- the training step ---------------------------------------------------------------------
+
+    def _step_once(self, metrics: dict, timing_raw: dict, sample_batch_size: int) -> KVBatchMeta:
+        """Sample finished groups from verl's replay buffer and train on them with agl's step."""
+        with marked_timer("gen", timing_raw, color="red"):
+            self.on_sample_begin()  # type: ignore[attr-defined]
+            sampled, off_policy = self.replay_buffer.sample(  # type: ignore[attr-defined]
+                global_steps=self.global_steps, partition_id="train", batch_size=sample_batch_size
+            )
+            metrics.update(off_policy)
+            self.on_sample_end()
+            metrics.update(self.step_metrics)
+        self.agent_loop_manager.raise_failure()
+        rollouts, keys = read_rollouts(sampled)
+        metrics.update(rollout_timing_metrics(rollouts))
+        learned, row_keys = self.learn(rollouts, keys)
+        metrics.update(learned)
+        return KVBatchMeta(
+            keys=[*sampled.keys, *row_keys],
+            tags=[*sampled.tags, *({} for _ in row_keys)],
+            partition_id=sampled.partition_id,
         )
-        carried = self._restore_source()
-        settings = attrs.evolve(settings, fill=max(0, settings.fill - carried))  # the fill counts what is carried
-        for step in run_steps(self, settings):
-            yield self._report(step)
 
-    def _report(self, step: Step) -> StepReport:
-        """A step with its sample tables, for the driver: ``agl train``'s metric sinks (``trainer.logger``)
-        log both there, as for every backend."""
-        return (*step, self.pipeline.take_samples())
-
-    def _source_state_path(self) -> Path:
-        """Where the checkpoint of step ``global_steps`` keeps the rollout source's state, in verl's folder."""
-        return Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}" / SOURCE_STATE
-
-    def save(self) -> None:
-        """verl's checkpoint of the step, plus the rollouts the source carries into the next step (async)."""
-        self.calls.save_checkpoint()
-        in_flight = self.source.state()
-        if in_flight is not None:
-            torch.save(in_flight, self._source_state_path())
-
-    def _restore_source(self) -> int:
-        """After verl resumed at a checkpoint: give the source what it carried then; the samples it carries."""
-        path = self._source_state_path()
-        if self.global_steps == 0 or not path.is_file():
-            return 0
-        return self.source.restore(torch.load(path, weights_only=False))
-
-    def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        """Train step ``global_steps + 1`` and advance ``global_steps``: rollouts for ``samples``,
-        then :meth:`learn`, then the new weights served and registered."""
-        self.global_steps += 1
-        step = self.global_steps
-        started = time.perf_counter()
-        self.calls.resume_replicas()
-        collected = self.source.collect(samples, step=step, is_train=True)
-        metrics: dict[str, float] = dict(collected.metrics)
-        if self.is_async:
-            metrics.update(self.source.before_weight_update())  # pause and drain the gateway
-        else:
-            self.calls.abort_replicas()
-        metrics["timing/gen_s"] = time.perf_counter() - started
-        metrics.update(self.learn(collected.rollouts))
-        started = time.perf_counter()
-        self.calls.push_weights(step)
-        self._register_replicas(step)
-        metrics["timing/update_weights_s"] = time.perf_counter() - started
-        metrics["training/global_step"] = float(step)
-        metrics["training/epoch"] = float(self.epoch)
-        return metrics
-
-    def learn(self, rollouts: Sequence[CompletedRollout]) -> dict[str, float]:
-        """Everything between the rollouts and the update, then the update itself."""
+    def learn(
+        self, rollouts: Sequence[CompletedRollout], keys: Mapping[str, str]
+    ) -> tuple[dict[str, float], list[str]]:
+        """agl's pipeline on ``rollouts`` (stored under ``keys``), then verl's updates on the kept rows;
+        the metrics and the keys the rows were stored under."""
         prepared = self.pipeline.prepare(rollouts, self.global_steps)
         metrics = dict(prepared.metrics)
         shaped = prepared.shaped
-        self.calls.sleep_replicas()
         if shaped is None:
-            return metrics
+            return metrics, []
         started = time.perf_counter()
         padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
-        batch = to_dataproto(padded, meta_info={"temperature": self.config.actor_rollout_ref.rollout.temperature})
+        seqlens = padded.tensors["attention_mask"].sum(dim=-1).tolist()
+        order, balance = dispatch_order(
+            seqlens, shaped.n_mini_batches, self.actor_dp_size(), bool(self.config.trainer.balance_batch)
+        )
+        metrics.update(balance)
         width = padded.tensors["responses"].shape[1]
-        batch.batch["advantages"] = prepared.advantages(width)  # scaled per rollout for per-rollout losses
-        batch.batch["returns"] = prepared.returns(width)  # per rollout, as Agent Lightning v1.0 puts them
-        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-        order = self.order_for_workers(batch, shaped.n_mini_batches, metrics)
+        rollout_ids = padded.non_tensors["rollout_ids"]
+        row_keys = _row_keys([str(rollout_ids[i]) for i in order], keys)
+        batch = put_rows(padded, order, row_keys, prepared.advantages(width), prepared.returns(width))
         scored = time.perf_counter()
-        old, old_metrics = self.calls.old_log_probs(batch)
-        batch = batch.union(old)
-        metrics.update(old_metrics)
-        if self.use_reference_policy:
-            batch = batch.union(self.calls.ref_log_probs(batch))
-        if self.use_critic:
-            batch = batch.union(self.calls.values(batch))
-        if needs_values(self.config):  # gae: advantages and returns from the critic's values, as verl orders it
-            batch = advantages_from_values(batch, self.config)
-            if prepared.row_scales is not None:
-                scales = torch.as_tensor(prepared.row_scales, dtype=torch.float32)[order]
-                batch.batch["advantages"] *= scales[:, None]
+        batch = self._compute_old_log_prob(batch, metrics=metrics)  # type: ignore[attr-defined]
+        if self.use_reference_policy:  # type: ignore[attr-defined]
+            batch = self._compute_ref_log_prob(batch, metrics=metrics)  # type: ignore[attr-defined]
+        if self.use_critic:  # type: ignore[attr-defined]
+            batch = self._compute_values(batch, metrics=metrics)  # type: ignore[attr-defined]
+        if needs_values(self.config):  # gae: verl's advantages from the critic's values, then agl's scaling
+            batch = self._compute_advantage(batch, metrics=metrics)  # type: ignore[attr-defined]
+            scale_advantages(batch, prepared.row_scales, order)
         updated = time.perf_counter()
-        metrics["timing/log_prob_s"] = (
-            updated - scored
-        )  # old, reference and critic values, as the torch backend times them
-        if self.use_critic:
-            metrics.update(reduce_metrics(self.calls.update_critic(batch)))
+        metrics["timing/log_prob_s"] = updated - scored
+        if self.use_critic:  # type: ignore[attr-defined]
+            batch = self._update_critic(batch, metrics=metrics)  # type: ignore[attr-defined]
         if self.config.trainer.critic_warmup <= self.global_steps:
-            metrics.update(reduce_metrics(self.calls.update_actor(batch)))
+            batch = self._update_actor(batch, metrics=metrics)  # type: ignore[attr-defined]
         metrics["timing/actor_update_s"] = time.perf_counter() - updated
         metrics["timing/update_s"] = time.perf_counter() - started
-        return metrics
+        return metrics, row_keys
 
-    def order_for_workers(self, batch: DataProto, n_mini_batches: int, metrics: dict[str, float]) -> list[int]:
-        """Put the batch's rows in :func:`~agl_backend_verl.dispatch.dispatch_order` (in place), so that
-        verl's dispatch over the actor's data-parallel ranks trains the torch backend's mini-batches,
-        balanced within each mini-batch under ``trainer.balance_batch``; the order applied."""
-        seqlens = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
-        balance = bool(self.config.trainer.balance_batch)
-        order, balance_metrics = dispatch_order(seqlens, n_mini_batches, self.calls.actor_dp_size(), balance)
-        batch.reorder(torch.as_tensor(order))
-        batch.meta_info["global_token_num"] = [seqlens[i] for i in order]
-        metrics.update(balance_metrics)
-        return order
+    def actor_dp_size(self) -> int:
+        """The actor's data-parallel size (how many contiguous shares verl's dispatch cuts a batch into)."""
+        group = self.actor_rollout_wg  # type: ignore[attr-defined]
+        if "actor" not in group._dispatch_info:
+            group._dispatch_info["actor"] = group._query_dispatch_info("actor")
+        return max(group._dispatch_info["actor"]) + 1
 
-    def validate(self) -> dict[str, float]:
-        """One validation pass over every validation batch; ``val/*`` metrics over all of them
-        (:func:`~agl_core.stages.pipeline.validation_metrics`)."""
+    # -- validation ----------------------------------------------------------------------------
+
+    def _validate(self) -> dict[str, float]:
+        """One rollout per validation row with the current weights, every batch; ``val/*`` metrics over
+        all of them (:func:`~agl_core.validation_metrics`)."""
+        import transfer_queue as tq
+        from verl.utils import tensordict_utils as tu
+
         rollouts: list[CompletedRollout] = []
-        source_metrics: list[dict[str, float]] = []
-        self.calls.resume_replicas()
-        for samples in self.val_dataloader:
-            batch = self.source.collect(samples, step=self.global_steps, is_train=False)
-            rollouts.extend(batch.rollouts)
-            source_metrics.append(batch.metrics)
-        if not self.is_async:
-            self.calls.abort_replicas()
-        return validation_metrics(rollouts, source_metrics)
+        for batch_dict in self.val_dataloader:  # type: ignore[attr-defined]
+            uids = [new_uid() for _ in batch_dict[INPUT_KEY]]
+            batch = tu.get_tensordict({**batch_dict, "uid": _objects(uids)})
+            tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+            tu.assign_non_tensor_data(batch, "validate", True)
+            where = partition(False)
+            tags = [{"is_prompt": True, "status": "pending", "global_steps": self.global_steps} for _ in uids]
+            tq.kv_batch_put(keys=uids, partition_id=where, tags=tags)
+            self.agent_loop_manager.generate_sequences(batch)
+            sampled, _ = self.replay_buffer.sample(  # type: ignore[attr-defined]
+                global_steps=self.global_steps, partition_id=where, batch_size=len(uids)
+            )
+            found, _keys = read_rollouts(sampled)
+            rollouts.extend(found)
+            clear(where, sampled.keys)
+        return validation_metrics(rollouts, [self.agent_loop_manager.pop_counts()])
+
+
+def scale_advantages(batch: KVBatchMeta, row_scales: Any, order: Sequence[int]) -> None:
+    """Multiply the rows' advantages in TransferQueue by their per-rollout scales (``gae``, whose
+    advantages verl computes after the critic's values); nothing when the loss uses no scales."""
+    if row_scales is None:
+        return
+    import transfer_queue as tq
+
+    scales = torch.as_tensor(row_scales, dtype=torch.float32)[list(order)]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["advantages"])
+    scaled = [values * scales[i] for i, values in enumerate(data["advantages"].unbind())]
+    fields = {"advantages": torch.nested.as_nested_tensor(scaled, layout=torch.jagged)}
+    from tensordict import TensorDict
+
+    tq.kv_batch_put(
+        keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(fields, batch_size=len(batch.keys))
+    )
+
+
+def _row_keys(rollout_ids: Sequence[str], record_keys: Mapping[str, str]) -> list[str]:
+    """One key per row, ``{record key}_{i}`` for the ``i``-th row of its rollout (verl's
+    ``{uid}_{session}_{index}``)."""
+    seen: dict[str, int] = {}
+    keys = []
+    for rid in rollout_ids:
+        index = seen.get(rid, 0)
+        seen[rid] = index + 1
+        keys.append(f"{record_keys[rid]}_{index}")
+    return keys
+
+
+def new_uid() -> str:
+    import uuid
+
+    return str(uuid.uuid4())
+
+
+def _objects(values: Sequence[Any]) -> Any:
+    import numpy as np
+
+    array = np.empty(len(values), dtype=object)
+    array[:] = list(values)
+    return array
+
+
+def _endpoint(address: str) -> str:
+    """A replica address (``host:port``) as the OpenAI base URL the gateway registers."""
+    return address if address.startswith(("http://", "https://")) else f"http://{address}/v1"
+
+
+def trainer_class(mode: str) -> type:
+    """:class:`AglTrainer` over the trainer verl registered for ``trainer.v1.trainer_mode`` ``mode``."""
+    verl_trainer = get_trainer_cls(mode)
+    return type(f"Agl{verl_trainer.__name__}", (AglTrainer, verl_trainer), {"__module__": __name__})

@@ -45,9 +45,11 @@ if TYPE_CHECKING:
     from agl_core.errors import AglError
     from agl_core.hookspecs import Register
     from agl_core.plugins import EventWriter, PluginError, PluginManager, PluginSettings, RegistryError
+    from agl_core.rollouts.events import timing_metrics as rollout_timing_metrics
     from agl_core.rollouts.gateway import gateway_source
     from agl_core.rollouts.replay import ReplayRolloutSource
-    from agl_core.rollouts.source import RolloutSource
+    from agl_core.rollouts.source import FinishedGroup, RolloutSource
+    from agl_core.rollouts.streaming import GroupStream, group_stream
 
     # serving the policy to agents (what a backend's rollout replica answers with)
     from agl_core.serving.policy_server import PolicyServer, RequestError

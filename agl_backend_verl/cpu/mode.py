@@ -26,8 +26,8 @@ RANKS = 2
 REPLICA = "agl_cpu"  # actor_rollout_ref.rollout.name of the CPU replica
 
 # The keys of a CPU run: two gloo ranks sharing one CPU replica, one agent-loop and one reward worker
-# (verl starts them; agl's rollouts go through the gateway), no torch.compile, no padding removal
-# (its kernels need flash-attn).
+# (verl starts them; agl's rollouts go through the gateway), one TransferQueue storage unit, no
+# torch.compile, no padding removal (its kernels need flash-attn).
 CPU_KEYS: tuple[str, ...] = (
     f"trainer.device={DEVICE}",
     "trainer.nnodes=1",
@@ -46,6 +46,8 @@ CPU_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.agent.num_workers=1",
     "reward.num_workers=1",
     "data.dataloader_num_workers=0",
+    # verl's V1 data plane: one TransferQueue storage unit (each takes a Ray CPU; verl's default is 8)
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     "ray_kwargs.ray_init.num_cpus=12",
 )
 

@@ -44,7 +44,14 @@ from agl_core.plugins import EventWriter, PendingEvent, PluginManager
 from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
 from agl_core.rollouts.finish import finish_rollout
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
-from agl_core.rollouts.source import RolloutBatch, RolloutSource, make_requests, new_id, rollout_config
+from agl_core.rollouts.source import (
+    FinishedGroup,
+    RolloutBatch,
+    RolloutSource,
+    make_requests,
+    new_id,
+    rollout_config,
+)
 
 __all__ = ["GatewayRolloutSource", "Group"]
 
@@ -112,9 +119,22 @@ class GatewayRolloutSource(RolloutSource):
 
     # -- creating -----------------------------------------------------------------------------
 
-    def _enqueue(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> list[Group]:
+    def _enqueue(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        *,
+        step: int,
+        is_train: bool,
+        group_ids: Sequence[str] | None = None,
+    ) -> list[Group]:
         batches = make_requests(
-            samples, n=self.n, step=step, is_train=is_train, rollout_config=self.rollout_config, plugins=self.plugins
+            samples,
+            n=self.n,
+            step=step,
+            is_train=is_train,
+            rollout_config=self.rollout_config,
+            plugins=self.plugins,
+            group_ids=group_ids,
         )
         groups = []
         for requests in batches:
@@ -403,17 +423,48 @@ class GatewayRolloutSource(RolloutSource):
         for group in groups:
             rollouts.extend(group.rollouts())
             del self.groups[group.group_id]
-        metrics = {k: float(v) for k, v in self.counts.items()}
-        self.counts.clear()
+        metrics = self.pop_counts()
         metrics.update(timing_metrics(rollouts))
         metrics.update(self.plugins.pop_metrics())
+        metrics["training/gateway/poll_interval_s"] = self.poll_interval
+        metrics.update(extra or {})
+        return RolloutBatch(rollouts, metrics)
+
+    def pop_counts(self) -> dict[str, float]:
+        """What the source counted since the last call (rollouts by state, retries, restarts, hook
+        events...) and the HTTP requests it sent meanwhile (``training/gateway/n_http_requests``)."""
+        metrics = {k: float(v) for k, v in self.counts.items()}
+        self.counts.clear()
         sent = Counter(self.client.requests_sent)
         sent.subtract(self._requests_at_last_report)
         self._requests_at_last_report = Counter(self.client.requests_sent)
         metrics["training/gateway/n_http_requests"] = float(sum(sent.values()))
-        metrics["training/gateway/poll_interval_s"] = self.poll_interval
-        metrics.update(extra or {})
-        return RolloutBatch(rollouts, metrics)
+        return metrics
+
+    # -- streaming: groups handed over as they finish -------------------------------------------
+
+    def submit(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        *,
+        step: int,
+        is_train: bool,
+        group_ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Create the rollouts of ``samples`` (one group each, ``group_ids`` when given) without
+        waiting for them; their group ids. :meth:`finished_groups` hands each group over once done."""
+        return [g.group_id for g in self._enqueue(samples, step=step, is_train=is_train, group_ids=group_ids)]
+
+    def finished_groups(self) -> list[FinishedGroup]:
+        """Poll the gateway once; the submitted groups that finished since the last call, in the order
+        they finished (possibly none). :attr:`poll_interval` says how long to wait before the next call."""
+        progressed = self._poll_once()
+        low, high = self.gateway.poll_interval_min_seconds, self.gateway.poll_interval_max_seconds
+        self.poll_interval = low if progressed else min(high, self.poll_interval * 1.5)
+        done = sorted((g for g in self.groups.values() if g.complete), key=lambda g: g.completed_at or 0.0)
+        for group in done:
+            del self.groups[group.group_id]
+        return [FinishedGroup(g.group_id, g.step, g.is_train, g.size, g.rollouts()) for g in done]
 
     def before_weight_update(self) -> dict[str, float]:
         return {}

@@ -29,6 +29,19 @@ class RolloutBatch:
     metrics: dict[str, float] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class FinishedGroup:
+    """A group whose ``size`` rollouts are all terminal, as a streaming source hands it over: the
+    ``rollouts`` kept (a failed one the failed-rollout policy skips is not among them; the source
+    counts it)."""
+
+    group_id: str
+    step: int
+    is_train: bool
+    size: int
+    rollouts: tuple[CompletedRollout, ...] = attrs.field(converter=tuple)
+
+
 class RolloutSource(Protocol):
     """What a backend holds to get rollouts; every source subclasses it explicitly.
 
@@ -85,17 +98,21 @@ def make_requests(
     is_train: bool,
     rollout_config: Mapping[str, Any],
     plugins: PluginManager,
+    group_ids: Sequence[str] | None = None,
 ) -> list[list[RolloutRequest]]:
     """One group per sample, ``n`` requests per group, each passed through the ``agl_on_enqueue`` chain.
 
-    Every group gets a fresh ``group_id`` (Agent Lightning's ``data_id``) and every request a
+    Every group gets a fresh ``group_id`` (Agent Lightning's ``data_id``; ``group_ids[i]`` for
+    sample ``i`` when the caller chose them, as verl's prompt uids) and every request a
     client-chosen ``rollout_id``, so creating them is idempotent; ``plugins.enqueue`` runs the hooks.
     """
+    if group_ids is not None and len(group_ids) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(group_ids)} group ids")
     groups = []
     for sample_index, sample in enumerate(samples):
         if not isinstance(sample, Mapping):
             raise TypeError(f"dataset sample {sample_index} must be a mapping, got {type(sample).__name__}")
-        group_id = new_id()
+        group_id = new_id() if group_ids is None else str(group_ids[sample_index])
         group = []
         for _ in range(n if is_train else 1):
             request = RolloutRequest(
