@@ -39,7 +39,7 @@ from agl_backend_verl.advantages import compute_advantages, needs_values
 from agl_backend_verl.agent_loop import RolloutLoopManager
 from agl_backend_verl.dataset import INPUT_KEY
 from agl_backend_verl.dispatch import dispatch_order
-from agl_backend_verl.transfer import clear, partition, put_rows, read_rollouts
+from agl_backend_verl.transfer import clear, partition, put_rows, read_rollouts, training_rows
 from agl_core import (
     CompletedRollout,
     PluginManager,
@@ -217,7 +217,8 @@ class AglTrainer:
         width = padded.tensors["responses"].shape[1]
         rollout_ids = padded.non_tensors["rollout_ids"]
         row_keys = _row_keys([str(rollout_ids[i]) for i in order], keys)
-        batch = put_rows(padded, order, row_keys, prepared.advantages(width), prepared.returns(width))
+        rows = training_rows(padded, order, prepared.advantages(width), prepared.returns(width))
+        batch = put_rows(rows, row_keys)
         scored = time.perf_counter()
         batch = self._compute_old_log_prob(batch, metrics=metrics)  # type: ignore[attr-defined]
         if self.use_reference_policy:  # type: ignore[attr-defined]

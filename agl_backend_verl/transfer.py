@@ -41,6 +41,7 @@ __all__ = [
     "read_rollouts",
     "rollout_key",
     "served_versions",
+    "training_rows",
 ]
 
 ROLLOUT_FIELD = "agl_rollout"
@@ -106,43 +107,50 @@ def _from_storage(record: Any) -> dict[str, Any]:
     return record
 
 
-def put_rows(
-    padded: PaddedBatch, order: Sequence[int], keys: Sequence[str], advantages: torch.Tensor, returns: torch.Tensor
-) -> KVBatchMeta:
-    """Store ``padded``'s rows (verl's padded layout: prompts left-padded, responses right-padded) in
-    ``order``, unpadded, row ``order[j]`` under ``keys[j]``, with their per-token ``advantages`` and
-    ``returns``; the batch to hand verl's trainer methods (verl's dispatch cuts it into contiguous
-    shares in this order)."""
+def training_rows(
+    padded: PaddedBatch, order: Sequence[int], advantages: torch.Tensor, returns: torch.Tensor
+) -> TensorDict:
+    """``padded``'s rows (verl's padded layout: prompts left-padded, responses right-padded) in
+    ``order``, unpadded, in the fields verl's agent loop writes to TransferQueue, with their per-token
+    ``advantages`` and ``returns``: what verl's workers read for a row."""
     t = padded.tensors
     width = t["prompts"].shape[1]
     mask = t["attention_mask"].bool()
     prompt_lens = mask[:, :width].sum(dim=1).tolist()
     response_lens = mask[:, width:].sum(dim=1).tolist()
-    fields: dict[str, list[torch.Tensor]] = {name: [] for name in ("prompts", "responses", "response_mask")}
-    fields.update(input_ids=[], position_ids=[], loss_mask=[], rm_scores=[], advantages=[], returns=[])
-    logprobs = "rollout_log_probs" in t
-    if logprobs:
-        fields["rollout_log_probs"] = []
+    names = ["prompts", "responses", "response_mask", "loss_mask", "input_ids", "position_ids", "rm_scores"]
+    names += ["advantages", "returns", *(["rollout_log_probs"] if "rollout_log_probs" in t else [])]
+    fields: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     for i in order:
         p, r = prompt_lens[i], response_lens[i]
         prompt, response = t["prompts"][i, width - p :], t["responses"][i, :r]
-        fields["prompts"].append(prompt)
-        fields["responses"].append(response)
-        fields["response_mask"].append(t["response_mask"][i, :r])
-        fields["loss_mask"].append(t["response_mask"][i, :r])
-        fields["input_ids"].append(torch.cat([prompt, response]))
-        fields["position_ids"].append(torch.arange(p + r, dtype=torch.int64))
-        fields["rm_scores"].append(t["token_level_scores"][i, :r].float())
-        fields["advantages"].append(advantages[i, :r].float())
-        fields["returns"].append(returns[i, :r].float())
-        if logprobs:
-            fields["rollout_log_probs"].append(t["rollout_log_probs"][i, :r].float())
+        row = {
+            "prompts": prompt,
+            "responses": response,
+            "response_mask": t["response_mask"][i, :r],
+            "loss_mask": t["response_mask"][i, :r],
+            "input_ids": torch.cat([prompt, response]),
+            "position_ids": torch.arange(p + r, dtype=torch.int64),
+            "rm_scores": t["token_level_scores"][i, :r].float(),
+            "advantages": advantages[i, :r].float(),
+            "returns": returns[i, :r].float(),
+        }
+        if "rollout_log_probs" in t:
+            row["rollout_log_probs"] = t["rollout_log_probs"][i, :r].float()
+        for name in names:
+            fields[name].append(row[name])
     data = {name: torch.nested.as_nested_tensor(values, layout=torch.jagged) for name, values in fields.items()}
+    rows = TensorDict(data, batch_size=len(order))
     uids = np.array([str(padded.non_tensors["group_ids"][i]) for i in order], dtype=object)
-    tensors = TensorDict(data, batch_size=len(keys))
-    tensors["uid"] = tu.get_tensordict({"uid": uids})["uid"]
-    tags = [{"status": "success", "seq_len": prompt_lens[i] + response_lens[i]} for i in order]
-    tq.kv_batch_put(keys=list(keys), partition_id=partition(True), fields=tensors, tags=tags)
+    rows["uid"] = tu.get_tensordict({"uid": uids})["uid"]
+    return rows
+
+
+def put_rows(rows: TensorDict, keys: Sequence[str]) -> KVBatchMeta:
+    """Store :func:`training_rows` under ``keys`` in the training partition; the batch to hand verl's
+    trainer methods (verl's dispatch cuts it into contiguous shares in this order)."""
+    tags = [{"status": "success", "seq_len": int(n)} for n in rows["input_ids"].offsets().diff().tolist()]
+    tq.kv_batch_put(keys=list(keys), partition_id=partition(True), fields=rows, tags=tags)
     return KVBatchMeta(keys=list(keys), tags=tags, partition_id=partition(True))
 
 
