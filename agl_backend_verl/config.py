@@ -134,6 +134,7 @@ def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequ
     check_types(cfg, base)
     validate_config(cfg)
     validate_verl(cfg)
+    fill_critic(cfg)
     return cfg
 
 
@@ -311,9 +312,93 @@ def check_v1(cfg: DictConfig) -> None:
             )
 
 
+CRITIC_PLACEHOLDER = "~/models/deepseek-llm-7b-chat"
+"""verl's default ``critic.model.path`` (its YAML names a model nobody has locally)."""
+
+
+def uses_critic(cfg: DictConfig) -> bool:
+    """verl's rule: ``critic.enable`` when set, else whether the estimator is ``gae``."""
+    if cfg.critic.enable is not None:
+        return bool(cfg.critic.enable)
+    return str(cfg.algorithm.adv_estimator) == "gae"
+
+
+def fill_critic(cfg: DictConfig) -> None:
+    """When the critic is used: its model defaults to the policy's (in place of verl's placeholder)
+    and its micro-batch to the actor's, so a ``gae`` run needs no critic keys of its own."""
+    if not uses_critic(cfg):
+        return
+    with open_dict(cfg):
+        if OmegaConf.select(cfg, "critic.model.path") == CRITIC_PLACEHOLDER:
+            cfg.critic.model.path = cfg.actor_rollout_ref.model.path
+        critic = cfg.critic
+        if critic.ppo_micro_batch_size_per_gpu is None and critic.ppo_micro_batch_size is None:
+            critic.ppo_micro_batch_size_per_gpu = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+
+
+def check_layout(cfg: DictConfig) -> None:
+    """verl's divisibility rules that would otherwise fail inside its Ray workers, by key: the
+    rollout's parallel size must divide the trainer's ranks, and every micro-batch size must divide
+    a rank's share of a mini-batch (agl trains whole mini-batches of ``ppo_mini_batch_size ×
+    rollout.n`` rows, and verl's dispatch gives each data-parallel rank an equal share)."""
+    ranks = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    rollout = cfg.actor_rollout_ref.rollout
+    replica = int(rollout.tensor_model_parallel_size) * int(rollout.data_parallel_size)
+    replica *= int(rollout.pipeline_model_parallel_size)
+    if ranks % replica:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            f"a rollout replica spans tensor x data x pipeline parallel = {replica} ranks, which does not divide "
+            f"the trainer's trainer.nnodes x trainer.n_gpus_per_node = {ranks} ranks (verl runs its replicas on them)",
+        )
+    actor = cfg.actor_rollout_ref.actor
+    if actor.use_dynamic_bsz:
+        return
+    mini_rows = int(actor.ppo_mini_batch_size) * int(rollout.n)
+    if mini_rows % ranks:
+        raise ConfigError(
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            f"a mini-batch of ppo_mini_batch_size x rollout.n = {mini_rows} rows cannot be shared equally by "
+            f"{ranks} data-parallel ranks",
+        )
+    share = mini_rows // ranks
+    for key in (
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        *(["critic.ppo_micro_batch_size_per_gpu"] if uses_critic(cfg) else []),
+    ):
+        micro = OmegaConf.select(cfg, key)
+        if micro is not None and share % int(micro):
+            raise ConfigError(
+                key,
+                f"is {micro}, which does not divide a rank's share of a mini-batch: ppo_mini_batch_size x "
+                f"rollout.n / ranks = {mini_rows} / {ranks} = {share} rows (verl cuts each share into micro-batches "
+                "of this size)",
+            )
+
+
+def check_with_verl(cfg: DictConfig) -> None:
+    """verl's own ``validate_config``, before Ray starts; what it refuses is a :class:`ConfigError`
+    naming the key its message names."""
+    import re
+
+    from verl.trainer.ppo.utils import need_reference_policy
+    from verl.utils.config import validate_config
+
+    try:
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=uses_critic(cfg))
+    except (AssertionError, ValueError, TypeError) as exc:
+        keys = re.findall(r"(?:actor_rollout_ref|critic|data|trainer|algorithm)(?:\.\w+)+", str(exc))
+        key = max(keys, key=len) if keys else "actor_rollout_ref"
+        raise ConfigError(key, f"verl refuses the config: {exc}") from None
+
+
 def check_verl_requirements(cfg: DictConfig) -> None:
     """What this backend needs beyond a valid config before it starts Ray (``agl check`` runs it too):
-    verl's rollout engine, the model and, without a gateway or a recording, the embedded agents' class."""
+    verl's rollout engine, the model, without a gateway or a recording the embedded agents' class,
+    the critic's keys (:func:`fill_critic`), verl's divisibility rules (:func:`check_layout`) and
+    verl's own validation (:func:`check_with_verl`)."""
     rollout = cfg.actor_rollout_ref.rollout
     if "name" not in rollout or OmegaConf.is_missing(rollout, "name"):
         raise ConfigError(
@@ -327,6 +412,8 @@ def check_verl_requirements(cfg: DictConfig) -> None:
         from agl_core.rollouts.agents import load_agent_class
 
         load_agent_class(cfg.agentlightning.local.agent_class)
+    check_layout(cfg)
+    check_with_verl(cfg)
 
 
 def verl_algorithm_config(cfg: DictConfig) -> DictConfig:

@@ -23,10 +23,29 @@ def verl_backend(config: DictConfig, plugins: PluginManager) -> Backend:
     return VerlBackend(config, plugins)
 
 
+def verl_estimators() -> frozenset[str]:
+    """The advantage estimators verl defines (``gae``, ``reinforce_plus_plus``...), which the backend
+    runs with verl's ``compute_advantage`` (:mod:`agl_backend_verl.advantages`)."""
+    from verl.trainer.ppo import core_algos
+
+    from agl_backend_verl.advantages import is_verl_estimator
+
+    names = {e.value for e in core_algos.AdvantageEstimator} | set(core_algos.ADV_ESTIMATOR_REGISTRY)
+    return frozenset(name for name in names if is_verl_estimator(name))
+
+
 @hookimpl
 def agl_register_backends(register: Register) -> None:
     # ``agl train`` validates a verl run against verl's full config, not the core schema.
-    register("verl", BackendSpec(verl_backend, load_config=load_verl_config, check_config=check_verl_requirements))
+    register(
+        "verl",
+        BackendSpec(
+            verl_backend,
+            load_config=load_verl_config,
+            check_config=check_verl_requirements,
+            native_estimators=verl_estimators,
+        ),
+    )
 
 
 @hookimpl

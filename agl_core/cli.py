@@ -69,16 +69,21 @@ def _train(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """Everything ``agl train`` would check before training, then the resolved config (secrets hidden)."""
+    from agl_core.backends.contract import backend_spec
     from agl_core.config import to_yaml
     from agl_core.train import preflight, resolve_config
 
     config, manager = resolve_config(args.config, _overrides(args))
     report = [f"backend: {config.agentlightning.backend}"]
+    backend = backend_spec(manager.backends.entry(config.agentlightning.backend))
     for registry, value in (
         (manager.aggregators, config.agentlightning.trace_aggregator.level),
         (manager.advantage_estimators, config.algorithm.adv_estimator),
         (manager.policy_losses, config.actor_rollout_ref.actor.policy_loss.loss_mode),
     ):
+        if registry is manager.advantage_estimators and value in backend.native_estimators():
+            report.append(f"{registry.kind}: {value} (computed by backend {config.agentlightning.backend})")
+            continue
         report.append(f"{registry.kind}: {value} (plugin {registry.entry(value).plugin_name})")
     rewriters = manager.implementations("agl_on_enqueue")
     counts, sinks = preflight(config, manager)

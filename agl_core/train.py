@@ -122,11 +122,13 @@ def preflight(config: Any, manager: PluginManager) -> tuple[dict[str, int], list
     hook may add them when it rewrites a request) and the metric sinks ``trainer.logger`` names.
     The aggregator, estimator and loss the config selects are looked up first (an unknown name is an
     error naming its key). Returns the rows per dataset key and the sinks' ``(name, factory)``."""
-    for registry, name in (
+    lookups = [
         (manager.aggregators, config.agentlightning.trace_aggregator.level),
-        (manager.advantage_estimators, config.algorithm.adv_estimator),
         (manager.policy_losses, config.actor_rollout_ref.actor.policy_loss.loss_mode),
-    ):
+    ]
+    if config.algorithm.adv_estimator not in _spec(manager, config.agentlightning.backend).native_estimators():
+        lookups.append((manager.advantage_estimators, config.algorithm.adv_estimator))
+    for registry, name in lookups:
         registry.entry(name)
     counts = {}
     rewriters = manager.implementations("agl_on_enqueue")

@@ -11,7 +11,8 @@ builds, through which verl's hybrid ``update_weights`` hands it the actor's weig
 - :class:`CpuServerAdapter` lives in every training rank; verl's ``update_weights`` (checkpoint
   engine backend ``naive``) streams it the actor's full weights, which the replica's first rank sends
   to the server with the training step as its version. Every rank drains the stream (FSDP gathers
-  each tensor collectively).
+  each tensor collectively). A LoRA run's adapters are merged into the served base weights
+  (:mod:`agl_backend_verl.cpu.lora`).
 
 Sleep and wake free nothing on CPU (the server keeps its copy of the weights); abort refuses the
 requests queued or arriving until the next resume (a batch already decoding finishes). Only verl's
@@ -29,6 +30,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
+from agl_backend_verl.cpu.lora import hf_name, is_adapter, lora_scale, merge_adapters
 from agl_backend_verl.cpu.mode import REPLICA as NAME
 from agl_core import Generation, PolicyServer, RequestError, SamplingParams
 
@@ -45,6 +47,7 @@ class AbortablePolicyServer(PolicyServer):
         super().__init__(*args, **kwargs)
         self._accepting = threading.Event()
         self._accepting.set()
+        self._base: dict[str, torch.Tensor] | None = None  # LoRA: the weights adapters are merged into
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if not self._accepting.is_set():
@@ -61,15 +64,29 @@ class AbortablePolicyServer(PolicyServer):
         self._accepting.set()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy the actor's full weights (Hugging Face names) into the served model, between batches."""
+        """Copy the actor's full weights into the served model, between batches (PEFT's names of a
+        LoRA run's base weights are taken as the plain model's: :func:`~agl_backend_verl.cpu.lora.hf_name`)."""
+        state = {hf_name(name): tensor for name, tensor in weights.items()}
         with self._weights_lock, torch.no_grad():
-            missing, unexpected = self._model.load_state_dict(dict(weights), strict=False)
+            missing, unexpected = self._model.load_state_dict(state, strict=False)
             tied = {"lm_head.weight"} if getattr(self._model.config, "tie_word_embeddings", False) else set()
             if unexpected or set(missing) - tied:
                 raise ValueError(
                     f"weights do not fit the served model: missing {sorted(set(missing) - tied)}, "
                     f"unexpected {sorted(unexpected)}"
                 )
+            self._base = None  # the base of later adapters: these weights
+            self.version = version
+
+    def load_adapters(self, adapters: Mapping[str, torch.Tensor], scale: float, version: int) -> None:
+        """Serve the base weights with LoRA ``adapters`` merged in
+        (:func:`~agl_backend_verl.cpu.lora.merge_adapters`).
+        """
+        with self._weights_lock, torch.no_grad():
+            if self._base is None:
+                self._base = {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+            merged = merge_adapters(self._base, adapters, scale)
+            self._model.load_state_dict(merged, strict=False)
             self.version = version
 
 
@@ -94,6 +111,10 @@ class CpuPolicyServer:
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self.server.load_weights(weights, version)
+        self.weight_pushes += 1
+
+    def load_adapters(self, adapters: Mapping[str, torch.Tensor], scale: float, version: int) -> None:
+        self.server.load_adapters(adapters, scale, version)
         self.weight_pushes += 1
 
     def stats(self) -> dict[str, int]:
@@ -168,7 +189,12 @@ class CpuServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise ValueError(f"rollout {NAME!r} takes full weights (wire format 'named_tensors'), got {wire_format!r}")
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}  # every rank drains the gather
-        if self.is_leader:
-            version = int(kwargs.get("global_steps") or 0)
-            server = ray.get_actor(server_name(self.replica_rank))
+        if not self.is_leader:
+            return
+        version = int(kwargs.get("global_steps") or 0)
+        server = ray.get_actor(server_name(self.replica_rank))
+        peft_config = kwargs.get("peft_config")
+        if peft_config is not None and kwargs.get("base_sync_done", True) and any(map(is_adapter, state)):
+            await server.load_adapters.remote(state, lora_scale(peft_config), version)
+        else:
             await server.load_weights.remote(state, version)

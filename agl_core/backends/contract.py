@@ -54,14 +54,21 @@ ConfigCheck = Callable[["DictConfig"], None]
 without loading a model; bad input raises :class:`~agl_core.config.ConfigError` naming the key."""
 
 
+def _no_estimators() -> frozenset[str]:
+    return frozenset()
+
+
 @attrs.frozen
 class BackendSpec:
     """A backend as registered: its factory, the loader that validates its runs (a backend whose
-    schema is larger than the core's, like verl's, brings its own), and the check ``agl check`` runs."""
+    schema is larger than the core's, like verl's, brings its own), the check ``agl check`` runs,
+    and the advantage estimators the backend computes itself (verl's ``gae``,
+    ``reinforce_plus_plus``...: ``algorithm.adv_estimator`` may name them without an agl plugin)."""
 
     factory: BackendFactory
     load_config: ConfigLoader = load_config
     check_config: ConfigCheck | None = None
+    native_estimators: Callable[[], frozenset[str]] = _no_estimators
 
     def __call__(self, config: DictConfig, plugins: PluginManager) -> Backend:
         """Build the backend (a spec is called like the factory it holds)."""
