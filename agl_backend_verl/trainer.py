@@ -96,6 +96,7 @@ class AglTrainer:
         self.plugins = plugins
         self.reports: queue.Queue[StepReport | None] = queue.Queue()
         self.step_metrics: dict[str, float] = {}
+        self.resume_metrics: dict[str, float] = {}
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -135,6 +136,8 @@ class AglTrainer:
         agl's pipeline reports the batch)."""
         metrics.update(self.agent_loop_manager.pop_counts())
         metrics.update(self.plugins.pop_metrics())
+        metrics.update(self.resume_metrics)
+        self.resume_metrics = {}
         metrics["training/global_step"] = float(global_steps)
         metrics["training/epoch"] = float(epoch)
         for name, key in (
@@ -168,6 +171,19 @@ class AglTrainer:
     def on_step_end(self) -> None:
         super().on_step_end()  # type: ignore[misc]
         self.register_replicas()
+
+    def _reissue_inflight_prompts(self, partition_id: str = "train") -> int:
+        """verl restores the groups TransferQueue held at the checkpoint (async modes): finished ones are
+        trained as they are, pending or running ones are started again. Counted in the first step:
+        ``training/async/n_resumed_groups`` (all restored) and ``n_recreated_groups`` (started again)."""
+        recreated = super()._reissue_inflight_prompts(partition_id)  # type: ignore[misc]
+        restored = int(getattr(self, "_restored_tq_prompt_count", 0))
+        if restored:
+            self.resume_metrics = {
+                "training/async/n_resumed_groups": float(restored),
+                "training/async/n_recreated_groups": float(recreated),
+            }
+        return recreated
 
     def fit(self, agent_loop_manager: RolloutLoopManager) -> None:
         self.agent_loop_manager = agent_loop_manager

@@ -148,16 +148,23 @@ class Train:
             raise RuntimeError(f"agl train ({self.log.name}) exited with {self.process.returncode}:\n{self.failure()}")
         return time.perf_counter() - self.started
 
-    def kill_after_checkpoint(self, step: int, timeout: float) -> None:
-        """SIGKILL the whole process group once verl has checkpointed ``step``."""
+    def kill_after_step(self, step: int, timeout: float) -> None:
+        """SIGKILL the whole process group once ``step`` is reported and verl has checkpointed it (verl's
+        loop checkpoints a step before it reports it)."""
         marker = self.run_dir / "latest_checkpointed_iteration.txt"
         deadline = time.monotonic() + timeout
         try:
-            while not (marker.is_file() and marker.read_text().strip() == str(step)):
+            while not (
+                step in [row.get("step") for row in rows(self.run_dir)]
+                and marker.is_file()
+                and int(marker.read_text().strip() or 0) >= step
+            ):
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"agl train exited before checkpointing step {step}:\n{self.failure()}")
+                    raise RuntimeError(f"agl train exited before reporting step {step}:\n{self.failure()}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"no step-{step} checkpoint within {timeout:g}s:\n{self.failure()}")
+                    raise RuntimeError(
+                        f"step {step} not reported and checkpointed within {timeout:g}s:\n{self.failure()}"
+                    )
                 time.sleep(0.2)
         finally:
             self.stop()
@@ -244,9 +251,9 @@ def scenario(
     if not (run_dir / "global_step_2" / "actor").is_dir():
         problems.append("verl saved no actor checkpoint for step 2")
     started = time.perf_counter()
-    Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="async", n_gpus=n_gpus).kill_after_checkpoint(3, timeout)
-    if not (run_dir / "global_step_3" / "agl_rollout_source.pt").is_file():
-        problems.append("the async source's groups in flight were not checkpointed with step 3")
+    Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="async", n_gpus=n_gpus).kill_after_step(3, timeout)
+    if not (run_dir / "global_step_3" / "transfer_queue").is_dir():
+        problems.append("the groups in flight were not checkpointed with step 3 (verl's TransferQueue checkpoint)")
     Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="resumed", n_gpus=n_gpus).finish(timeout)
     async_rows = rows(run_dir)[2:]
     lines += report_lines("async, killed after step 3 and resumed", async_rows, time.perf_counter() - started)
