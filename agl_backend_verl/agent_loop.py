@@ -43,6 +43,7 @@ class RolloutLoopManager:
     def __init__(self, source: RolloutSource, n: int):
         self.source = source
         self.stream: GroupStream = group_stream(source, n)
+        self.stream_n = n
         self.lock = threading.Lock()
         self._submitted: deque[tuple[list[Mapping[str, Any]], int, bool, list[str]]] = deque()
         self._wake = threading.Event()
@@ -105,6 +106,12 @@ class RolloutLoopManager:
         """The source's counts since the last call (rollouts by state, retries, hook failures...)."""
         with self.lock:
             return self.stream.pop_counts()
+
+    def n_pending(self) -> int:
+        """Rollouts submitted and not yet finished (queued here or started by the source)."""
+        with self.lock:
+            queued = sum(len(samples) for samples, _, _, _ in self._submitted)
+            return queued * self.stream_n + self.stream.n_pending()
 
     def before_weight_update(self) -> dict[str, float]:
         """The source's pause-and-drain (async gateway), with the polling thread held off."""

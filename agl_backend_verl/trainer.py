@@ -97,6 +97,7 @@ class AglTrainer:
         self.reports: queue.Queue[StepReport | None] = queue.Queue()
         self.step_metrics: dict[str, float] = {}
         self.resume_metrics: dict[str, float] = {}
+        self.carried_over = 0.0  # rollouts the last step left running
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -205,6 +206,8 @@ class AglTrainer:
         self.agent_loop_manager.raise_failure()
         rollouts, keys = read_rollouts(sampled)
         metrics.update(rollout_timing_metrics(rollouts))
+        if self.trainer_mode != "sync":  # type: ignore[attr-defined]
+            metrics.update(self.carry_over_metrics(sampled, len(rollouts)))
         learned, row_keys = self.learn(rollouts, keys)
         metrics.update(learned)
         return KVBatchMeta(

@@ -1,19 +1,23 @@
-"""The corridor task on both backends in one run: reward by step and step time split, side by side.
+"""The corridor task on the torch backend and on verl in each V1 trainer mode, in one run: reward by
+step and step time split, side by side.
 
 The reference (torch) backend trains with its embedded rollouts (``examples/corridor/config.yaml``
-as shipped); the verl backend trains the same config, policy and seed through the real gateway and
-controller on 127.0.0.1 in verl's CPU mode (``examples/corridor/run_verl.sh`` with
-``agl_backend_verl.cpu.CPU_KEYS``: verl's workers on 2 gloo ranks, the CPU replica). It prints the
-training reward of every step for both, then the mean seconds per step of generation
-(``timing/gen_s``), log-probs (``timing/log_prob_s``), the update (``timing/actor_update_s``), the
-weight push (``timing/update_weights_s``, verl only: the torch backend copies weights in its step
-without timing it) and the whole step, with the verl/torch ratio.
+as shipped); verl trains the same config, policy and seed through the real gateway and controller
+on 127.0.0.1 in verl's CPU mode (``examples/corridor/run_verl.sh`` with
+``agl_backend_verl.cpu.CPU_KEYS``: verl's workers on 2 gloo ranks, the CPU replica), once per
+``trainer.v1.trainer_mode`` (``sync``, ``colocate_async``, ``separate_async``; the last adds the keys
+of :func:`agl_backend_verl.cpu.mode_keys`: its own replica on its own CPU ranks). It prints the
+training reward of every step for each, the first step whose training reward reaches 0.9, then the
+mean seconds per step of generation (``timing/gen_s``: waiting for the step's groups), log-probs
+(``timing/log_prob_s``), the update (``timing/actor_update_s``), the weight push
+(``timing/update_weights_s``; the torch backend copies its weights inside the step), the rest of the
+step (idle: checkpoints, hooks, reporting) and the whole step.
 
 Needs the gateway venv (``scripts/gateway_venv.sh``). A long run: the corridor reaches a reward of
-about 0.9 within 100 steps on the torch backend; ``--steps`` sets both runs' length.
+about 0.9 within 50 steps; ``--steps`` sets every run's length, ``--modes`` which verl modes run.
 
-    python benchmarks/bench_backends.py --steps 100
-    python benchmarks/bench_backends.py --steps 4 --work-dir /tmp/bench   # a quick look
+    python benchmarks/bench_backends.py --steps 60
+    python benchmarks/bench_backends.py --steps 4 --modes sync --work-dir /tmp/bench   # a quick look
 """
 
 from __future__ import annotations
@@ -30,19 +34,21 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from agl_backend_verl.cpu import CPU_KEYS  # noqa: E402
+from agl_backend_verl.config import V1_MODES  # noqa: E402
+from agl_backend_verl.cpu import CPU_KEYS, mode_keys  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
 from tests.helpers.verl_e2e import RUN_VERL, Stack  # noqa: E402
 
 CONFIG = REPO_ROOT / "examples" / "corridor" / "config.yaml"
-PHASES = ("timing/gen_s", "timing/log_prob_s", "timing/actor_update_s", "timing/update_weights_s", "timing/step_s")
-# Both runs: the same steps, no validation or checkpoints in the timed steps.
+PHASES = ("timing/gen_s", "timing/log_prob_s", "timing/actor_update_s", "timing/update_weights_s")
+# Every run: the same steps, no validation or checkpoints in the timed steps.
 COMMON = (
     "trainer.save_freq=-1",
     "trainer.test_freq=-1",
     "trainer.val_before_train=false",
     "trainer.resume_mode=disable",
 )
+TARGET = 0.9
 
 
 def env() -> dict[str, str]:
@@ -58,18 +64,19 @@ def run(command: list[str], environment: dict[str, str], log: Path) -> None:
         sys.exit(f"{command[:4]} exited with {code}; see {log}")
 
 
-def torch_run(policy: Path, run_dir: Path, steps: int) -> list[dict]:
+def torch_run(policy: Path, work: Path, steps: int) -> list[dict]:
+    run_dir = work / "torch"
     command = [
         sys.executable, "-m", "agl_core.cli", "train", str(CONFIG), f"actor_rollout_ref.model.path={policy}",
         f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}", *COMMON,
     ]  # fmt: skip
-    run(command, env(), run_dir.parent / "torch.log")
+    run(command, env(), work / "torch.log")
     return metrics(run_dir)
 
 
-def verl_run(policy: Path, work: Path, steps: int) -> list[dict]:
-    run_dir = work / "verl"
-    with Stack(policy, work) as stack:
+def verl_run(policy: Path, work: Path, steps: int, mode: str) -> list[dict]:
+    run_dir = work / mode
+    with Stack(policy, work / f"{mode}-stack") as stack:
         environment = {
             **env(),
             "MODEL_PATH": str(policy),
@@ -79,7 +86,8 @@ def verl_run(policy: Path, work: Path, steps: int) -> list[dict]:
             "RUN_DIR": str(run_dir),
             "PYTHON": sys.executable,
         }
-        run(["bash", str(RUN_VERL), *CPU_KEYS, *COMMON], environment, work / "verl.log")
+        keys = [*CPU_KEYS, *mode_keys(mode), f"trainer.v1.trainer_mode={mode}", *COMMON]
+        run(["bash", str(RUN_VERL), *keys], environment, work / f"{mode}.log")
     return metrics(run_dir)
 
 
@@ -88,9 +96,29 @@ def metrics(run_dir: Path) -> list[dict]:
     return [row for row in rows if row["step"] >= 1]
 
 
-def mean(rows: list[dict], key: str) -> float:
-    values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+def phase(rows: list[dict], key: str) -> float:
+    return mean([row[key] for row in rows if isinstance(row.get(key), (int, float))])
+
+
+def idle(rows: list[dict]) -> float:
+    """The step's seconds outside the timed phases."""
+    return mean(
+        [row["timing/step_s"] - sum(row.get(k) or 0.0 for k in PHASES) for row in rows if "timing/step_s" in row]
+    )
+
+
+def reward(rows: list[dict], step: int) -> float:
+    value = next((r.get("training/reward") for r in rows if r["step"] == step), None)
+    return math.nan if value is None else float(value)
+
+
+def first_at_target(rows: list[dict]) -> str:
+    step = next((r["step"] for r in rows if (r.get("training/reward") or 0.0) >= TARGET), None)
+    return "never" if step is None else str(step)
 
 
 def cell(value: float) -> str:
@@ -99,25 +127,34 @@ def cell(value: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--modes", nargs="+", choices=V1_MODES, default=list(V1_MODES))
     parser.add_argument("--work-dir", type=Path)
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="agl-bench-backends-"))
     work.mkdir(parents=True, exist_ok=True)
     policy = build(work / "policy", seed=0)
-    torch_rows = torch_run(policy, work / "torch", args.steps)
-    verl_rows = verl_run(policy, work, args.steps)
+    columns = {"torch": torch_run(policy, work, args.steps)}
+    for mode in args.modes:
+        columns[f"verl {mode}"] = verl_run(policy, work, args.steps, mode)
+    names = list(columns)
+    width = max(len(name) for name in names) + 2
     print(f"corridor, {args.steps} steps (logs and metrics in {work})\n")
-    print(f"{'step':>4}  {'torch reward':>12}  {'verl reward':>11}")
+    print("training reward by step")
+    print(f"{'step':>4}" + "".join(f"{name:>{width}}" for name in names))
     for step in range(1, args.steps + 1):
-        t = next((r.get("training/reward") for r in torch_rows if r["step"] == step), None)
-        v = next((r.get("training/reward") for r in verl_rows if r["step"] == step), None)
-        print(f"{step:>4}  {cell(t if t is not None else math.nan):>12}  {cell(v if v is not None else math.nan):>11}")
-    print(f"\n{'mean seconds per step':<24}  {'torch':>8}  {'verl':>8}  {'verl/torch':>10}")
+        print(f"{step:>4}" + "".join(f"{cell(reward(rows, step)):>{width}}" for rows in columns.values()))
+    print(
+        f"\n{'first step >= ' + str(TARGET):<26}" + "".join(f"{first_at_target(r):>{width}}" for r in columns.values())
+    )
+    print(f"\n{'mean seconds per step':<26}" + "".join(f"{name:>{width}}" for name in names))
     for key in PHASES:
-        t, v = mean(torch_rows, key), mean(verl_rows, key)
-        ratio = v / t if t and not math.isnan(t) and not math.isnan(v) else math.nan
-        print(f"{key:<24}  {cell(t):>8}  {cell(v):>8}  {cell(ratio):>10}")
+        print(f"{key:<26}" + "".join(f"{cell(phase(rows, key)):>{width}}" for rows in columns.values()))
+    print(f"{'idle (the rest)':<26}" + "".join(f"{cell(idle(rows)):>{width}}" for rows in columns.values()))
+    print(
+        f"{'timing/step_s':<26}"
+        + "".join(f"{cell(phase(rows, 'timing/step_s')):>{width}}" for rows in columns.values())
+    )
     return 0
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 
-from agl_backend_verl.cpu.mode import CPU_KEYS, DEVICE, PLATFORM_ENV, REPLICA, is_cpu
+from agl_backend_verl.cpu.mode import CPU_KEYS, DEVICE, PLATFORM_ENV, REPLICA, is_cpu, mode_keys
 
 # The in-rank adapter of the CPU rollout, as verl's rollout table names classes (a dotted path).
 ADAPTER_CLASS = "agl_backend_verl.cpu.replica.CpuServerAdapter"
 
-__all__ = ["CPU_KEYS", "is_cpu", "register"]
+__all__ = ["CPU_KEYS", "is_cpu", "mode_keys", "register"]
 
 
 def register() -> None:

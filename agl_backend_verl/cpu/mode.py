@@ -51,6 +51,13 @@ CPU_KEYS: tuple[str, ...] = (
     "ray_kwargs.ray_init.num_cpus=12",
 )
 
+
+def mode_keys(mode: str) -> tuple[str, ...]:
+    """What a CPU run adds to :data:`CPU_KEYS` for ``trainer.v1.trainer_mode`` ``mode`` (``sync`` and
+    ``colocate_async`` need nothing more)."""
+    return {}.get(mode, ())
+
+
 # Engine sections whose FSDP mixed precision CPU mode sets to fp32.
 ENGINE_SECTIONS = ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp")
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}

@@ -455,6 +455,10 @@ class GatewayRolloutSource(RolloutSource):
         waiting for them; their group ids. :meth:`finished_groups` hands each group over once done."""
         return [g.group_id for g in self._enqueue(samples, step=step, is_train=is_train, group_ids=group_ids)]
 
+    def n_pending(self) -> int:
+        """Rollouts created and not yet terminal (streaming)."""
+        return len(self.pending)
+
     def finished_groups(self) -> list[FinishedGroup]:
         """Poll the gateway once; the submitted groups that finished since the last call, in the order
         they finished (possibly none). :attr:`poll_interval` says how long to wait before the next call."""

@@ -43,6 +43,9 @@ class GroupStream(Protocol):
         """What the source counted since the last call (summable counts; rollout timings are the
         consumer's to compute over the rollouts it uses)."""
 
+    def n_pending(self) -> int:
+        """Rollouts started and not yet terminal."""
+
 
 class CollectStream:
     """A batch source as a :class:`GroupStream`: each submission is collected whole, in order, by
@@ -88,6 +91,9 @@ class CollectStream:
         counts = {k: float(v) for k, v in self.counts.items()}
         self.counts.clear()
         return counts
+
+    def n_pending(self) -> int:
+        return sum(len(samples) * (self.n if is_train else 1) for samples, _, is_train, _ in self.queued)
 
 
 def group_stream(source: RolloutSource, n: int) -> GroupStream:
