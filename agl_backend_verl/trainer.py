@@ -216,6 +216,34 @@ class AglTrainer:
             partition_id=sampled.partition_id,
         )
 
+    def carry_over_metrics(self, sampled: KVBatchMeta, n_trained: int) -> dict[str, float]:
+        """Agent Lightning's carry-over metrics of an async step, from verl's replay buffer: the rollouts
+        this step trains, those still running in groups it carries into the next step (and how many
+        steps old the oldest carried group is), and what the previous step carried; under verl's
+        staleness bound with ``max_off_policy_strategy: wait``, the groups the step waited for
+        (``training/off_policy/n_waited_groups``; what ``drop`` evicts verl counts itself, as
+        ``training/off_policy/evicted_samples``)."""
+        buffer = self.replay_buffer  # type: ignore[attr-defined]
+        selected = {key.split("_")[0] for key in sampled.keys}
+        carried = buffer.pending_keys["train"] | buffer.running_keys["train"] | buffer.finished_keys["train"]
+        carried -= selected
+        started = buffer.prompt_global_steps["train"]
+        in_flight = float(self.agent_loop_manager.n_pending())
+        age = max((self.global_steps - started.get(uid, self.global_steps) for uid in carried), default=0)
+        metrics = {
+            "training/async/n_prev_carry_over_rollouts": self.carried_over,
+            "training/async/n_completed_rollouts": float(n_trained),
+            "training/async/n_new_carry_over_rollouts": in_flight,
+            "training/async/new_carry_over_age_max_steps": float(age),
+        }
+        self.carried_over = in_flight
+        sampler = self.config.trainer.v1.sampler
+        if sampler.max_off_policy_threshold is not None and sampler.max_off_policy_strategy == "wait":
+            bound = int(sampler.max_off_policy_threshold)  # verl waits while an in-flight group's span reaches it
+            spans = [self.global_steps - started.get(uid, self.global_steps) + 1 for uid in selected]
+            metrics["training/off_policy/n_waited_groups"] = float(sum(span >= bound for span in spans))
+        return metrics
+
     def learn(
         self, rollouts: Sequence[CompletedRollout], keys: Mapping[str, str]
     ) -> tuple[dict[str, float], list[str]]:
