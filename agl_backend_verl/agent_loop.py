@@ -11,8 +11,9 @@ agents, or a recording), under verl's uids, and each finished group is stored as
 One thread (:meth:`RolloutLoopManager.run`) owns the source's polling: it starts what was
 submitted and stores what finished. The trainer's own calls on the source (pause and drain before
 a weight update, registering the new endpoints after it) take the same lock, so the source is
-never used by two threads at once. A failure in that thread is kept and raised by the trainer's
-next call, never lost.
+never used by two threads at once; between the two, a source whose poll runs the agents itself
+(the embedded agents, a recording) is not polled, so no agent calls a replica whose weights are
+being replaced. A failure in that thread is kept and raised by the trainer's next call, never lost.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class RolloutLoopManager:
         self._submitted: deque[tuple[list[Mapping[str, Any]], int, bool, list[str]]] = deque()
         self._wake = threading.Event()
         self._stopped = threading.Event()
+        self._paused = False  # between before_weight_update and after_weight_update
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self.run, name="agl-rollout-loop", daemon=True)
 
@@ -87,7 +89,8 @@ class RolloutLoopManager:
                         samples, step, is_train, uids = self._submitted.popleft()
                         self.stream.submit(samples, step=step, is_train=is_train, group_ids=uids)
                         _mark_running(uids, is_train)
-                    finished = self.stream.finished_groups()
+                    held = self._paused and self.stream.runs_in_poll  # no agent runs while weights change
+                    finished = [] if held else self.stream.finished_groups()
                 for group in finished:
                     put_group(group)
                 if not finished:
@@ -117,6 +120,7 @@ class RolloutLoopManager:
         """The source's pause-and-drain (async gateway), with the polling thread held off."""
         self.raise_failure()
         with self.lock:
+            self._paused = True
             return self.source.before_weight_update()
 
     def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
@@ -124,6 +128,8 @@ class RolloutLoopManager:
         self.raise_failure()
         with self.lock:
             self.source.after_weight_update(endpoints, version)
+            self._paused = False
+        self._wake.set()
 
     def close(self) -> None:
         self._stopped.set()

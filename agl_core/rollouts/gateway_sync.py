@@ -91,6 +91,8 @@ class Group:
 class GatewayRolloutSource(RolloutSource):
     """Synchronous mode: each ``collect`` enqueues its samples and returns once all of them are terminal."""
 
+    runs_in_poll = False  # streaming: the agents run under the controller, a poll only reads the gateway
+
     def __init__(self, config: DictConfig, plugins: PluginManager, client: GatewayClient | None = None):
         agl = config.agentlightning
         if not agl.agl_base_url and client is None:

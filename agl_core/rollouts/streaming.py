@@ -25,6 +25,9 @@ __all__ = ["CollectStream", "GroupStream", "group_stream"]
 class GroupStream(Protocol):
     poll_interval: float
     """Seconds to wait before the next :meth:`finished_groups` when it returned nothing."""
+    runs_in_poll: bool
+    """Whether :meth:`finished_groups` runs the rollouts itself (and so calls the model) rather than
+    only reading what finished: a consumer must not call it while the model's weights are swapped."""
 
     def submit(
         self,
@@ -52,6 +55,7 @@ class CollectStream:
     :meth:`finished_groups`; groups are matched to submitted ids by sample index."""
 
     poll_interval = 0.0
+    runs_in_poll = True
 
     def __init__(self, source: RolloutSource, n: int):
         self.source, self.n = source, n
