@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +16,8 @@ pytest.importorskip("verl")
 peft = pytest.importorskip("peft")
 
 from agl_backend_verl.cpu.lora import hf_name, lora_scale, merge_adapters  # noqa: E402
+from agl_core import hookimpl, rollout_level  # noqa: E402
+from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from tests.helpers.corridor_policy import build_corridor_policy  # noqa: E402
 
 
@@ -55,3 +61,77 @@ def test_base_sync_names_and_errors():
     }
     with pytest.raises(ValueError, match="no base weight 'x.weight'"):
         merge_adapters(base, pair, 1.0)
+
+
+class Alternating:
+    """An estimator plugin whose advantages never vanish (+1, -1 by place in the group), so every step
+    moves the LoRA adapters whatever the untrained policy's rewards."""
+
+    @hookimpl
+    def agl_register_advantage_estimators(self, register):
+        register(
+            "alternating",
+            lambda rows, settings: rollout_level(
+                rows, "alternating", 2, lambda rewards: np.where(np.arange(len(rewards)) % 2 == 0, 1.0, -1.0)
+            ),
+        )
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_lora_run_serves_the_adapters_it_trains(tmp_path):
+    """Two sync steps of the corridor with LoRA on verl's CPU mode: step 1 moves the adapters (a
+    non-zero gradient), and step 2's rollouts, served by the CPU replica after the adapters were
+    merged into its weights, have the log-probs the LoRA actor computes for them."""
+    import ray
+
+    from agl_backend_verl.config import load_verl_config
+    from agl_backend_verl.cpu import CPU_KEYS
+    from agl_backend_verl.run import train
+    from examples.corridor.build_policy import build
+    from tests.helpers.paths import REPO_ROOT
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    policy = build(tmp_path / "policy", seed=0)
+    corridor = REPO_ROOT / "examples" / "corridor"
+    config = load_verl_config(
+        str(corridor / "config.yaml"),
+        [
+            *CPU_KEYS,
+            "agentlightning.backend=verl",
+            f"actor_rollout_ref.model.path={policy}",
+            f"data.train_files={corridor / 'dataset.jsonl'}",
+            f"data.val_files={corridor / 'val.jsonl'}",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.model.target_modules=all-linear",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "algorithm.adv_estimator=alternating",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
+    steps = {}
+    os.environ[DISABLE_AUTOLOAD_ENV] = "1"
+    try:
+        train(
+            config,
+            plugins=[Alternating()],
+            on_step=lambda step, total, metrics, samples=None: steps.update({step: metrics}),
+        )
+    finally:
+        ray.shutdown()
+        os.environ.pop(DISABLE_AUTOLOAD_ENV, None)
+    print({s: {k: m.get(k) for k in ("actor/grad_norm", "training/rollout_probs_diff_max")} for s, m in steps.items()})
+    assert sorted(steps) == [1, 2]
+    assert steps[1]["actor/grad_norm"] > 0, "step 1 did not move the adapters"
+    assert steps[2]["training/rollout_probs_diff_max"] < 1e-4, "the replica does not serve the trained adapters"
