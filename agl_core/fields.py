@@ -62,6 +62,8 @@ class DataValidationError(AglError, ValueError):
     error is known to belong to one rollout.
     """
 
+    __module__ = "agl_core"
+
     def __init__(self, field: str, message: str, rollout_id: str | None = None):
         self.field = field
         self.message = message
@@ -77,6 +79,8 @@ class DataValidationError(AglError, ValueError):
 
 class FrozenDict(dict):
     """A dict that refuses mutation; picklable (it travels to Ray workers) and JSON-serialisable."""
+
+    __module__ = "agl_core"
 
     def readonly(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("FrozenDict is read-only; build a new mapping instead")

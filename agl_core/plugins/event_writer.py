@@ -24,6 +24,8 @@ class PendingEvent:
 
 
 class EventWriter:
+    __module__ = "agl_core"
+
     def __init__(self) -> None:
         self._pending: list[PendingEvent] = []
 

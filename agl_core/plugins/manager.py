@@ -83,6 +83,8 @@ PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 class PluginError(AglError):
     """A plugin could not be loaded or does not fit the hook specifications."""
 
+    __module__ = "agl_core"
+
 
 def blocked_from_env() -> list[str]:
     return [name.strip() for name in os.environ.get(BLOCKED_PLUGINS_ENV, "").split(",") if name.strip()]
@@ -102,6 +104,8 @@ class PluginInfo:
 
 class PluginManager:
     """agl's plugin manager. Build one per run with :meth:`from_config` or the constructor."""
+
+    __module__ = "agl_core"
 
     def __init__(
         self,

@@ -70,6 +70,8 @@ def check_settings_class(section: Any, cls: Any, plugin_name: str) -> None:
 class PluginSettings(Mapping[str, Any]):
     """The run's plugin settings, read-only: section name -> the built settings instance."""
 
+    __module__ = "agl_core"
+
     def __init__(self, values: Mapping[str, Any]):
         self._values = dict(values)
 

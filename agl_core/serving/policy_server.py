@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 class RequestError(AglError):
     """A request the server refuses; rendered as vLLM's error body with ``status``."""
 
+    __module__ = "agl_core"
+
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         self.message = message
         self.param = param
@@ -76,6 +78,8 @@ class PolicyServer:
     pass takes; ``batch_wait_s`` is how long the generation thread lingers for more requests once one
     arrives.
     """
+
+    __module__ = "agl_core"
 
     def __init__(
         self,

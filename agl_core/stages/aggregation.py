@@ -149,6 +149,8 @@ class Aggregator(Protocol):
     """What ``agl_register_aggregators`` registers: the rows of completed rollouts, which it must not
     mutate; its rows are finished by :func:`merged_row`, so the limits and counts above hold."""
 
+    __module__ = "agl_core"
+
     def __call__(self, rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation: ...
 
 
@@ -245,6 +247,8 @@ class AggregationCounts:
     :meth:`unmerged_rollout` (a rollout left in more than one row); :meth:`metrics` then reports
     every count made, whatever its ``trajectory`` flag.
     """
+
+    __module__ = "agl_core"
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()

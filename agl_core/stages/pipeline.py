@@ -195,6 +195,8 @@ class StepPipeline:
     batch's result is the same as without it.
     """
 
+    __module__ = "agl_core"
+
     def __init__(
         self,
         config: Any,

@@ -65,6 +65,8 @@ class PolicyLoss(Protocol):
     """What ``agl_register_policy_losses`` registers (bare, or inside a :class:`PolicyLossSpec`):
     ``(loss, metrics)`` of a padded ``[batch, response_len]`` batch, padded positions excluded."""
 
+    __module__ = "agl_core"
+
     def __call__(
         self,
         old_log_prob: torch.Tensor,
