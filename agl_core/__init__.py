@@ -50,6 +50,7 @@ __all__ = [
     "ConfigLoader",
     "DataValidationError",
     "EventWriter",
+    "FileFormatError",
     "FrozenDict",
     "GatewayError",
     "Generation",
@@ -86,6 +87,8 @@ __all__ = [
     "StepSamples",
     "TrainingRow",
     "Triplet",
+    "UsageError",
+    "UsageTypeError",
     "VllmEngineError",
     "__version__",
     "aggregate_trajectories",
@@ -142,6 +145,9 @@ _MODULES: dict[str, str] = {
     "validate_config": "agl_core.config",
     # the errors agl raises on purpose (every one an AglError)
     "AglError": "agl_core.errors",
+    "FileFormatError": "agl_core.errors",
+    "UsageError": "agl_core.errors",
+    "UsageTypeError": "agl_core.errors",
     "GatewayError": "agl_core.rollouts.gateway_error",
     "RecordingError": "agl_core.recording",
     "VllmEngineError": "agl_core.serving.vllm_engine",
@@ -234,7 +240,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
         Triplet,
     )
     from agl_core.datasets import load_dataset
-    from agl_core.errors import AglError
+    from agl_core.errors import AglError, FileFormatError, UsageError, UsageTypeError
     from agl_core.hookspecs import Register
     from agl_core.plugins import EventWriter, HookTimeout, PluginError, PluginManager, PluginSettings, RegistryError
     from agl_core.recording import RecordingError

@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from agl_core.errors import AglError
+from agl_core.errors import AglError, FileFormatError
 from agl_core.plugins import PluginManager
 from agl_core.scaffold import add_command as add_new_plugin_command
 
@@ -122,7 +122,7 @@ def _plot(args: argparse.Namespace) -> int:
         raise CommandError(f"no metrics file at {metrics}")
     try:
         print(plot_metrics(metrics, args.output or metrics.with_name(PLOT_FILE)))
-    except ValueError as exc:  # empty, or a line that is not a metrics record
+    except FileFormatError as exc:  # empty, or a line that is not a metrics record
         raise CommandError(f"cannot plot {metrics}: {exc}") from None
     return 0
 

@@ -1,4 +1,4 @@
-"""The root of every error agl raises on purpose: :class:`AglError`.
+"""The root of every error agl raises on purpose, :class:`AglError`, and the errors of no one part.
 
 Each agl error also keeps the built-in class it had before (``ConfigError`` is a ``ValueError``,
 ``VllmEngineError`` a ``RuntimeError``...), so ``except ValueError`` still catches what it caught.
@@ -12,7 +12,12 @@ any of them resolves ``hint`` in the namespace ``__module__`` names.
 
 from typing import ClassVar
 
-__all__ = ["AglError"]
+__all__ = ["AglError", "FileFormatError", "UsageError", "UsageTypeError"]
+
+_CALLER_HINT = (
+    "the message names what was passed; if your own code did not make this call, it is a bug in agl or a plugin: "
+    "run again with --traceback to see where"
+)
 
 
 class AglError(Exception):
@@ -22,3 +27,28 @@ class AglError(Exception):
 
     hint: ClassVar[str | None] = None
     """One line on what to try next, printed by ``agl`` after the error (``None``: nothing to add)."""
+
+
+class FileFormatError(AglError, ValueError):
+    """A file agl reads does not hold what it must (a dataset, a metrics log, a checkpoint); the
+    message names the file and, where there is one, the line, row or column."""
+
+    __module__ = "agl_core"
+
+
+class UsageError(AglError, ValueError):
+    """A function or class of agl was given a value it cannot work with (out of range, sizes that
+    do not match, a call out of order); the message names the argument, field or class attribute."""
+
+    __module__ = "agl_core"
+
+    hint = _CALLER_HINT
+
+
+class UsageTypeError(AglError, TypeError):
+    """A function or class of agl was given an object of a type it cannot work with; the message
+    names the argument, field or class attribute and the type it got."""
+
+    __module__ = "agl_core"
+
+    hint = _CALLER_HINT

@@ -46,7 +46,7 @@ from agl_core.plugins.settings import (
     PluginSettings,
     SettingsDeclaration,
     build_settings,
-    check_settings_class,
+    settings_class_problem,
 )
 from agl_core.suggestions import suggest
 
@@ -308,10 +308,9 @@ class PluginManager:
                     f"{classes!r}"
                 )
             for section, cls in classes.items():
-                try:
-                    check_settings_class(section, cls, impl.plugin_name)
-                except TypeError as exc:
-                    raise PluginError(str(exc)) from None
+                problem = settings_class_problem(section, cls, impl.plugin_name)
+                if problem is not None:
+                    raise PluginError(problem)
                 if section in declared:
                     raise PluginError(
                         f"settings {section!r} are declared by both plugin {declared[section].plugin_name!r} and "

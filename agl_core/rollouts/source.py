@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.errors import UsageTypeError
 from agl_core.plugins import PluginManager
 
 
@@ -94,7 +95,7 @@ def make_requests(
     groups = []
     for sample_index, sample in enumerate(samples):
         if not isinstance(sample, Mapping):
-            raise TypeError(f"dataset sample {sample_index} must be a mapping, got {type(sample).__name__}")
+            raise UsageTypeError(f"dataset sample {sample_index} must be a mapping, got {type(sample).__name__}")
         group_id = new_id()
         group = []
         for _ in range(n if is_train else 1):

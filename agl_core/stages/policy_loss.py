@@ -50,6 +50,8 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from agl_core.errors import UsageError, UsageTypeError
+
 __all__ = [
     "LossSettings",
     "PolicyLoss",
@@ -80,7 +82,7 @@ class PolicyLoss(Protocol):
 
 def _callable(_instance: Any, _attribute: Any, value: Any) -> None:
     if not callable(value):
-        raise TypeError(f"PolicyLossSpec.fn must be a policy-loss function, got {value!r}")
+        raise UsageTypeError(f"PolicyLossSpec.fn must be a policy-loss function, got {value!r}")
 
 
 @attrs.frozen
@@ -170,7 +172,7 @@ def batch_token_mean(values: torch.Tensor, response_mask: torch.Tensor, settings
     n_tokens = settings.batch_num_tokens
     if n_tokens is None:
         if settings.dp_size > 1:
-            raise ValueError("a token mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
+            raise UsageError("a token mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
         n_tokens = mask.sum()
     return masked_sum(values, mask) / n_tokens * settings.dp_size
 
