@@ -27,11 +27,12 @@ __all__ = ["MOVED", "REMOVED_IN", "MovedModules", "install", "new_import"]
 REMOVED_IN = "0.3.0"
 
 #: old module -> its names' modules now, searched in order (layout v2 grouped agl_core by stage; the
-#: built-ins then moved to agl_core/builtins/).
+#: built-ins then moved to agl_core/builtins/, and the gateway check of agl check to agl_core/rollouts/).
 MOVED: dict[str, tuple[str, ...]] = {
     "agl_core.advantage": ("agl_core.stages.advantage", "agl_core.builtins.estimators"),
     "agl_core.aggregation": ("agl_core.stages.aggregation",),
     "agl_core.aggregators": ("agl_core.builtins.aggregators",),
+    "agl_core.backends.preflight": ("agl_core.rollouts.gateway_check",),
     "agl_core.batch_shaping": ("agl_core.stages.shaping",),
     "agl_core.checkpoint": ("agl_core.backends.torch.checkpoint",),
     "agl_core.embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.agents"),

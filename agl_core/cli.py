@@ -68,37 +68,30 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """Everything ``agl train`` would check before training, then the resolved config (secrets hidden)."""
+    """Everything ``agl train`` would check before training (its :func:`~agl_core.preflight.preflight`),
+    the backend's own check and the gateway, then the resolved config (secrets hidden)."""
     from agl_core.config import to_yaml
-    from agl_core.train import preflight, resolve_config
+    from agl_core.preflight import preflight
+    from agl_core.rollouts.gateway_check import check_gateway
+    from agl_core.run_config import registered_backend, resolve_config
 
     config, manager = resolve_config(args.config, _overrides(args))
+    checked = preflight(config, manager)
     report = [f"backend: {config.agentlightning.backend}"]
-    for registry, value in (
-        (manager.aggregators, config.agentlightning.trace_aggregator.level),
-        (manager.advantage_estimators, config.algorithm.adv_estimator),
-        (manager.policy_losses, config.actor_rollout_ref.actor.policy_loss.loss_mode),
-    ):
-        report.append(f"{registry.kind}: {value} (plugin {registry.entry(value).plugin_name})")
-    rewriters = manager.implementations("agl_on_enqueue")
-    counts, sinks = preflight(config, manager)
-    report += [f"{key}: {n} rows" for key, n in counts.items()]
-    report.append(f"metric sinks: {', '.join(name for name, _ in sinks)}")
+    report += [f"{kind}: {entry.name} (plugin {entry.plugin_name})" for kind, entry in checked.selected]
+    report += [f"{key}: {n} rows" for key, n in checked.dataset_rows.items()]
+    report.append(f"metric sinks: {', '.join(name for name, _ in checked.sinks)}")
     if config.agentlightning.local.env_map:
         report.append(
             "agentlightning.local.env_map: not checked against the rows, since agl_on_enqueue of "
-            f"{', '.join(rewriters)} may rewrite them"
-            if rewriters
+            f"{', '.join(checked.enqueue_rewriters)} may rewrite them"
+            if checked.enqueue_rewriters
             else "agentlightning.local.env_map: every field present in every row"
         )
-    from agl_core.backends.contract import backend_spec
-
-    check_backend = backend_spec(manager.backends.entry(config.agentlightning.backend)).check_config
+    check_backend = registered_backend(manager, config.agentlightning.backend).check_config
     if check_backend is not None:
         check_backend(config)
         report.append(f"backend {config.agentlightning.backend!r}: its own checks passed")
-    from agl_core.backends.preflight import check_gateway
-
     gateway = check_gateway(config)
     if gateway is not None:
         report.append(gateway)
@@ -114,7 +107,7 @@ def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from agl_core.plot import plot_metrics
-    from agl_core.train import METRICS_FILE, PLOT_FILE
+    from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE
 
     source = Path(args.run)
     metrics = source / METRICS_FILE if source.is_dir() else source
@@ -131,7 +124,7 @@ def _replay(args: argparse.Namespace) -> int:
     """Re-run one recorded step of a run (its pipeline and the torch backend's update) and print its metrics."""
     import tempfile
 
-    from agl_core.train import replay_step
+    from agl_core.replay import replay_step
 
     with tempfile.TemporaryDirectory(prefix="agl-replay-") as scratch:
         metrics = replay_step(args.run, args.step, _overrides(args), scratch)

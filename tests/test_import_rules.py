@@ -36,7 +36,14 @@ BASE = {
     "agl_core.datasets",
     "agl_core.plot",
 }
-ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
+ENTRY = {
+    "agl_core.cli",
+    "agl_core.train",
+    "agl_core.run_config",
+    "agl_core.preflight",
+    "agl_core.replay",
+    "agl_core.scaffold",
+}
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {
     "gateway": (
@@ -45,6 +52,7 @@ SOURCE_FAMILIES = {
         "agl_core.rollouts.gateway_async",
         "agl_core.rollouts.gateway_client",
         "agl_core.rollouts.gateway_error",
+        "agl_core.rollouts.gateway_check",
         "agl_core.rollouts.retry",
     ),
     "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),
@@ -70,7 +78,7 @@ ALLOWED = {
     "tracking": {"base"},
     "builtins": {"base", "plugins", "stages", "tracking", "backends", "backend:torch"},
     "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "tracking", "entry"},
-    "entry": {"base", "plugins", "backends", "tracking", "entry"},
+    "entry": {"base", "plugins", "rollouts", "backends", "tracking", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
     "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
 }

@@ -1,5 +1,5 @@
-"""What ``agl check`` verifies beyond the backend's own check: that the gateway it will train
-through is there, so a wrong URL fails before a run rather than at its first step."""
+"""What ``agl check`` asks of the gateway a run will train through: that it is there, so a wrong URL
+or key fails before a run rather than at its first step."""
 
 from __future__ import annotations
 
