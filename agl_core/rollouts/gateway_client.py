@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 from omegaconf import DictConfig
 
+from agl_core.config.schema import GatewayConfig
 from agl_core.data import RolloutRequest
 from agl_core.errors import UsageError
 from agl_core.fields import thaw
@@ -69,7 +70,7 @@ class GatewayClient:
         base_url: str,
         key: str = "",
         *,
-        timeout_seconds: float = 30.0,
+        timeout_seconds: float = GatewayConfig.http_timeout_seconds,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ):
