@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 import warnings
@@ -99,7 +100,14 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """The finder and loader of the old paths in :data:`MOVED`."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        return importlib.machinery.ModuleSpec(fullname, self) if fullname in MOVED else None
+        """The old path's spec, located at its first new module's file, so the alias has the
+        ``__file__`` code that walks modules (``inspect``, coverage, a plugin's own paths) reads."""
+        if fullname not in MOVED:
+            return None
+        home = importlib.util.find_spec(MOVED[fullname][0])
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin=home.origin if home is not None else None)
+        spec.has_location = home is not None and home.has_location
+        return spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         return _MovedModule(spec.name)
