@@ -178,6 +178,16 @@ class PerRolloutAggregator:
         validator=attrs.validators.is_callable()
     )
     trajectory: bool = False
+    name: str | None = attrs.field(default=None, kw_only=True)
+
+    @property
+    def __name__(self) -> str:
+        """The name a function aggregator would have (code names plugins by ``fn.__name__``):
+        ``name``, else ``aggregate_rollout``'s."""
+        if self.name is not None:
+            return self.name
+        function = getattr(self.aggregate_rollout, "func", self.aggregate_rollout)  # a functools.partial's
+        return getattr(function, "__name__", type(self).__name__)
 
     def __call__(self, rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
         return self.combine((self.aggregate_rollout(r, settings) for r in rollouts), settings)
