@@ -14,6 +14,7 @@ import importlib.metadata
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from agl_core.errors import AglError, FileFormatError
 from agl_core.plugins import PluginManager
@@ -63,8 +64,26 @@ def _train(args: argparse.Namespace) -> int:
 
     dump_stacks_on_sigusr1()
     run_dir = run(args.config, _overrides(args))
-    print(f"agl: run finished; metrics, plot and checkpoints in {run_dir}")
+    written = run_contents(run_dir)
+    print(f"agl: run finished; {written} in {run_dir}" if written else f"agl: run finished; nothing in {run_dir}")
     return 0
+
+
+def run_contents(run_dir: Path) -> str:
+    """What a run directory holds, in words: ``metrics``, ``plot``, ``checkpoints`` (verl's
+    ``global_step_N`` folders, which the torch backend writes too), those present; ``""`` for none."""
+    from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE
+
+    present = [
+        what
+        for what, here in (
+            ("metrics", (run_dir / METRICS_FILE).is_file()),
+            ("plot", (run_dir / PLOT_FILE).is_file()),
+            ("checkpoints", any(path.is_dir() for path in run_dir.glob("global_step_*"))),
+        )
+        if here
+    ]
+    return " and ".join(filter(None, [", ".join(present[:-1]), *present[-1:]]))
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -104,8 +123,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from agl_core.plot import plot_metrics
     from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE
 
