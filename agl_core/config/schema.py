@@ -218,7 +218,7 @@ class OptimConfig:
     weight_decay: float = checked(0.01, finite(0))
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"rule": ADAM_BETAS})
     lr_warmup_steps: int = -1
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: str = choice("constant", "cosine")  # the schedule after warmup (verl FSDP's two)
     min_lr_ratio: float = checked(0.0, FRACTION)
 
 
