@@ -160,10 +160,15 @@ def test_an_agl_error_prints_its_public_name_in_a_traceback():
 
 
 def test_import_agl_core_does_not_import_torch():
-    script = "import sys, agl_core; print('torch' in sys.modules); agl_core.LossSettings; print('torch' in sys.modules)"
+    """Nor does reading the loss toolkit (registering a loss): torch comes with the first module that
+    computes on tensors (``tensorize``)."""
+    script = (
+        "import sys, agl_core; print('torch' in sys.modules); agl_core.LossSettings; agl_core.PolicyLossSpec; "
+        "print('torch' in sys.modules); agl_core.tensorize; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "True"]
+    assert out.stdout.split() == ["False", "False", "True"]
 
 
 def test_the_import_check_finds_a_private_import():

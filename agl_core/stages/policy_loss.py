@@ -45,12 +45,14 @@ name gets scaled advantages exactly when it declares so.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
-import torch
 
 from agl_core.errors import UsageError, UsageTypeError
+
+if TYPE_CHECKING:  # torch is imported when a loss runs, so registering one (agl plugins) does not load it
+    import torch
 
 __all__ = [
     "LossSettings",
@@ -158,6 +160,8 @@ class LossSettings:
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.where(mask, values, torch.zeros_like(values)).sum()
 
 
@@ -195,6 +199,8 @@ def ppo_token_losses(
     ``actor/pg_clipfrac`` the fraction of trained tokens where the clipped term wins;
     ``actor/pg_clipfrac_lower`` the fraction where the dual clip wins (negative advantages).
     """
+    import torch
+
     mask = response_mask.bool()
     # Padded positions are zeroed before any arithmetic so a NaN there reaches neither value nor gradient.
     log_ratio = torch.clamp(torch.where(mask, log_prob - old_log_prob, 0.0), min=-20.0, max=20.0)
