@@ -5,8 +5,10 @@ model, the protocols of what each ``agl_register_*`` hook registers (:class:`Agg
 :class:`AdvantageEstimator`, :class:`PolicyLoss`, :class:`BackendSpec`, :class:`MetricSink`), the
 toolkits an aggregator, estimator, loss, backend or sink is written with, the plugin manager and
 the errors (all rooted in :class:`AglError`). Modules under ``agl_core`` are free to move; these
-names are the stable surface, and each public class says so (``agl_core.Triplet``, not the module
-defining it). Test helpers live in :mod:`agl_core.testing`.
+names are the stable surface. The public errors, protocols and plain classes name ``agl_core`` as
+their module (``agl_core.ConfigError`` in a traceback), as pytest's do; attrs classes and
+dataclasses keep the module defining them, where ``typing.get_type_hints`` resolves their fields'
+annotations. Test helpers live in :mod:`agl_core.testing`.
 
 A public name is imported from its module on first use (``__getattr__``, from :data:`_MODULES`), so
 ``import agl_core`` loads nothing but pluggy (the loss toolkit loads torch when a loss runs). The
