@@ -5,18 +5,20 @@ model, the protocols of what each ``agl_register_*`` hook registers (:class:`Agg
 :class:`AdvantageEstimator`, :class:`PolicyLoss`, :class:`BackendSpec`, :class:`MetricSink`), the
 toolkits an aggregator, estimator, loss, backend or sink is written with, the plugin manager and
 the errors (all rooted in :class:`AglError`). Modules under ``agl_core`` are free to move; these
-names are the stable surface. Test helpers live in :mod:`agl_core.testing`.
+names are the stable surface. The public errors, protocols and plain classes name ``agl_core`` as
+their module (``agl_core.ConfigError`` in a traceback), as pytest's do; attrs classes and
+dataclasses keep the module defining them, where ``typing.get_type_hints`` resolves their fields'
+annotations. Test helpers live in :mod:`agl_core.testing`.
 
-The imports under ``TYPE_CHECKING`` below are the one list of public names: type checkers read
-them, and at run time each name is imported from its module on first use (``__getattr__``), so
-``import agl_core`` loads nothing but pluggy (the loss names need torch).
+A public name is imported from its module on first use (``__getattr__``, from :data:`_MODULES`), so
+``import agl_core`` loads nothing but pluggy (the loss toolkit loads torch when a loss runs). The
+imports under ``TYPE_CHECKING`` say the same to type checkers; a test keeps ``__all__``,
+:data:`_MODULES` and those imports equal.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl_core._moved import install as _serve_moved_modules
@@ -24,14 +26,220 @@ from agl_core.hookspecs import hookimpl
 
 _serve_moved_modules()  # old module paths stay importable, with a warning, for one minor release
 
-if TYPE_CHECKING:
-    # the plugin system and the data model
-    # backends: the contract, the step loop, the step pipeline and the rollout sources it drives
+__version__ = "0.1.0"
+
+__all__ = [
+    "CALLS_LEFT_OUT_METRIC",
+    "MISMATCH_KINDS",
+    "AdvantageError",
+    "AdvantageEstimator",
+    "AdvantageSettings",
+    "Advantages",
+    "AgentLightningConfig",
+    "AglError",
+    "Aggregation",
+    "AggregationCounts",
+    "AggregationSettings",
+    "Aggregator",
+    "Align",
+    "Backend",
+    "BackendFactory",
+    "BackendSpec",
+    "CompletedRollout",
+    "ConfigCheck",
+    "ConfigError",
+    "ConfigFile",
+    "ConfigLoader",
+    "DataValidationError",
+    "EventWriter",
+    "FileFormatError",
+    "FinishedGroup",
+    "FrozenDict",
+    "GatewayError",
+    "Generation",
+    "GroupStream",
+    "HookTimeout",
+    "LoopSettings",
+    "LossSettings",
+    "MetricSink",
+    "Mismatch",
+    "OnStep",
+    "PaddedBatch",
+    "PerRolloutAggregator",
+    "PluginError",
+    "PluginManager",
+    "PluginSettings",
+    "PolicyLoss",
+    "PolicyLossSpec",
+    "PolicyServer",
+    "RecordingError",
+    "Register",
+    "RegistryError",
+    "ReplayRolloutSource",
+    "RequestError",
+    "RolloutAdvantageError",
+    "RolloutAggregation",
+    "RolloutGroups",
+    "RolloutRequest",
+    "RolloutSource",
+    "SamplingParams",
+    "Segment",
+    "SinkContext",
+    "SinkFactory",
+    "Step",
+    "StepPipeline",
+    "StepSamples",
+    "TrainingRow",
+    "Triplet",
+    "UsageError",
+    "UsageTypeError",
+    "VllmEngineError",
+    "__version__",
+    "aggregate_trajectories",
+    "broadcast",
+    "common_prefix_length",
+    "default_config",
+    "exact_prefix",
+    "gateway_source",
+    "group_rollouts",
+    "group_stream",
+    "hookimpl",
+    "load_config",
+    "load_dataset",
+    "masked_sum",
+    "merge_config",
+    "merged_row",
+    "policy_loss_spec",
+    "ppo_token_losses",
+    "require_group_size",
+    "rollout_level",
+    "rollout_reward",
+    "rollout_timing_metrics",
+    "run_steps",
+    "tensorize",
+    "trajectory_rollout",
+    "validate_config",
+    "validation_metrics",
+]
+
+#: public name -> the module it is imported from on first use (``hookimpl`` is imported above).
+_MODULES: dict[str, str] = {
+    # the plugin system
+    "EventWriter": "agl_core.plugins",
+    "HookTimeout": "agl_core.plugins",
+    "PluginError": "agl_core.plugins",
+    "PluginManager": "agl_core.plugins",
+    "PluginSettings": "agl_core.plugins",
+    "Register": "agl_core.hookspecs",
+    "RegistryError": "agl_core.plugins",
+    # the data model and the datasets
+    "CompletedRollout": "agl_core.data",
+    "DataValidationError": "agl_core.data",
+    "FrozenDict": "agl_core.data",
+    "RolloutRequest": "agl_core.data",
+    "StepSamples": "agl_core.data",
+    "TrainingRow": "agl_core.data",
+    "Triplet": "agl_core.data",
+    "load_dataset": "agl_core.datasets",
+    # the config
+    "AgentLightningConfig": "agl_core.config",
+    "ConfigError": "agl_core.config",
+    "ConfigFile": "agl_core.config",
+    "default_config": "agl_core.config",
+    "load_config": "agl_core.config",
+    "merge_config": "agl_core.config",
+    "validate_config": "agl_core.config",
+    # the errors agl raises on purpose (every one an AglError)
+    "AglError": "agl_core.errors",
+    "FileFormatError": "agl_core.errors",
+    "UsageError": "agl_core.errors",
+    "UsageTypeError": "agl_core.errors",
+    "GatewayError": "agl_core.rollouts.gateway_error",
+    "RecordingError": "agl_core.recording",
+    "VllmEngineError": "agl_core.serving.vllm_engine",
+    # aggregators
+    "CALLS_LEFT_OUT_METRIC": "agl_core.stages.aggregation",
+    "MISMATCH_KINDS": "agl_core.stages.aggregation",
+    "Aggregation": "agl_core.stages.aggregation",
+    "AggregationCounts": "agl_core.stages.aggregation",
+    "AggregationSettings": "agl_core.stages.aggregation",
+    "Aggregator": "agl_core.stages.aggregation",
+    "Mismatch": "agl_core.stages.aggregation",
+    "PerRolloutAggregator": "agl_core.stages.aggregation",
+    "RolloutAggregation": "agl_core.stages.aggregation",
+    "Segment": "agl_core.stages.aggregation",
+    "merged_row": "agl_core.stages.aggregation",
+    "rollout_reward": "agl_core.stages.aggregation",
+    "common_prefix_length": "agl_core.stages.mismatch",
+    "Align": "agl_core.builtins.aggregators",
+    "aggregate_trajectories": "agl_core.builtins.aggregators",
+    "exact_prefix": "agl_core.builtins.aggregators",
+    "trajectory_rollout": "agl_core.builtins.aggregators",
+    # advantage estimators
+    "AdvantageError": "agl_core.stages.advantage",
+    "AdvantageEstimator": "agl_core.stages.advantage",
+    "AdvantageSettings": "agl_core.stages.advantage",
+    "Advantages": "agl_core.stages.advantage",
+    "RolloutAdvantageError": "agl_core.stages.advantage",
+    "RolloutGroups": "agl_core.stages.advantage",
+    "broadcast": "agl_core.stages.advantage",
+    "group_rollouts": "agl_core.stages.advantage",
+    "require_group_size": "agl_core.stages.advantage",
+    "rollout_level": "agl_core.stages.advantage",
+    # policy losses
+    "LossSettings": "agl_core.stages.policy_loss",
+    "PolicyLoss": "agl_core.stages.policy_loss",
+    "PolicyLossSpec": "agl_core.stages.policy_loss",
+    "masked_sum": "agl_core.stages.policy_loss",
+    "policy_loss_spec": "agl_core.stages.policy_loss",
+    "ppo_token_losses": "agl_core.stages.policy_loss",
+    # the step pipeline and the backend batch
+    "StepPipeline": "agl_core.stages.pipeline",
+    "validation_metrics": "agl_core.stages.pipeline",
+    "PaddedBatch": "agl_core.stages.tensorize",
+    "tensorize": "agl_core.stages.tensorize",
+    # rollout sources
+    "RolloutSource": "agl_core.rollouts.source",
+    "FinishedGroup": "agl_core.rollouts.source",
+    "GroupStream": "agl_core.rollouts.streaming",
+    "group_stream": "agl_core.rollouts.streaming",
+    "rollout_timing_metrics": "agl_core.rollouts.events",
+    "gateway_source": "agl_core.rollouts.gateway",
+    "ReplayRolloutSource": "agl_core.rollouts.replay",
+    # serving the policy to agents (what a backend's rollout replica answers with)
+    "PolicyServer": "agl_core.serving.policy_server",
+    "RequestError": "agl_core.serving.policy_server",
+    "Generation": "agl_core.serving.sampling",
+    "SamplingParams": "agl_core.serving.sampling",
+    # backends: the contract and the step loop
+    "Backend": "agl_core.backends.contract",
+    "BackendFactory": "agl_core.backends.contract",
+    "BackendSpec": "agl_core.backends.contract",
+    "ConfigCheck": "agl_core.backends.contract",
+    "ConfigLoader": "agl_core.backends.contract",
+    "OnStep": "agl_core.backends.contract",
+    "LoopSettings": "agl_core.backends.loop",
+    "Step": "agl_core.backends.loop",
+    "run_steps": "agl_core.backends.loop",
+    # metric sinks
+    "MetricSink": "agl_core.tracking",
+    "SinkContext": "agl_core.tracking",
+    "SinkFactory": "agl_core.tracking",
+}
+
+if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
     from agl_core.backends.loop import LoopSettings, Step, run_steps
     from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix, trajectory_rollout
-    from agl_core.config import AgentLightningConfig, ConfigError, ConfigFile, default_config, load_config, merge_config
-    from agl_core.config.checks import validate as validate_config
+    from agl_core.config import (
+        AgentLightningConfig,
+        ConfigError,
+        ConfigFile,
+        default_config,
+        load_config,
+        merge_config,
+        validate_config,
+    )
     from agl_core.data import (
         CompletedRollout,
         DataValidationError,
@@ -42,20 +250,19 @@ if TYPE_CHECKING:
         Triplet,
     )
     from agl_core.datasets import load_dataset
-    from agl_core.errors import AglError
+    from agl_core.errors import AglError, FileFormatError, UsageError, UsageTypeError
     from agl_core.hookspecs import Register
-    from agl_core.plugins import EventWriter, PluginError, PluginManager, PluginSettings, RegistryError
-    from agl_core.rollouts.events import timing_metrics as rollout_timing_metrics
+    from agl_core.plugins import EventWriter, HookTimeout, PluginError, PluginManager, PluginSettings, RegistryError
+    from agl_core.recording import RecordingError
+    from agl_core.rollouts.events import rollout_timing_metrics
     from agl_core.rollouts.gateway import gateway_source
+    from agl_core.rollouts.gateway_error import GatewayError
     from agl_core.rollouts.replay import ReplayRolloutSource
     from agl_core.rollouts.source import FinishedGroup, RolloutSource
     from agl_core.rollouts.streaming import GroupStream, group_stream
-
-    # serving the policy to agents (what a backend's rollout replica answers with)
     from agl_core.serving.policy_server import PolicyServer, RequestError
     from agl_core.serving.sampling import Generation, SamplingParams
-
-    # advantage estimators
+    from agl_core.serving.vllm_engine import VllmEngineError
     from agl_core.stages.advantage import (
         AdvantageError,
         AdvantageEstimator,
@@ -68,8 +275,6 @@ if TYPE_CHECKING:
         require_group_size,
         rollout_level,
     )
-
-    # aggregators
     from agl_core.stages.aggregation import (
         CALLS_LEFT_OUT_METRIC,
         MISMATCH_KINDS,
@@ -86,8 +291,6 @@ if TYPE_CHECKING:
     )
     from agl_core.stages.mismatch import common_prefix_length
     from agl_core.stages.pipeline import StepPipeline, validation_metrics
-
-    # policy losses
     from agl_core.stages.policy_loss import (
         LossSettings,
         PolicyLoss,
@@ -97,40 +300,17 @@ if TYPE_CHECKING:
         ppo_token_losses,
     )
     from agl_core.stages.tensorize import PaddedBatch, tensorize
-
-    # metric sinks
     from agl_core.tracking import MetricSink, SinkContext, SinkFactory
-
-__version__ = "0.1.0"
-
-
-def _type_checking_imports() -> dict[str, tuple[str, str]]:
-    """Public name -> (module, name there), read from the ``if TYPE_CHECKING:`` block of this file."""
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(
-        node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
-    )
-    return {
-        alias.asname or alias.name: (statement.module, alias.name)
-        for statement in block.body
-        if isinstance(statement, ast.ImportFrom)
-        for alias in statement.names
-    }
-
-
-_LAZY = _type_checking_imports()
-
-__all__ = sorted(["__version__", "hookimpl", *_LAZY])
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module, attribute = _LAZY[name]
-        value = getattr(importlib.import_module(module), attribute)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'agl_core' has no attribute {name!r}")
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agl_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_MODULES))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 import warnings
@@ -27,11 +28,12 @@ __all__ = ["MOVED", "REMOVED_IN", "MovedModules", "install", "new_import"]
 REMOVED_IN = "0.3.0"
 
 #: old module -> its names' modules now, searched in order (layout v2 grouped agl_core by stage; the
-#: built-ins then moved to agl_core/builtins/).
+#: built-ins then moved to agl_core/builtins/, and the gateway check of agl check to agl_core/rollouts/).
 MOVED: dict[str, tuple[str, ...]] = {
     "agl_core.advantage": ("agl_core.stages.advantage", "agl_core.builtins.estimators"),
     "agl_core.aggregation": ("agl_core.stages.aggregation",),
     "agl_core.aggregators": ("agl_core.builtins.aggregators",),
+    "agl_core.backends.preflight": ("agl_core.rollouts.gateway_check",),
     "agl_core.batch_shaping": ("agl_core.stages.shaping",),
     "agl_core.checkpoint": ("agl_core.backends.torch.checkpoint",),
     "agl_core.embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.agents"),
@@ -98,7 +100,14 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """The finder and loader of the old paths in :data:`MOVED`."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        return importlib.machinery.ModuleSpec(fullname, self) if fullname in MOVED else None
+        """The old path's spec, located at its first new module's file, so the alias has the
+        ``__file__`` code that walks modules (``inspect``, coverage, a plugin's own paths) reads."""
+        if fullname not in MOVED:
+            return None
+        home = importlib.util.find_spec(MOVED[fullname][0])
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin=home.origin if home is not None else None)
+        spec.has_location = home is not None and home.has_location
+        return spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         return _MovedModule(spec.name)

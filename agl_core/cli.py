@@ -14,8 +14,9 @@ import importlib.metadata
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from agl_core.errors import AglError
+from agl_core.errors import AglError, FileFormatError
 from agl_core.plugins import PluginManager
 from agl_core.scaffold import add_command as add_new_plugin_command
 
@@ -63,47 +64,53 @@ def _train(args: argparse.Namespace) -> int:
 
     dump_stacks_on_sigusr1()
     run_dir = run(args.config, _overrides(args))
-    print(f"agl: run finished; metrics, plot and checkpoints in {run_dir}")
+    written = run_contents(run_dir)
+    print(f"agl: run finished; {written} in {run_dir}" if written else f"agl: run finished; nothing in {run_dir}")
     return 0
 
 
+def run_contents(run_dir: Path) -> str:
+    """What a run directory holds, in words: ``metrics``, ``plot``, ``checkpoints`` (verl's
+    ``global_step_N`` folders, which the torch backend writes too), those present; ``""`` for none."""
+    from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE
+
+    present = [
+        what
+        for what, here in (
+            ("metrics", (run_dir / METRICS_FILE).is_file()),
+            ("plot", (run_dir / PLOT_FILE).is_file()),
+            ("checkpoints", any(path.is_dir() for path in run_dir.glob("global_step_*"))),
+        )
+        if here
+    ]
+    return " and ".join(filter(None, [", ".join(present[:-1]), *present[-1:]]))
+
+
 def _check(args: argparse.Namespace) -> int:
-    """Everything ``agl train`` would check before training, then the resolved config (secrets hidden)."""
-    from agl_core.backends.contract import backend_spec
+    """Everything ``agl train`` would check before training (its :func:`~agl_core.preflight.preflight`),
+    the backend's own check and the gateway, then the resolved config (secrets hidden)."""
     from agl_core.config import to_yaml
-    from agl_core.train import preflight, resolve_config
+    from agl_core.preflight import preflight
+    from agl_core.rollouts.gateway_check import check_gateway
+    from agl_core.run_config import registered_backend, resolve_config
 
     config, manager = resolve_config(args.config, _overrides(args))
+    checked = preflight(config, manager)
     report = [f"backend: {config.agentlightning.backend}"]
-    backend = backend_spec(manager.backends.entry(config.agentlightning.backend))
-    for registry, value in (
-        (manager.aggregators, config.agentlightning.trace_aggregator.level),
-        (manager.advantage_estimators, config.algorithm.adv_estimator),
-        (manager.policy_losses, config.actor_rollout_ref.actor.policy_loss.loss_mode),
-    ):
-        if registry is manager.advantage_estimators and value in backend.native_estimators():
-            report.append(f"{registry.kind}: {value} (computed by backend {config.agentlightning.backend})")
-            continue
-        report.append(f"{registry.kind}: {value} (plugin {registry.entry(value).plugin_name})")
-    rewriters = manager.implementations("agl_on_enqueue")
-    counts, sinks = preflight(config, manager)
-    report += [f"{key}: {n} rows" for key, n in counts.items()]
-    report.append(f"metric sinks: {', '.join(name for name, _ in sinks)}")
+    report += [f"{kind}: {name} ({provider})" for kind, name, provider in checked.selected]
+    report += [f"{key}: {n} rows" for key, n in checked.dataset_rows.items()]
+    report.append(f"metric sinks: {', '.join(name for name, _ in checked.sinks)}")
     if config.agentlightning.local.env_map:
         report.append(
             "agentlightning.local.env_map: not checked against the rows, since agl_on_enqueue of "
-            f"{', '.join(rewriters)} may rewrite them"
-            if rewriters
+            f"{', '.join(checked.enqueue_rewriters)} may rewrite them"
+            if checked.enqueue_rewriters
             else "agentlightning.local.env_map: every field present in every row"
         )
-    from agl_core.backends.contract import backend_spec
-
-    check_backend = backend_spec(manager.backends.entry(config.agentlightning.backend)).check_config
+    check_backend = registered_backend(manager, config.agentlightning.backend).check_config
     if check_backend is not None:
         check_backend(config)
         report.append(f"backend {config.agentlightning.backend!r}: its own checks passed")
-    from agl_core.backends.preflight import check_gateway
-
     gateway = check_gateway(config)
     if gateway is not None:
         report.append(gateway)
@@ -116,10 +123,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from agl_core.plot import plot_metrics
-    from agl_core.train import METRICS_FILE, PLOT_FILE
+    from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE
 
     source = Path(args.run)
     metrics = source / METRICS_FILE if source.is_dir() else source
@@ -127,7 +132,7 @@ def _plot(args: argparse.Namespace) -> int:
         raise CommandError(f"no metrics file at {metrics}")
     try:
         print(plot_metrics(metrics, args.output or metrics.with_name(PLOT_FILE)))
-    except ValueError as exc:  # empty, or a line that is not a metrics record
+    except FileFormatError as exc:  # empty, or a line that is not a metrics record
         raise CommandError(f"cannot plot {metrics}: {exc}") from None
     return 0
 
@@ -136,7 +141,7 @@ def _replay(args: argparse.Namespace) -> int:
     """Re-run one recorded step of a run (its pipeline and the torch backend's update) and print its metrics."""
     import tempfile
 
-    from agl_core.train import replay_step
+    from agl_core.replay import replay_step
 
     with tempfile.TemporaryDirectory(prefix="agl-replay-") as scratch:
         metrics = replay_step(args.run, args.step, _overrides(args), scratch)

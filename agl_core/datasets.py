@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from agl_core.config import ConfigError
+from agl_core.errors import FileFormatError
 from agl_core.jsonl import read_json_objects
 
 __all__ = ["ParquetRows", "check_datasets", "env_from_map", "load_dataset"]
@@ -90,7 +91,7 @@ class ParquetRows(Sequence[dict[str, Any]]):
             try:
                 self._file = pq.ParquetFile(pa.memory_map(str(self.path)))
             except (pa.ArrowException, OSError) as exc:
-                raise ValueError(f"{self.path} is not a readable parquet file: {exc}") from None
+                raise FileFormatError(f"{self.path} is not a readable parquet file: {exc}") from None
         return self._file
 
     def __getstate__(self) -> dict[str, Any]:
@@ -137,7 +138,7 @@ class ParquetRows(Sequence[dict[str, Any]]):
                     first += valid
                     break
                 first += batch.num_rows
-            raise ValueError(
+            raise FileFormatError(
                 f"{self.path} row {first + 1}, column {field.name!r}: holds {bad} values ({field.type}), which a "
                 "rollout input (sent as JSON) cannot carry; convert the column to strings or numbers"
             )

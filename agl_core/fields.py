@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from agl_core.errors import AglError
+from agl_core.errors import AglError, UsageTypeError
 
 __all__ = [
     "DataValidationError",
@@ -62,6 +62,8 @@ class DataValidationError(AglError, ValueError):
     error is known to belong to one rollout.
     """
 
+    __module__ = "agl_core"
+
     def __init__(self, field: str, message: str, rollout_id: str | None = None):
         self.field = field
         self.message = message
@@ -78,8 +80,10 @@ class DataValidationError(AglError, ValueError):
 class FrozenDict(dict):
     """A dict that refuses mutation; picklable (it travels to Ray workers) and JSON-serialisable."""
 
+    __module__ = "agl_core"
+
     def readonly(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("FrozenDict is read-only; build a new mapping instead")
+        raise UsageTypeError("FrozenDict is read-only; build a new mapping instead")
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = readonly  # type: ignore[assignment]
     __ior__ = readonly  # type: ignore[assignment]
@@ -119,7 +123,7 @@ def freeze_mapping(value: Mapping[str, Any] | None) -> FrozenDict:
     if value is None:
         return FrozenDict()
     if not isinstance(value, Mapping):
-        raise TypeError(f"expected a mapping, got {type(value).__name__}")
+        raise UsageTypeError(f"expected a mapping, got {type(value).__name__}")
     return freeze(value)
 
 
@@ -357,7 +361,7 @@ def from_checked(cls: type, **values: Any) -> Any:
     constructor.
     """
     if values.keys() != _field_names(cls):
-        raise TypeError(f"{cls.__name__}: from_checked needs exactly the fields {sorted(_field_names(cls))}")
+        raise UsageTypeError(f"{cls.__name__}: from_checked needs exactly the fields {sorted(_field_names(cls))}")
     instance = object.__new__(cls)
     for name, value in values.items():
         object.__setattr__(instance, name, value)

@@ -5,7 +5,7 @@ in a module or class registered as a plugin (an entry point in group ``agl``, a 
 ``agentlightning.hooks``, or an object passed in code). Arguments are passed by name, so an
 implementation may accept only the ones it needs.
 
-Three kinds of hooks live here:
+Four kinds of hooks live here:
 
 * **Registry hooks** (``agl_register_*``) are called once, when the plugin manager first needs the
   table (again after :meth:`~agl_core.plugins.PluginManager.configure` sets new settings). Each

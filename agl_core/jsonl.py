@@ -7,11 +7,14 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from agl_core.errors import FileFormatError
+
 
 def read_json_objects(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each non-blank line of ``path``.
 
-    Raises ``ValueError`` naming the file and line when a line is not valid JSON or not an object.
+    Raises :class:`~agl_core.errors.FileFormatError` (a ``ValueError``) naming the file and line when a
+    line is not valid JSON or not an object.
     """
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -20,7 +23,9 @@ def read_json_objects(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{os.fspath(path)} line {number} is not valid JSON: {exc.msg}") from None
+                raise FileFormatError(f"{os.fspath(path)} line {number} is not valid JSON: {exc.msg}") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{os.fspath(path)} line {number} must be a JSON object, got {type(record).__name__}")
+                raise FileFormatError(
+                    f"{os.fspath(path)} line {number} must be a JSON object, got {type(record).__name__}"
+                )
             yield number, record

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from agl_core.errors import FileFormatError
 from agl_core.jsonl import read_json_objects
 
 PANELS = (
@@ -30,28 +31,29 @@ def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     by_step: dict[int, dict[str, float]] = {}
     for number, record in read_json_objects(path):
         if not isinstance(record.get("step"), int):
-            raise ValueError(f"{path} line {number} has no integer 'step'")
+            raise FileFormatError(f"{path} line {number} has no integer 'step'")
         by_step[record["step"]] = record
     return dict(sorted(by_step.items()))
 
 
 def _points(by_step: dict[int, dict[str, float]], key: str) -> list[tuple[int, float]]:
     """``(step, value)`` of ``key`` where it is finite (``null`` is a NaN the run log wrote); any value
-    that is not a number, or values too far apart for a float axis, are a ValueError naming the metric."""
+    that is not a number, or values too far apart for a float axis, are a
+    :class:`~agl_core.errors.FileFormatError` naming the metric."""
     points = []
     for step, metrics in by_step.items():
         value = metrics.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"metric {key!r} of step {step} is {value!r:.60}, not a number")
+            raise FileFormatError(f"metric {key!r} of step {step} is {value!r:.60}, not a number")
         if isinstance(value, int) and abs(value) >= 2**1024:
-            raise ValueError(f"metric {key!r} of step {step} is an integer beyond a float's range")
+            raise FileFormatError(f"metric {key!r} of step {step} is an integer beyond a float's range")
         if math.isfinite(value):
             points.append((step, float(value)))
     values = [v for _, v in points]
     if values and not math.isfinite(max(values) - min(values)):
-        raise ValueError(f"metric {key!r} spans {min(values):g} to {max(values):g}, too wide to plot")
+        raise FileFormatError(f"metric {key!r} spans {min(values):g} to {max(values):g}, too wide to plot")
     return points
 
 
@@ -64,7 +66,7 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
 
     by_step = read_metrics(metrics_path)
     if not by_step:
-        raise ValueError(f"{metrics_path} holds no steps to plot")
+        raise FileFormatError(f"{metrics_path} holds no steps to plot")
     panels = [(key, title) for key, title in PANELS if any(key in m for m in by_step.values())]
     series = {key: _points(by_step, key) for key, _ in panels}
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True, squeeze=False)

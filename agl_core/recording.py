@@ -60,6 +60,8 @@ MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", 
 class RecordingError(AglError, ValueError):
     """A recording cannot be read or does not fit the run; the message names the file (and step)."""
 
+    __module__ = "agl_core"
+
     hint = "agl replay and agentlightning.replay read what agentlightning.record_rollouts writes (docs/replay.md)"
 
 

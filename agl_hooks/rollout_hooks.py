@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import attrs
 
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.errors import UsageTypeError
 from agl_core.fields import thaw
 from agl_core.hookspecs import hookimpl
 from agl_core.plugins.event_writer import EventWriter
@@ -156,7 +157,7 @@ class RolloutHooksPlugin:
         )
         result = self.hooks.on_enqueue(view)
         if result is None:
-            raise TypeError(f"{type(self.hooks).__name__}.on_enqueue returned None; it must return the request")
+            raise UsageTypeError(f"{type(self.hooks).__name__}.on_enqueue returned None; it must return the request")
         return attrs.evolve(
             request,
             rollout_id=request.rollout_id

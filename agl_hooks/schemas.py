@@ -42,7 +42,8 @@ __all__ = [
 ]
 
 
-class RolloutState(str, Enum):
+# (str, Enum), not StrEnum: str() and format() of a member stay what Agent Lightning's hook files get.
+class RolloutState(str, Enum):  # noqa: UP042
     """Rollout lifecycle states; each equals its string (``RolloutState.FAILED == "failed"``)."""
 
     QUEUING = "queuing"

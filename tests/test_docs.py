@@ -4,6 +4,7 @@ the packages or in MANIFEST.in."""
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 from agl_core.scaffold import FILES as PLUGIN_TEMPLATE_FILES
@@ -57,3 +58,18 @@ def test_an_unshipped_or_missing_citation_is_reported(tmp_path):
         "README.md cites scripts/gone.sh, which does not exist",
         "docs/a.md cites benchmarks/x.py, which the sdist does not ship (MANIFEST.in)",
     ]
+
+
+def test_the_python_floor_is_the_oldest_python_tested():
+    """requires-python, ruff's target, the classifiers, the plugin template and the README all name
+    the oldest Python CI tests on (3.11, constraints/cpu.txt's lane; the others are 3.12 and 3.13)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    tested = sorted(c.rsplit(" ", 1)[1] for c in project["project"]["classifiers"] if re.fullmatch(r".*:: 3\.\d+", c))
+    assert tested == ["3.11", "3.12", "3.13"]
+    assert project["project"]["requires-python"] == f">={tested[0]}"
+    assert project["tool"]["ruff"]["target-version"] == "py" + tested[0].replace(".", "")
+    assert (
+        f'requires-python = ">={tested[0]}"'
+        in (REPO / "agl_core" / "plugin_template" / "pyproject.toml.tmpl").read_text()
+    )
+    assert f"tested on Python {', '.join(tested[:-1])} and {tested[-1]}" in (REPO / "README.md").read_text()

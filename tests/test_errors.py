@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import agl_core
 from agl_core.config import ConfigError
-from agl_core.errors import AglError
+from agl_core.errors import AglError, FileFormatError, UsageError, UsageTypeError
 from agl_core.plugins import PluginError, RegistryError
 from tests.helpers.paths import REPO_ROOT as REPO
 
@@ -44,7 +45,50 @@ def test_the_check_finds_an_error_without_root(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("error", "builtin"), [(ConfigError, ValueError), (RegistryError, LookupError), (PluginError, Exception)]
+    ("error", "builtin"),
+    [
+        (ConfigError, ValueError),
+        (RegistryError, LookupError),
+        (PluginError, Exception),
+        (FileFormatError, ValueError),
+        (UsageError, ValueError),
+        (UsageTypeError, TypeError),
+    ],
 )
 def test_each_error_keeps_its_builtin_class(error, builtin):
     assert issubclass(error, AglError) and issubclass(error, builtin)
+
+
+def builtin_raises(root: Path, packages: tuple[str, ...] = ("agl_core", "agl_hooks")) -> list[str]:
+    """``path:line`` of every ``raise ValueError(...)`` / ``raise TypeError(...)`` in ``packages``:
+    library code raises an :class:`AglError` (its message naming the key, file, plugin or argument)."""
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                raised = node.exc.func if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) else None
+                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Name):
+                    raised = node.exc
+                if isinstance(raised, ast.Name) and raised.id in ("ValueError", "TypeError"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_library_code_raises_agl_errors_not_bare_builtins():
+    assert builtin_raises(REPO) == []
+
+
+def test_the_check_finds_a_bare_builtin_raise(tmp_path):
+    (tmp_path / "agl_core").mkdir()
+    (tmp_path / "agl_core" / "oops.py").write_text(
+        "def f():\n    raise ValueError('no')\n\n\ndef g():\n    raise TypeError\n"
+    )
+    assert builtin_raises(tmp_path) == ["agl_core/oops.py:2", "agl_core/oops.py:6"]
+
+
+@pytest.mark.parametrize(
+    "name", ["GatewayError", "HookTimeout", "RecordingError", "VllmEngineError", "FileFormatError", "UsageError"]
+)
+def test_the_errors_a_caller_may_catch_are_public_agl_errors(name):
+    error = getattr(agl_core, name)
+    assert name in agl_core.__all__ and issubclass(error, AglError)

@@ -13,6 +13,16 @@ from tests.helpers.paths import TESTS
 HOOKSPECS = sorted(name for name, obj in vars(hookspecs).items() if name.startswith("agl_") and inspect.isfunction(obj))
 
 
+def test_the_module_docstring_counts_the_kinds_it_lists():
+    """ "N kinds of hooks live here:" is followed by N bullets, one per kind, and they cover every hookspec."""
+    doc = inspect.getdoc(hookspecs) or ""
+    counted = doc.split(" kinds of hooks live here:")[0].split()[-1].lower()
+    bullets = [line for line in doc.splitlines() if line.startswith("* **")]
+    assert ["one", "two", "three", "four", "five", "six"].index(counted) + 1 == len(bullets), bullets
+    for name in HOOKSPECS:
+        assert any(name in b or name.startswith(b.split("``")[1].rstrip("*")) for b in bullets if "``" in b), name
+
+
 def test_there_are_hookspecs():
     assert {"agl_register_aggregators", "agl_on_enqueue", "agl_on_succeeded"} <= set(HOOKSPECS)
 

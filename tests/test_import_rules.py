@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,14 @@ BASE = {
     "agl_core.datasets",
     "agl_core.plot",
 }
-ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
+ENTRY = {
+    "agl_core.cli",
+    "agl_core.train",
+    "agl_core.run_config",
+    "agl_core.preflight",
+    "agl_core.replay",
+    "agl_core.scaffold",
+}
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {
     "gateway": (
@@ -44,6 +52,7 @@ SOURCE_FAMILIES = {
         "agl_core.rollouts.gateway_async",
         "agl_core.rollouts.gateway_client",
         "agl_core.rollouts.gateway_error",
+        "agl_core.rollouts.gateway_check",
         "agl_core.rollouts.retry",
     ),
     "embedded": ("agl_core.rollouts.embedded", "agl_core.rollouts.recorder", "agl_core.rollouts.agents"),
@@ -69,7 +78,7 @@ ALLOWED = {
     "tracking": {"base"},
     "builtins": {"base", "plugins", "stages", "tracking", "backends", "backend:torch"},
     "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "tracking", "entry"},
-    "entry": {"base", "plugins", "backends", "tracking", "entry"},
+    "entry": {"base", "plugins", "rollouts", "backends", "tracking", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
     "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
 }
@@ -145,14 +154,19 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[int, str]]:
     return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
 
 
+def _api_literal(root: Path, name: str) -> Any:
+    """The literal a module-level assignment in ``agl_core/__init__.py`` gives ``name`` (empty if none)."""
+    for node in ast.parse((root / "agl_core" / "__init__.py").read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [None])[0]
+        if isinstance(target, ast.Name) and target.id == name:
+            return ast.literal_eval(node.value)
+    return {}
+
+
 def _public_names(root: Path) -> dict[str, str]:
-    """``agl_core.<name>`` -> the module defining it, for every name the public API imports (the
-    lazily imported ones are its imports under ``TYPE_CHECKING``)."""
-    names = {}
-    for node in ast.walk(ast.parse((root / "agl_core" / "__init__.py").read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(API):
-            names.update({f"{API}.{alias.asname or alias.name}": node.module for alias in node.names})
-    return names
+    """``agl_core.<name>`` -> the module it is imported from, for every name of the public API's
+    name -> module table (``_MODULES``)."""
+    return {f"{API}.{name}": module for name, module in _api_literal(root, "_MODULES").items()}
 
 
 def _known_modules(root: Path) -> set[str]:
@@ -195,7 +209,7 @@ def test_every_import_follows_the_package_map():
 def private_core_imports(root: Path, package: str = "agl_backend_verl") -> list[str]:
     """Every import in ``package`` of ``agl_core`` other than ``from agl_core import <public name>``
     (imports under ``TYPE_CHECKING`` included): a backend outside the core uses its public API only."""
-    public = {name.rpartition(".")[2] for name in _public_names(root)} | {"__version__"}
+    public = set(_api_literal(root, "__all__"))
     problems = []
     for path in sorted((root / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -220,13 +234,15 @@ def test_the_verl_backend_imports_only_public_names_of_agl_core():
 
 def test_a_private_import_of_the_core_is_reported(tmp_path):
     (tmp_path / "agl_core").mkdir()
-    (tmp_path / "agl_core" / "__init__.py").write_text("if TYPE_CHECKING:\n    from agl_core.data import Triplet\n")
+    (tmp_path / "agl_core" / "__init__.py").write_text(
+        "__all__ = ['Triplet']\n_MODULES = {'Triplet': 'agl_core.data'}\n"
+    )
     (tmp_path / "agl_backend_verl").mkdir()
     (tmp_path / "agl_backend_verl" / "x.py").write_text(
-        "from agl_core import Triplet\nfrom agl_core import _LAZY\nfrom agl_core.stages.tensorize import tensorize\n"
+        "from agl_core import Triplet\nfrom agl_core import _MODULES\nfrom agl_core.stages.tensorize import tensorize\n"
     )
     assert private_core_imports(tmp_path) == [
-        "agl_backend_verl/x.py:2 imports agl_core._LAZY, which is not public",
+        "agl_backend_verl/x.py:2 imports agl_core._MODULES, which is not public",
         "agl_backend_verl/x.py:3 imports agl_core.stages.tensorize",
     ]
 

@@ -8,9 +8,9 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 
 from tests.helpers.gateway_server import GatewayServer
 from tests.helpers.paths import REPO_ROOT

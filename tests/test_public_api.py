@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -42,10 +43,13 @@ PUBLIC_NAMES = [
     "default_config",
     "EventWriter",
     "exact_prefix",
+    "FileFormatError",
     "FrozenDict",
+    "GatewayError",
     "gateway_source",
     "group_rollouts",
     "hookimpl",
+    "HookTimeout",
     "load_config",
     "load_dataset",
     "LoopSettings",
@@ -65,6 +69,7 @@ PUBLIC_NAMES = [
     "PolicyLoss",
     "PolicyLossSpec",
     "ppo_token_losses",
+    "RecordingError",
     "Register",
     "RegistryError",
     "require_group_size",
@@ -86,8 +91,11 @@ PUBLIC_NAMES = [
     "TrainingRow",
     "trajectory_rollout",
     "Triplet",
+    "UsageError",
+    "UsageTypeError",
     "validate_config",
     "validation_metrics",
+    "VllmEngineError",
 ]
 
 
@@ -105,11 +113,62 @@ def test_every_exported_name_resolves_and_unknown_names_fail():
         agl_core.nope  # noqa: B018
 
 
+def literal(tree: ast.Module, name: str):
+    """The literal value a module-level assignment gives ``name`` (``ValueError`` when it is computed)."""
+    (value,) = [
+        n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and ast.unparse(n).startswith(name)
+    ]
+    return ast.literal_eval(value)
+
+
+def test_all_and_the_lazy_table_are_literals_and_the_type_checking_imports_match_them():
+    """``__all__`` and the name -> module table are written out (no source parsed at import), and the
+    imports type checkers read name exactly the table's names, each from the table's module."""
+    tree = ast.parse((REPO / "agl_core" / "__init__.py").read_text())
+    names, modules = literal(tree, "__all__"), literal(tree, "_MODULES")
+    assert names == agl_core.__all__ and modules == agl_core._MODULES
+    assert set(names) == {"__version__", "hookimpl", *modules} and len(names) == len(set(names))
+    (block,) = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    imported = {a.asname or a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert imported == modules
+    assert "ast" not in {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+
+
+def public_classes() -> list[str]:
+    return [name for name in agl_core.__all__ if isinstance(getattr(agl_core, name), type)]
+
+
+@pytest.mark.parametrize("name", public_classes())
+def test_a_public_class_shows_its_public_module(name):
+    """As pytest's and pluggy's public classes do: ``agl_core.ConfigError`` in a traceback and a repr.
+    A class with annotated fields (attrs classes, dataclasses) keeps the module defining it, where
+    ``typing.get_type_hints`` (omegaconf's structured configs, hypothesis) resolves its annotations."""
+    cls = getattr(agl_core, name)
+    if cls.__module__ == "agl_core":
+        assert repr(cls) == f"<class 'agl_core.{name}'>"
+        typing.get_type_hints(cls)  # the annotations it inherits still resolve
+    else:
+        assert "__annotations__" in vars(cls) and not issubclass(cls, BaseException), (
+            f"agl_core.{name} shows module {cls.__module__}: set __module__ = 'agl_core' in its class body"
+        )
+
+
+def test_an_agl_error_prints_its_public_name_in_a_traceback():
+    script = "from agl_core.config import ConfigError\nraise ConfigError('data.seed', 'bad')\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stderr.splitlines()[-1] == "agl_core.ConfigError: config key data.seed: bad"
+
+
 def test_import_agl_core_does_not_import_torch():
-    script = "import sys, agl_core; print('torch' in sys.modules); agl_core.LossSettings; print('torch' in sys.modules)"
+    """Nor does reading the loss toolkit (registering a loss): torch comes with the first module that
+    computes on tensors (``tensorize``)."""
+    script = (
+        "import sys, agl_core; print('torch' in sys.modules); agl_core.LossSettings; agl_core.PolicyLossSpec; "
+        "print('torch' in sys.modules); agl_core.tensorize; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "True"]
+    assert out.stdout.split() == ["False", "False", "True"]
 
 
 def test_the_import_check_finds_a_private_import():

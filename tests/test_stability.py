@@ -51,6 +51,14 @@ def test_an_old_module_path_imports_with_a_warning_naming_the_new_one(old):
     assert any(f"{old} has moved to {MOVED[old][0]}" in m and REMOVED_IN in m for m in messages), messages
 
 
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_has_the_file_of_its_new_module(old):
+    """``from agl_core.stages import levels; levels.__file__`` names the file its names come from."""
+    module, _ = fresh_import(old)
+    assert module.__file__ == importlib.import_module(MOVED[old][0]).__file__
+    assert module.__spec__.origin == module.__file__
+
+
 @pytest.mark.parametrize(
     ("old", "name"), [(old, name) for old, names in sorted(PREVIOUS_PUBLIC.items()) for name in names.split()]
 )
@@ -185,7 +193,7 @@ def test_agl_plugins_lists_it_and_check_refuses_it(broken_installed, capsys):
 
 
 def test_blocking_it_lets_the_run_go_on(broken_installed, monkeypatch):
-    from agl_core.train import resolve_config
+    from agl_core.run_config import resolve_config
 
     monkeypatch.setenv("AGL_BLOCKED_PLUGINS", "shiny")
     config, manager = resolve_config("examples/corridor/config.yaml")

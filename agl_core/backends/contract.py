@@ -33,6 +33,8 @@ backend that has none."""
 
 
 class Backend(Protocol):
+    __module__ = "agl_core"
+
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train until the configured number of steps (continuing from a checkpoint where the
         config says so), calling ``on_step`` after every step. Before its first rollout it calls

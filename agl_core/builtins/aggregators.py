@@ -126,9 +126,9 @@ def transition_rollout(rollout: CompletedRollout, settings: AggregationSettings)
 
 # Both built-ins declare that they work on each rollout alone, so the step pipeline aggregates each
 # rollout as it finishes.
-trajectory = PerRolloutAggregator(trajectory_rollout, trajectory=True)
+trajectory = PerRolloutAggregator(trajectory_rollout, trajectory=True, name="trajectory")
 """Merge calls whose prompt extends the context exactly (Agent Lightning's default level)."""
-transition = PerRolloutAggregator(transition_rollout)
+transition = PerRolloutAggregator(transition_rollout, name="transition")
 """One row per call, each carrying the rollout's final reward."""
 
 

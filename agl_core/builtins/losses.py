@@ -8,12 +8,13 @@ declaring that it needs its advantages scaled per rollout; ``token_mean`` as a p
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from agl_core.hookspecs import hookimpl
 from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, batch_token_mean, masked_sum, ppo_token_losses
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["per_rollout_mean", "token_mean"]
 

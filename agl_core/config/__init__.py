@@ -13,6 +13,7 @@ gateway key in every dump.
 """
 
 from agl_core.config.checks import row_length_keys
+from agl_core.config.checks import validate as validate_config
 from agl_core.config.errors import ConfigError
 from agl_core.config.loading import (
     REDACTED,
@@ -47,5 +48,6 @@ __all__ = [
     "redacted",
     "row_length_keys",
     "to_yaml",
+    "validate_config",
     "with_backend_hint",
 ]

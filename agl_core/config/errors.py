@@ -10,6 +10,8 @@ __all__ = ["ConfigError"]
 class ConfigError(AglError, ValueError):
     """A config value is missing, unknown, of the wrong type or inconsistent; ``key`` is its path."""
 
+    __module__ = "agl_core"
+
     def __init__(self, key: str, message: str):
         self.key = key
         self.message = message

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+from omegaconf import OmegaConf
 
 from agl_core.config.errors import ConfigError
 from agl_core.fields import is_int, is_number
 
-__all__ = ["Rule", "at_least", "finite", "integer", "number", "one_of"]
+__all__ = ["Rule", "at_least", "boolean", "finite", "http_url", "integer", "number", "one_of", "paths", "port_number"]
 
 
 @attrs.frozen
@@ -65,3 +66,24 @@ def finite(low: float, *, strictly: bool = False) -> Rule:
 
 def one_of(*choices: str) -> Rule:
     return Rule(lambda v: v in choices, f"one of {', '.join(choices)}", choices=choices)
+
+
+def boolean() -> Rule:
+    return Rule(lambda v: isinstance(v, bool), "true or false")
+
+
+def port_number() -> Rule:
+    """A TCP port number, or 0 for a free one."""
+    return Rule(lambda v: is_int(v, 0) and v <= 65535, "0 (a free port) or a port number")
+
+
+def http_url() -> Rule:
+    return Rule(lambda v: isinstance(v, str) and v.startswith(("http://", "https://")), "an http(s) URL")
+
+
+def paths() -> Rule:
+    """A path, or a list of paths (a YAML list or an omegaconf one)."""
+    return Rule(
+        lambda v: isinstance(v, str) or (OmegaConf.is_list(v) and all(isinstance(p, str) for p in v)),
+        "a path or a list of paths",
+    )

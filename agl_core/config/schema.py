@@ -12,7 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agl_core.config.rules import Rule, at_least, finite, integer, number, one_of
+from agl_core.config.rules import Rule, at_least, boolean, finite, http_url, integer, number, one_of, paths, port_number
+from agl_core.fields import is_number
 
 __all__ = [
     "AgentLightningConfig",
@@ -38,6 +39,14 @@ def choice(*choices: str) -> Any:
 
 TEMPERATURE = number(lambda v: 0 <= v < math.inf, "0 (greedy) or a finite number above it")
 FRACTION = number(lambda v: 0 <= v <= 1, "between 0 and 1")
+ADAM_BETAS = Rule(
+    lambda v: OmegaConf.is_list(v) and len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v),
+    "two numbers in [0, 1) (Adam's beta1, beta2)",
+)
+DEVICE = Rule(
+    lambda v: v in ("auto", "cpu", "cuda") or (isinstance(v, str) and v.startswith("cuda:") and v[5:].isdigit()),
+    "auto, cpu, cuda or cuda:N",
+)
 
 
 # -- agentlightning section (Agent Lightning v1.0 keys and defaults, plus agl's own) -------------
@@ -102,9 +111,11 @@ class VllmConfig:
 
     # The vLLM venv's python; null: $AGL_VLLM_PYTHON, else .venvs/vllm/bin/python under the working
     # directory (scripts/vllm_venv.sh builds it).
-    python: str | None = None
-    url: str | None = None  # attach to a running server (http://host:port) instead of starting one
-    port: int = 0  # port for the started server; 0 picks a free one
+    python: str | None = checked(
+        None, Rule(lambda v: isinstance(v, str) and bool(v.strip()), "the path of a python that has vLLM").or_null()
+    )
+    url: str | None = checked(None, http_url().or_null())  # attach to a running server instead of starting one
+    port: int = checked(0, port_number())  # port for the started server; 0 picks a free one
     startup_timeout_seconds: float = checked(
         300.0, at_least(0, strictly=True)
     )  # longest wait for /health after starting
@@ -126,7 +137,7 @@ class EmbeddedConfig:
 class TorchBackendConfig:
     """The reference PyTorch backend (``backend: torch``)."""
 
-    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    device: str = checked("auto", DEVICE)  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
     # torch intra-op threads; None keeps torch's default
     num_threads: int | None = checked(None, integer().or_null())
     # After the last step, write the policy here as a Hugging Face model folder (weights, config,
@@ -137,9 +148,9 @@ class TorchBackendConfig:
 @dataclass
 class AgentLightningConfig:
     # No URL means the embedded rollout source (agents run in-process); a URL means the gateway.
-    agl_base_url: str | None = None
+    agl_base_url: str | None = checked(None, http_url().or_null())
     agl_key: str = ""
-    hooks: Any = None  # a hook file path or a list of them
+    hooks: Any = checked(None, paths().or_null())  # a hook file path or a list of them
     # The longest a lifecycle hook call (agl_on_startup/enqueue/succeeded/failed) is waited for; a call
     # that overruns is abandoned, logged and counted as a hook failure, and training goes on.
     hook_timeout_seconds: float = checked(60.0, at_least(0, strictly=True))
@@ -167,7 +178,7 @@ class AgentLightningConfig:
     # declares its typed section (agl_plugin_settings); the plugin manager validates them.
     plugins: dict[str, Any] = field(default_factory=dict)
     # Append each step's completed rollouts to rollouts.jsonl in the run directory (agl_core.recording).
-    record_rollouts: bool = False
+    record_rollouts: bool = checked(False, boolean())
     # Train on a recording (a rollouts.jsonl, or a run directory holding one) instead of running agents.
     replay: str | None = None
 
@@ -205,9 +216,9 @@ class ModelConfig:
 class OptimConfig:
     lr: float = checked(1e-6, finite(0, strictly=True))
     weight_decay: float = checked(0.01, finite(0))
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"rule": ADAM_BETAS})
     lr_warmup_steps: int = -1
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: str = choice("constant", "cosine")  # the schedule after warmup (verl FSDP's two)
     min_lr_ratio: float = checked(0.0, FRACTION)
 
 
@@ -250,7 +261,7 @@ class ActorConfig:
     entropy_coeff: float = checked(0.0, finite(0))  # weight of the entropy bonus subtracted from the policy loss
     # Token-budget micro-batches (agl_core.stages.micro_batches): each mini-batch's optimizer step
     # accumulates gradients over groups of at most this many padded tokens.
-    use_dynamic_bsz: bool = False
+    use_dynamic_bsz: bool = checked(False, boolean())
     ppo_max_token_len_per_gpu: int = checked(16384, integer())
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -269,7 +280,7 @@ class RolloutSamplingConfig:
     top_p: float = checked(1.0, number(lambda v: 0 < v <= 1, "greater than 0 and at most 1"))
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     # The old log-probs' forward passes, in token-budget micro-batches (the actor's settings unless set).
-    log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
+    log_prob_use_dynamic_bsz: bool = checked("${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}", boolean())
     log_prob_max_token_len_per_gpu: int = checked(
         "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer()
     )
@@ -279,7 +290,7 @@ class RolloutSamplingConfig:
 class RefConfig:
     """The reference policy's log-prob passes (with ``actor.use_kl_loss``), the actor's settings unless set."""
 
-    log_prob_use_dynamic_bsz: bool = "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"  # type: ignore[assignment]
+    log_prob_use_dynamic_bsz: bool = checked("${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}", boolean())
     log_prob_max_token_len_per_gpu: int = checked(
         "${oc.select:actor_rollout_ref.actor.ppo_max_token_len_per_gpu,16384}", integer()
     )

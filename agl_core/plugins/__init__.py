@@ -3,6 +3,7 @@
 May import ``agl_core.data``, ``agl_core.config`` and ``agl_core.hookspecs``; never a stage, a source or a backend.
 """
 
+from agl_core.plugins.calls import HookTimeout
 from agl_core.plugins.event_writer import EventWriter, PendingEvent
 from agl_core.plugins.manager import (
     BLOCKED_PLUGINS_ENV,
@@ -22,6 +23,7 @@ __all__ = [
     "DISABLE_AUTOLOAD_ENV",
     "ENTRYPOINT_GROUP",
     "EventWriter",
+    "HookTimeout",
     "PendingEvent",
     "PluginError",
     "PluginInfo",

@@ -49,6 +49,8 @@ TRACEBACKS_ENV = "AGL_HOOK_TRACEBACKS"
 class HookTimeout(AglError):
     """A hook call did not return within its time limit and was abandoned; ``thread`` still runs it."""
 
+    __module__ = "agl_core"
+
     def __init__(self, message: str, thread: threading.Thread):
         super().__init__(message)
         self.thread = thread

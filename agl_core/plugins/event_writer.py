@@ -14,6 +14,8 @@ from typing import Any
 
 import attrs
 
+from agl_core.errors import UsageError, UsageTypeError
+
 
 @attrs.frozen
 class PendingEvent:
@@ -24,14 +26,16 @@ class PendingEvent:
 
 
 class EventWriter:
+    __module__ = "agl_core"
+
     def __init__(self) -> None:
         self._pending: list[PendingEvent] = []
 
     def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: dict[str, Any]) -> None:
         if not isinstance(event_type, str) or not event_type:
-            raise ValueError(f"event_type must be a non-empty string, got {event_type!r}")
+            raise UsageError(f"event_type must be a non-empty string, got {event_type!r}")
         if not isinstance(data, dict):
-            raise TypeError(f"event data must be a dict, got {type(data).__name__}")
+            raise UsageTypeError(f"event data must be a dict, got {type(data).__name__}")
         self._pending.append(PendingEvent(str(rollout_id), str(attempt_id), event_type, copy.deepcopy(data)))
 
     @property

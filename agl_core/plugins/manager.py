@@ -46,7 +46,7 @@ from agl_core.plugins.settings import (
     PluginSettings,
     SettingsDeclaration,
     build_settings,
-    check_settings_class,
+    settings_class_problem,
 )
 from agl_core.suggestions import suggest
 
@@ -83,6 +83,8 @@ PLUGGY_CALLED_HOOKS = ("agl_load_hook_file",)
 class PluginError(AglError):
     """A plugin could not be loaded or does not fit the hook specifications."""
 
+    __module__ = "agl_core"
+
 
 def blocked_from_env() -> list[str]:
     return [name.strip() for name in os.environ.get(BLOCKED_PLUGINS_ENV, "").split(",") if name.strip()]
@@ -102,6 +104,8 @@ class PluginInfo:
 
 class PluginManager:
     """agl's plugin manager. Build one per run with :meth:`from_config` or the constructor."""
+
+    __module__ = "agl_core"
 
     def __init__(
         self,
@@ -304,10 +308,9 @@ class PluginManager:
                     f"{classes!r}"
                 )
             for section, cls in classes.items():
-                try:
-                    check_settings_class(section, cls, impl.plugin_name)
-                except TypeError as exc:
-                    raise PluginError(str(exc)) from None
+                problem = settings_class_problem(section, cls, impl.plugin_name)
+                if problem is not None:
+                    raise PluginError(problem)
                 if section in declared:
                     raise PluginError(
                         f"settings {section!r} are declared by both plugin {declared[section].plugin_name!r} and "

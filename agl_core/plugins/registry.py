@@ -27,6 +27,8 @@ __all__ = ["Registry", "RegistryEntry", "RegistryError"]
 class RegistryError(AglError, LookupError):
     """A registry name is unknown, or claimed by two plugins."""
 
+    __module__ = "agl_core"
+
     hint = "agl plugins lists the registered plugins and what they provide"
 
 

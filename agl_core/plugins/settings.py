@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from agl_core.config import ConfigError
 from agl_core.suggestions import closest
 
-__all__ = ["SETTINGS_KEY", "PluginSettings", "SettingsDeclaration", "build_settings", "check_settings_class"]
+__all__ = ["SETTINGS_KEY", "PluginSettings", "SettingsDeclaration", "build_settings", "settings_class_problem"]
 
 SETTINGS_KEY = "agentlightning.plugins"
 
@@ -43,32 +43,34 @@ class SettingsDeclaration:
     plugin_name: str
 
 
-def _field_defaults(cls: type) -> dict[str, bool]:
-    """Field name -> whether it has a default, for a dataclass or attrs class (else ``TypeError``)."""
-    if dataclasses.is_dataclass(cls):
+def _field_defaults(cls: Any) -> dict[str, bool] | None:
+    """Field name -> whether it has a default, for a dataclass or attrs class (else ``None``)."""
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls):
         missing = dataclasses.MISSING
         return {f.name: f.default is not missing or f.default_factory is not missing for f in dataclasses.fields(cls)}
-    if attrs.has(cls):
+    if isinstance(cls, type) and attrs.has(cls):
         return {a.name: a.default is not attrs.NOTHING for a in attrs.fields(cls)}
-    raise TypeError(f"{cls!r} is neither a dataclass nor an attrs class")
+    return None
 
 
-def check_settings_class(section: Any, cls: Any, plugin_name: str) -> None:
-    """Refuse (``TypeError``) a declaration that cannot be a config section, naming the plugin."""
+def settings_class_problem(section: Any, cls: Any, plugin_name: str) -> str | None:
+    """Why a declaration cannot be a config section, naming the plugin; ``None`` when it can."""
     where = f"plugin {plugin_name!r} declares settings {section!r}"
     if not isinstance(section, str) or not section.isidentifier():
-        raise TypeError(f"{where}: a section name must be an identifier")
-    try:
-        defaults = _field_defaults(cls)
-    except TypeError as exc:
-        raise TypeError(f"{where} as {exc}; declare a dataclass or an attrs class") from None
+        return f"{where}: a section name must be an identifier"
+    defaults = _field_defaults(cls)
+    if defaults is None:
+        return f"{where} as {cls!r}, which is neither a dataclass nor an attrs class; declare one of those"
     no_default = [name for name, has in defaults.items() if not has]
     if no_default:
-        raise TypeError(f"{where}: field(s) {', '.join(no_default)} have no default; every setting needs one")
+        return f"{where}: field(s) {', '.join(no_default)} have no default; every setting needs one"
+    return None
 
 
 class PluginSettings(Mapping[str, Any]):
     """The run's plugin settings, read-only: section name -> the built settings instance."""
+
+    __module__ = "agl_core"
 
     def __init__(self, values: Mapping[str, Any]):
         self._values = dict(values)

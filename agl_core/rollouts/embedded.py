@@ -35,7 +35,7 @@ from agl_core.datasets import env_from_map
 from agl_core.local_http import LocalHTTPServer
 from agl_core.plugins import EventWriter, PluginManager
 from agl_core.rollouts.agents import install_thread_environ, load_agent_class, uninstall_thread_environ
-from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
+from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, rollout_timing_metrics
 from agl_core.rollouts.finish import finish_rollout
 from agl_core.rollouts.recorder import Recorder, recorded_event, recorder_handler
 from agl_core.rollouts.source import RolloutBatch, RolloutSource, make_requests, rollout_config
@@ -169,7 +169,7 @@ class EmbeddedRolloutSource(RolloutSource):
             self.recorder.counts.clear()
         self._log_failures(step, len(requests), causes)
         metrics = {k: float(v) for k, v in counts.items()}
-        metrics.update(timing_metrics(rollouts))
+        metrics.update(rollout_timing_metrics(rollouts))
         metrics.update(self.plugins.pop_metrics())
         return RolloutBatch(rollouts, metrics)
 

@@ -69,7 +69,7 @@ __all__ = [
     "decode_events",
     "events_by_attempt",
     "parse_events",
-    "timing_metrics",
+    "rollout_timing_metrics",
 ]
 
 # Metric name -> what it counts. Every anomaly the parser meets increments one of these.
@@ -455,7 +455,7 @@ def _summary(prefix: str, values: list[float]) -> dict[str, float]:
     }
 
 
-def timing_metrics(rollouts: Sequence[CompletedRollout]) -> dict[str, float]:
+def rollout_timing_metrics(rollouts: Sequence[CompletedRollout]) -> dict[str, float]:
     """``timing/rollout_{queue_wait_s,run_duration_s,total_s}/{mean,p50,p90,max}`` over the rollouts
     whose timestamps are known (queue wait: queued → first event; run: first event → end)."""
     waits, runs, totals = [], [], []

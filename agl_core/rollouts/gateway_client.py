@@ -22,7 +22,9 @@ from typing import Any, TypeVar
 import httpx
 from omegaconf import DictConfig
 
+from agl_core.config.schema import GatewayConfig
 from agl_core.data import RolloutRequest
+from agl_core.errors import UsageError
 from agl_core.fields import thaw
 from agl_core.rollouts.events import decode_events
 from agl_core.rollouts.gateway_error import GatewayError
@@ -68,7 +70,7 @@ class GatewayClient:
         base_url: str,
         key: str = "",
         *,
-        timeout_seconds: float = 30.0,
+        timeout_seconds: float = GatewayConfig.http_timeout_seconds,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ):
@@ -169,7 +171,7 @@ class GatewayClient:
         several times faster on the large bodies of long rollouts.
         """
         if triplet and only_parsed_fields:
-            raise ValueError("only_parsed_fields reads raw events, not the format=triplet view")
+            raise UsageError("only_parsed_fields reads raw events, not the format=triplet view")
         params = {"include_routed_experts": "false"}
         if event_type is not None:
             params["event_type"] = event_type

@@ -18,6 +18,8 @@ class GatewayError(AglError):
     the attempts ran out; a source that polls carries on after a transient failure.
     """
 
+    __module__ = "agl_core"
+
     hint = "is the gateway running at agentlightning.agl_base_url, with agentlightning.agl_key?"
 
     def __init__(self, endpoint: str, status: int | None, message: str, *, ambiguous: bool = False):

@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins import EventWriter, PendingEvent, PluginManager
-from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, timing_metrics
+from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, rollout_timing_metrics
 from agl_core.rollouts.finish import finish_rollout
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.source import (
@@ -426,7 +426,7 @@ class GatewayRolloutSource(RolloutSource):
             rollouts.extend(group.rollouts())
             del self.groups[group.group_id]
         metrics = self.pop_counts()
-        metrics.update(timing_metrics(rollouts))
+        metrics.update(rollout_timing_metrics(rollouts))
         metrics.update(self.plugins.pop_metrics())
         metrics["training/gateway/poll_interval_s"] = self.poll_interval
         metrics.update(extra or {})

@@ -25,6 +25,8 @@ class ReplayRolloutSource(RolloutSource):
     """Feeds the recording at ``agentlightning.replay`` to the run, step by step; ``tokenizer`` is the
     run's, checked against the recording's fingerprint."""
 
+    __module__ = "agl_core"
+
     def __init__(self, config: DictConfig, tokenizer: Any):
         self.recording: Recording = read_recording(str(config.agentlightning.replay))
         self.recording.check(config, tokenizer)

@@ -19,6 +19,7 @@ import attrs
 import httpx
 from omegaconf import DictConfig
 
+from agl_core.config.schema import GatewayConfig
 from agl_core.rollouts.gateway_error import GatewayError
 
 __all__ = ["RetryPolicy"]
@@ -33,11 +34,14 @@ class RetryPolicy:
     """An idempotent call is retried on a timeout, a connection error or a ``retryable_status``
     answer; a call that is not idempotent only when the gateway provably did not apply it: the
     request never left (``unsent_errors``) or the answer is a ``not_applied_status``. Each call makes
-    at most ``max_retries + 1`` attempts, waiting a jittered exponential backoff between them."""
+    at most ``max_retries + 1`` attempts, waiting a jittered exponential backoff between them. The
+    defaults are the config schema's (``agentlightning.gateway``)."""
 
-    max_retries: int = attrs.field(default=5, validator=attrs.validators.ge(0))
-    backoff_seconds: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
-    backoff_max_seconds: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
+    max_retries: int = attrs.field(default=GatewayConfig.max_retries, validator=attrs.validators.ge(0))
+    backoff_seconds: float = attrs.field(default=GatewayConfig.retry_backoff_seconds, validator=attrs.validators.ge(0))
+    backoff_max_seconds: float = attrs.field(
+        default=GatewayConfig.retry_backoff_max_seconds, validator=attrs.validators.ge(0)
+    )
     retryable_status: frozenset[int] = frozenset({408, 429}) | frozenset(range(500, 600))
     not_applied_status: frozenset[int] = frozenset({408, 429, 503})
     unsent_errors: tuple[type[httpx.TransportError], ...] = (

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.errors import UsageError, UsageTypeError
 from agl_core.plugins import PluginManager
 
 
@@ -107,11 +108,11 @@ def make_requests(
     client-chosen ``rollout_id``, so creating them is idempotent; ``plugins.enqueue`` runs the hooks.
     """
     if group_ids is not None and len(group_ids) != len(samples):
-        raise ValueError(f"{len(samples)} samples but {len(group_ids)} group ids")
+        raise UsageError(f"{len(samples)} samples but {len(group_ids)} group ids")
     groups = []
     for sample_index, sample in enumerate(samples):
         if not isinstance(sample, Mapping):
-            raise TypeError(f"dataset sample {sample_index} must be a mapping, got {type(sample).__name__}")
+            raise UsageTypeError(f"dataset sample {sample_index} must be a mapping, got {type(sample).__name__}")
         group_id = new_id() if group_ids is None else str(group_ids[sample_index])
         group = []
         for _ in range(n if is_train else 1):

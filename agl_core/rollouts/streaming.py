@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from agl_core.data import CompletedRollout
+from agl_core.errors import UsageError
 from agl_core.rollouts.source import FinishedGroup, RolloutSource, new_id
 
 __all__ = ["CollectStream", "GroupStream", "group_stream"]
@@ -71,7 +72,7 @@ class CollectStream:
         group_ids: Sequence[str] | None = None,
     ) -> list[str]:
         if group_ids is not None and len(group_ids) != len(samples):
-            raise ValueError(f"{len(samples)} samples but {len(group_ids)} group ids")
+            raise UsageError(f"{len(samples)} samples but {len(group_ids)} group ids")
         ids = [new_id() for _ in samples] if group_ids is None else [str(g) for g in group_ids]
         self.queued.append((list(samples), step, is_train, ids))
         return ids

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import torch
 
-from agl_core.errors import AglError
+from agl_core.errors import AglError, UsageError, UsageTypeError
 from agl_core.fields import is_int, is_number
 from agl_core.local_http import JSONRequestHandler, LocalHTTPServer
 from agl_core.serving.sampling import Generation, SamplingParams, generate_batch
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 class RequestError(AglError):
     """A request the server refuses; rendered as vLLM's error body with ``status``."""
+
+    __module__ = "agl_core"
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         self.message = message
@@ -76,6 +78,8 @@ class PolicyServer:
     pass takes; ``batch_wait_s`` is how long the generation thread lingers for more requests once one
     arrives.
     """
+
+    __module__ = "agl_core"
 
     def __init__(
         self,
@@ -144,7 +148,7 @@ class PolicyServer:
 
     def restore_sampler_state(self, state: object) -> None:
         if not isinstance(state, torch.Tensor):
-            raise TypeError(f"a policy server's sampler state is a torch.Tensor, got {type(state).__name__}")
+            raise UsageTypeError(f"a policy server's sampler state is a torch.Tensor, got {type(state).__name__}")
         self._generator.set_state(state)
 
     # -- generation -----------------------------------------------------------------------------
@@ -341,7 +345,10 @@ def _stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     if not ids:
-        raise ValueError("the model defines no eos_token_id; generation could never stop early")
+        raise UsageError(
+            "the model (actor_rollout_ref.model.path) defines no eos_token_id in its generation config, config or "
+            "tokenizer; generation could never stop early"
+        )
     return ids
 
 

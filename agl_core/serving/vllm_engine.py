@@ -48,6 +48,8 @@ STOP_WAIT_SECONDS = 20.0
 class VllmEngineError(AglError, RuntimeError):
     """The vLLM server could not be started, reached, or updated."""
 
+    __module__ = "agl_core"
+
     hint = "see agentlightning.vllm (python, url, startup_timeout_seconds)"
 
 

@@ -38,11 +38,15 @@ METRIC_PREFIX = "training/rollout_level_advantage/"
 class AdvantageError(AglError, ValueError):
     """The rows cannot be given advantages by this estimator (e.g. a group is too small)."""
 
+    __module__ = "agl_core"
+
 
 class RolloutAdvantageError(DataValidationError, RuntimeError):
     """A rollout cannot be given one advantage: its rows disagree on group or reward, or it has no
     trained token, or an estimator gave its tokens different values. Names the rollout and the
     field; also a ``RuntimeError``, which Agent Lightning v1.0 raised for the same rollout-level input."""
+
+    __module__ = "agl_core"
 
 
 @attrs.frozen
@@ -88,6 +92,8 @@ class Advantages:
 class AdvantageEstimator(Protocol):
     """What ``agl_register_advantage_estimators`` registers: credit for every row collected for the
     step (:class:`~agl_core.data.TrainingRow`), one array per row aligned with its response."""
+
+    __module__ = "agl_core"
 
     def __call__(self, rows: Sequence[Any], settings: AdvantageSettings) -> Advantages: ...
 

@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from agl_core.config import row_length_keys
 from agl_core.data import CompletedRollout, DataValidationError, TrainingRow, Triplet
+from agl_core.errors import UsageError
 from agl_core.fields import from_checked, is_int
 
 __all__ = [
@@ -58,17 +59,17 @@ CALLS_LEFT_OUT_METRIC = "training/n_calls_left_out"
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not is_int(value, minimum=1):
-        raise ValueError(f"AggregationSettings.{attribute.name} must be a positive int, got {value!r}")
+        raise UsageError(f"AggregationSettings.{attribute.name} must be a positive int, got {value!r}")
 
 
 def _non_negative_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not is_int(value, minimum=0):
-        raise ValueError(f"AggregationSettings.{attribute.name} must be a non-negative int, got {value!r}")
+        raise UsageError(f"AggregationSettings.{attribute.name} must be a non-negative int, got {value!r}")
 
 
 def _decoder(_instance: Any, _attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not callable(getattr(value, "decode", None)):
-        raise ValueError(f"AggregationSettings.tokenizer must have a decode(list[int]) -> str method, got {value!r}")
+        raise UsageError(f"AggregationSettings.tokenizer must have a decode(list[int]) -> str method, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -149,6 +150,8 @@ class Aggregator(Protocol):
     """What ``agl_register_aggregators`` registers: the rows of completed rollouts, which it must not
     mutate; its rows are finished by :func:`merged_row`, so the limits and counts above hold."""
 
+    __module__ = "agl_core"
+
     def __call__(self, rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation: ...
 
 
@@ -175,6 +178,16 @@ class PerRolloutAggregator:
         validator=attrs.validators.is_callable()
     )
     trajectory: bool = False
+    name: str | None = attrs.field(default=None, kw_only=True)
+
+    @property
+    def __name__(self) -> str:
+        """The name a function aggregator would have (code names plugins by ``fn.__name__``):
+        ``name``, else ``aggregate_rollout``'s."""
+        if self.name is not None:
+            return self.name
+        function = getattr(self.aggregate_rollout, "func", self.aggregate_rollout)  # a functools.partial's
+        return getattr(function, "__name__", type(self).__name__)
 
     def __call__(self, rollouts: Sequence[CompletedRollout], settings: AggregationSettings) -> Aggregation:
         return self.combine((self.aggregate_rollout(r, settings) for r in rollouts), settings)
@@ -246,6 +259,8 @@ class AggregationCounts:
     every count made, whatever its ``trajectory`` flag.
     """
 
+    __module__ = "agl_core"
+
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.response_lengths: list[int] = []
@@ -269,7 +284,7 @@ class AggregationCounts:
         """Count a break between two calls of a rollout (``training/n_trace_merge_mismatch_rows`` and
         ``training/trace_merge_mismatch/<kind>``); ``kind`` is one of :data:`MISMATCH_KINDS`."""
         if kind not in MISMATCH_KINDS:
-            raise ValueError(f"merge break kind {kind!r} is not one of {', '.join(MISMATCH_KINDS)}")
+            raise UsageError(f"merge break kind {kind!r} is not one of {', '.join(MISMATCH_KINDS)}")
         self.counts["training/n_trace_merge_mismatch_rows"] += 1
         self.counts[f"training/trace_merge_mismatch/{kind}"] += 1
 

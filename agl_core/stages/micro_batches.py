@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from agl_core.errors import UsageError
 from agl_core.fields import is_int
 
 __all__ = ["micro_batches", "padded_elements"]
@@ -35,7 +36,7 @@ def _lengths(
     prompts = np.asarray(prompt_lengths, dtype=np.int64)
     responses = np.asarray(response_lengths, dtype=np.int64)
     if prompts.ndim != 1 or prompts.shape != responses.shape:
-        raise ValueError(f"got {prompts.shape} prompt lengths for {responses.shape} response lengths")
+        raise UsageError(f"got {prompts.shape} prompt lengths for {responses.shape} response lengths")
     return prompts, responses
 
 
@@ -49,17 +50,18 @@ def micro_batches(
     """Row indices grouped under ``max_tokens`` padded elements per group (see the module docstring);
     every row is in exactly one group, each group's indices ascending, groups longest first.
 
-    Raises ``ValueError`` for mismatched lengths, a budget that is not a positive int, or a row longer
-    than the budget on its own; ``key`` names the budget in the message.
+    Raises :class:`~agl_core.errors.UsageError` (a ``ValueError``) for mismatched lengths, a budget
+    that is not a positive int, or a row longer than the budget on its own; ``key`` names the budget
+    in the message.
     """
     prompts, responses = _lengths(prompt_lengths, response_lengths)
     if not is_int(max_tokens, minimum=1):
-        raise ValueError(f"{key} must be a positive integer, got {max_tokens!r}")
+        raise UsageError(f"{key} must be a positive integer, got {max_tokens!r}")
     totals = prompts + responses
     too_long = np.flatnonzero(totals > max_tokens)
     if len(too_long):
         i = int(too_long[0])
-        raise ValueError(
+        raise UsageError(
             f"row {i} has {int(totals[i])} tokens (prompt + response), more than {key} = {max_tokens}; raise {key}"
         )
     left = np.argsort(-totals, kind="stable")  # rows not grouped yet, longest first

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agl_core.config import LOSS_NORMALIZATION_MODES
+from agl_core.config import LOSS_NORMALIZATION_MODES, ConfigError
+from agl_core.errors import UsageError
 from agl_core.fields import is_int
 
 __all__ = ["LOSS_NORMALIZATION_MODES", "rollout_scales"]
@@ -39,21 +40,21 @@ def rollout_scales(
     or a rollout without any trained token (it could not be given a weight).
     """
     if mode not in LOSS_NORMALIZATION_MODES:
-        raise ValueError(
-            f"unknown loss normalization {mode!r} (agentlightning.loss_normalization); "
-            f"expected one of {', '.join(LOSS_NORMALIZATION_MODES)}"
+        raise ConfigError(
+            "agentlightning.loss_normalization",
+            f"unknown loss normalization {mode!r}; expected one of {', '.join(LOSS_NORMALIZATION_MODES)}",
         )
     if not is_int(n_mini_batches, minimum=1):
-        raise ValueError(f"n_mini_batches must be a positive integer, got {n_mini_batches!r}")
+        raise UsageError(f"n_mini_batches must be a positive integer, got {n_mini_batches!r}")
     tokens = np.asarray(row_trained_tokens, dtype=np.float64)
     if tokens.shape != (len(rollout_ids),):
-        raise ValueError(f"got {len(rollout_ids)} rollout ids for {tokens.shape[0]} rows' token counts")
+        raise UsageError(f"got {len(rollout_ids)} rollout ids for {tokens.shape[0]} rows' token counts")
     per_rollout: dict[str, float] = {}
     for rid, n in zip(rollout_ids, tokens.tolist()):
         per_rollout[rid] = per_rollout.get(rid, 0.0) + n
     empty = [rid for rid, n in per_rollout.items() if n <= 0]
     if empty:
-        raise ValueError(f"rollout {empty[0]!r} has no trained token in the batch; it cannot be normalised")
+        raise UsageError(f"rollout {empty[0]!r} has no trained token in the batch; it cannot be normalised")
     rollout_tokens = np.array([per_rollout[rid] for rid in rollout_ids], dtype=np.float64)
     if mode == "upstream":
         return 1.0 / (rollout_tokens * len(rollout_ids))

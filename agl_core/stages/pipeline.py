@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from agl_core.data import CompletedRollout, TrainingRow
+from agl_core.errors import UsageError
 from agl_core.recording import RecordingWriter
 from agl_core.stages.advantage import Advantages, AdvantageSettings
 from agl_core.stages.aggregation import (
@@ -132,7 +133,7 @@ class PreparedBatch:
 
     def _shaped(self) -> ShapedBatch:
         if self.shaped is None:
-            raise ValueError("no trainable rows in this step: check PreparedBatch.shaped before asking for advantages")
+            raise UsageError("no trainable rows in this step: check PreparedBatch.shaped before asking for advantages")
         return self.shaped
 
 
@@ -194,6 +195,8 @@ class StepPipeline:
     that rollout's vocabulary check and aggregation are done while the others still run; the
     batch's result is the same as without it.
     """
+
+    __module__ = "agl_core"
 
     def __init__(
         self,

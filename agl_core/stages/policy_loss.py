@@ -45,10 +45,14 @@ name gets scaled advantages exactly when it declares so.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
-import torch
+
+from agl_core.errors import UsageError, UsageTypeError
+
+if TYPE_CHECKING:  # torch is imported when a loss runs, so registering one (agl plugins) does not load it
+    import torch
 
 __all__ = [
     "LossSettings",
@@ -65,6 +69,8 @@ class PolicyLoss(Protocol):
     """What ``agl_register_policy_losses`` registers (bare, or inside a :class:`PolicyLossSpec`):
     ``(loss, metrics)`` of a padded ``[batch, response_len]`` batch, padded positions excluded."""
 
+    __module__ = "agl_core"
+
     def __call__(
         self,
         old_log_prob: torch.Tensor,
@@ -78,7 +84,7 @@ class PolicyLoss(Protocol):
 
 def _callable(_instance: Any, _attribute: Any, value: Any) -> None:
     if not callable(value):
-        raise TypeError(f"PolicyLossSpec.fn must be a policy-loss function, got {value!r}")
+        raise UsageTypeError(f"PolicyLossSpec.fn must be a policy-loss function, got {value!r}")
 
 
 @attrs.frozen
@@ -154,6 +160,8 @@ class LossSettings:
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.where(mask, values, torch.zeros_like(values)).sum()
 
 
@@ -168,7 +176,7 @@ def batch_token_mean(values: torch.Tensor, response_mask: torch.Tensor, settings
     n_tokens = settings.batch_num_tokens
     if n_tokens is None:
         if settings.dp_size > 1:
-            raise ValueError("a token mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
+            raise UsageError("a token mean needs settings.batch_num_tokens (the global token count) when dp_size > 1")
         n_tokens = mask.sum()
     return masked_sum(values, mask) / n_tokens * settings.dp_size
 
@@ -191,6 +199,8 @@ def ppo_token_losses(
     ``actor/pg_clipfrac`` the fraction of trained tokens where the clipped term wins;
     ``actor/pg_clipfrac_lower`` the fraction where the dual clip wins (negative advantages).
     """
+    import torch
+
     mask = response_mask.bool()
     # Padded positions are zeroed before any arithmetic so a NaN there reaches neither value nor gradient.
     log_ratio = torch.clamp(torch.where(mask, log_prob - old_log_prob, 0.0), min=-20.0, max=20.0)

@@ -39,6 +39,7 @@ import attrs
 import numpy as np
 
 from agl_core.data import TrainingRow
+from agl_core.errors import UsageError
 from agl_core.stages.advantage import Advantages, RolloutGroups, group_rollouts
 from agl_core.stages.normalization import rollout_scales
 
@@ -165,12 +166,12 @@ def shape_batch(
     per_row = advantages.per_row if isinstance(advantages, Advantages) else tuple(advantages)
     returns = advantages.returns_per_row if isinstance(advantages, Advantages) else per_row
     if len(per_row) != len(rows):
-        raise ValueError(f"got advantages for {len(per_row)} rows, but {len(rows)} rows")
+        raise UsageError(f"got advantages for {len(per_row)} rows, but {len(rows)} rows")
     for i, (row, adv) in enumerate(zip(rows, per_row)):
         if np.shape(adv) != row.response_mask.shape:
-            raise ValueError(f"advantages[{i}] has shape {np.shape(adv)}, row {i} has {len(row.response_mask)} tokens")
+            raise UsageError(f"advantages[{i}] has shape {np.shape(adv)}, row {i} has {len(row.response_mask)} tokens")
     if settings.mini_batch_rows <= 0:
-        raise ValueError(f"mini_batch_rows must be positive, got {settings.mini_batch_rows}")
+        raise UsageError(f"ShapingSettings.mini_batch_rows must be positive, got {settings.mini_batch_rows}")
     indexed = group_rollouts(rows)
     marked = {rid for rid, idx in indexed.rollouts.items() if any(rows[i].dropped for i in idx)}
     zero_variance = {gid for gid, rids in indexed.groups.items() if len({indexed.reward[r] for r in rids}) == 1}

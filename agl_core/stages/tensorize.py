@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from agl_core.data import DataValidationError, TrainingRow
+from agl_core.errors import UsageError
 
 __all__ = ["PaddedBatch", "pad_responses", "padded_width", "tensorize"]
 
@@ -78,7 +79,7 @@ def _pack(arrays: Sequence[np.ndarray], width: int, dtype: Any, fill: Any, *, le
 def _check_width(name: str, arrays: Sequence[np.ndarray], width: int) -> None:
     longest = max((len(a) for a in arrays), default=0)
     if longest > width:
-        raise ValueError(f"{name}: a row has {longest} tokens, more than the width {width}")
+        raise UsageError(f"{name}: a row has {longest} tokens, more than the width {width}")
 
 
 def pad_responses(per_row_arrays: Sequence[Any], width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,7 +120,7 @@ def tensorize(
     widths instead of deriving them from the batch; a longer row is an error.
     """
     if not rows:
-        raise ValueError("tensorize: no rows to pad")
+        raise UsageError("tensorize: no rows to pad (rows is empty)")
     # The reward goes on each row's last trained token: after truncation a row may end on
     # observation tokens, which are never trained. Found in each row's own (unpadded) mask:
     # the same search over the padded batch reads every pad column of every row.

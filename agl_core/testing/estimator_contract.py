@@ -62,6 +62,7 @@ import numpy as np
 import pytest
 
 from agl_core.data import TrainingRow
+from agl_core.errors import UsageError
 from agl_core.stages.advantage import Advantages, AdvantageSettings
 from agl_core.testing.lookup import PluginContract
 from agl_core.testing.reference import array_diff
@@ -492,7 +493,9 @@ class AdvantageEstimatorContract(PluginContract):
     def test_follows_its_family(self, data, settings):
         if self.family not in ("group_relative", "leave_one_out"):
             if self.family:
-                raise TypeError(f"family = {self.family!r}: expected 'group_relative', 'leave_one_out' or ''")
+                raise UsageError(
+                    f"{type(self).__name__}.family = {self.family!r}: expected 'group_relative', 'leave_one_out' or ''"
+                )
             pytest.skip("the estimator declares no family (family = '')")
         rows = data.draw(grouped_rows(min_group_size=max(2, self.min_group_size)), "rows")
         check_shift_invariance(self.estimate, rows, settings, data.draw(st.sampled_from([-1.5, 0.25, 3.0]), "shift"))

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import pytest
 
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.errors import UsageTypeError
 from agl_core.plugins import EventWriter
 from agl_core.testing.lookup import contract_manager
 from agl_core.testing.snapshots import describe_change, shorten, snapshot
@@ -182,7 +183,7 @@ class HookContract:
     def _plugin_registers(self) -> None:
         """The plugin fits the hookspecs (registered in a contract manager) before any example."""
         if self.plugin is None:
-            raise TypeError(f"{type(self).__name__} must set plugin to the object whose hooks are under test")
+            raise UsageTypeError(f"{type(self).__name__} must set plugin to the object whose hooks are under test")
         contract_manager([self.plugin], self.plugin_settings)
 
     def test_startup_takes_the_run_config_and_settings(self):

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from agl_core.errors import UsageTypeError
 from agl_core.plugins import PluginManager
 
 __all__ = ["PluginContract", "contract_manager", "registered"]
@@ -44,7 +45,9 @@ def registered(contract: type, registry: str, name: str, name_attribute: str) ->
     if key not in _FOUND:
         try:
             if not name:
-                raise TypeError(f"{contract.__name__} must set {name_attribute} to the name of the plugin under test")
+                raise UsageTypeError(
+                    f"{contract.__name__} must set {name_attribute} to the name of the plugin under test"
+                )
             manager = contract_manager(getattr(contract, "plugins", ()), getattr(contract, "plugin_settings", None))
             _FOUND[key] = getattr(manager, registry).get(name)
         except Exception as exc:

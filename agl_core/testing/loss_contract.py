@@ -56,6 +56,7 @@ import numpy as np
 import pytest
 import torch
 
+from agl_core.errors import UsageError
 from agl_core.stages.policy_loss import LossSettings, PolicyLossSpec, policy_loss_spec
 from agl_core.testing.lookup import PluginContract
 from agl_core.testing.reference import array_diff
@@ -423,7 +424,9 @@ class PolicyLossContract(PluginContract):
         elif self.ratio_level == "token":
             check_clip_bounds(self.spec(), batch, settings)
         else:
-            raise TypeError(f"ratio_level = {self.ratio_level!r}: expected 'token' or 'sequence'")
+            raise UsageError(
+                f"{type(self).__name__}.ratio_level = {self.ratio_level!r}: expected 'token' or 'sequence'"
+            )
 
     @given(batch=loss_batches(), settings=loss_settings(), data=st.data())
     @CONTRACT_SETTINGS

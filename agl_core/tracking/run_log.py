@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agl_core.data import StepSamples
+from agl_core.errors import UsageTypeError
 from agl_core.jsonl import read_json_objects
 from agl_core.plot import plot_metrics
 from agl_core.tracking.sink import SinkContext
@@ -83,7 +84,7 @@ def _plain(value: Any) -> Any:
     """numpy scalars and arrays as Python numbers and lists."""
     if hasattr(value, "tolist"):
         return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+    raise UsageTypeError(f"a metric or sample value of type {type(value).__name__} is not JSON serializable")
 
 
 def _json_number(value: Any) -> Any:

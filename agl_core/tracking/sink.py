@@ -36,6 +36,8 @@ class MetricSink(Protocol):
     a resumed run redoes the steps after its checkpoint, so a sink that keeps a log in the run
     directory drops what an earlier run logged from that step on."""
 
+    __module__ = "agl_core"
+
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record a step's metrics (name → float; may be NaN)."""
 

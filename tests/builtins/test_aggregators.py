@@ -203,3 +203,18 @@ def test_the_result_is_plain_data():
     result = trajectory([rollout(call([1], [2]))], LIMITS)
     assert isinstance(result, Aggregation)
     assert all(isinstance(v, float) for v in result.metrics.values())
+
+
+def test_aggregators_are_named_like_functions():
+    """Code that names a plugin by ``fn.__name__`` works on the built-ins, which are
+    PerRolloutAggregator objects, and on a third party's."""
+    import functools
+
+    from agl_core import PerRolloutAggregator, trajectory_rollout
+    from agl_core.plugins import PluginManager
+
+    for name, aggregator in PluginManager(load_entrypoints=False).aggregators.items():
+        assert aggregator.__name__ == name
+    assert PerRolloutAggregator(trajectory_rollout).__name__ == "trajectory_rollout"
+    assert PerRolloutAggregator(functools.partial(trajectory_rollout), name="mine").__name__ == "mine"
+    assert PerRolloutAggregator(functools.partial(trajectory_rollout)).__name__ == "trajectory_rollout"

@@ -112,6 +112,23 @@ def run_cli(capsys, *args):
     return code, out, err
 
 
+# What agl plugins and agl check never use: registering the plugins (the built-ins, agl's own entry
+# points) and checking a torch-backend run import none of it (benchmarks/bench_startup.py times them).
+UNUSED_BY_PLUGINS_AND_CHECK = ("torch", "transformers", "peft", "ray", "verl", "vllm", "pyarrow", "matplotlib", "wandb")
+
+
+@pytest.mark.parametrize("command", ["plugins", "check"])
+def test_plugins_and_check_import_only_what_they_use(policy, command):
+    args = ["plugins"] if command == "plugins" else ["check", CONFIG, f"actor_rollout_ref.model.path={policy}"]
+    script = (
+        f"import sys; from agl_core.cli import main; code = main({args!r}); "
+        f"print([m for m in {UNUSED_BY_PLUGINS_AND_CHECK!r} if m in sys.modules]); sys.exit(code)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]"
+
+
 def test_check_resolves_loads_and_checks_without_training(policy, tmp_path, capsys):
     from omegaconf import OmegaConf
 

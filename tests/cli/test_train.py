@@ -64,6 +64,7 @@ def test_invalid_jsonl_dataset_names_file_and_line(policy, tmp_path, capsys):
 def test_a_short_run_writes_metrics_plot_and_checkpoint(policy, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", CONFIG, *_small(policy, run_dir), "trainer.save_freq=2"]) == 0
+    assert f"agl: run finished; metrics, plot and checkpoints in {run_dir}" in capsys.readouterr().out
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2]
     # the example validates before training (step 0) and after the last step, one rollout per val row
@@ -78,6 +79,23 @@ def test_a_short_run_writes_metrics_plot_and_checkpoint(policy, tmp_path, capsys
     (run_dir / "metrics.png").unlink()
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "metrics.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("checkpoints", "said"), [(False, "metrics and plot"), (True, "metrics, plot and checkpoints")]
+)
+def test_train_says_what_the_run_wrote(tmp_path, capsys, monkeypatch, checkpoints, said):
+    """With trainer.save_freq=0 (or the default -1) no checkpoint is written, and agl train does
+    not say there is one."""
+    import agl_core.train
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "metrics.png").write_bytes(b"png")
+    if checkpoints:
+        (tmp_path / "global_step_1").mkdir()
+    monkeypatch.setattr(agl_core.train, "run", lambda config, overrides: tmp_path)
+    assert main(["train", CONFIG, "trainer.save_freq=0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"agl: run finished; {said} in {tmp_path}"
 
 
 def test_the_run_log_replaces_lines_of_steps_a_restart_redoes(tmp_path):

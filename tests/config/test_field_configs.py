@@ -11,7 +11,7 @@ import pytest
 from agl_core.config import ConfigError, load_config
 from agl_core.datasets import load_dataset
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV
-from agl_core.train import resolve_config
+from agl_core.run_config import resolve_config
 
 # A verl run config as Hydra reads it (the shape of Agent Lightning v1.0's verl config): it composes
 # verl's ppo_trainer under itself and tells Hydra where verl's configs are.

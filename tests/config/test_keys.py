@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+from pathlib import Path
 
 import httpx
 from omegaconf import DictConfig, OmegaConf
@@ -26,11 +28,12 @@ PASSED_THROUGH_UNREAD: dict[str, str] = {}
 
 
 def schema_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """Dotted paths of the schema's leaves (a free-form mapping, like ``local.env_map``, is one leaf)."""
+    """Dotted paths of the schema's leaves (a free-form mapping, like ``local.env_map``, or a section
+    that is null by default, like ``fsdp_config.mixed_precision``, is one leaf)."""
     keys = []
     for name in node.keys():
         child = node._get_node(name)
-        if isinstance(child, DictConfig) and child._metadata.object_type is not dict:
+        if isinstance(child, DictConfig) and child._metadata.object_type is not dict and not child._is_none():
             keys.extend(schema_keys(child, f"{prefix}{name}."))
         else:
             keys.append(f"{prefix}{name}")
@@ -101,3 +104,23 @@ def test_top_p_reaches_the_engine_in_training_calls(monkeypatch):
         source.close()
     assert sent[0]["top_p"] == 0.7
     assert "top_p" not in sent[1], "validation samples at the engine's default"
+
+
+def documented_keys(page: Path) -> set[str]:
+    """The keys of the tables in ``page``: each row's first cell, ``| `key` | default | what |``."""
+    return set(re.findall(r"^\| `([a-z_][a-z0-9_.]*)` \|", page.read_text(encoding="utf-8"), flags=re.MULTILINE))
+
+
+def test_every_config_key_is_documented():
+    """As datasette checks its settings: every key of the core schema has its row in
+    docs/configuration.md, and every row there is a key of the schema."""
+    documented = documented_keys(REPO_ROOT / "docs" / "configuration.md")
+    keys = set(schema_keys(load_config()))
+    assert sorted(keys - documented) == [], "add these keys to docs/configuration.md, Every key"
+    assert sorted(documented - keys) == [], "docs/configuration.md documents keys the schema no longer has"
+
+
+def test_the_documentation_check_reads_table_rows_only(tmp_path):
+    page = tmp_path / "configuration.md"
+    page.write_text("| `data.seed` | `null` | the seed |\nprose naming `data.shuffle`\n| key | default |\n")
+    assert documented_keys(page) == {"data.seed"}

@@ -96,3 +96,12 @@ def test_run_marks_the_error_it_gives_up_on_transient_or_final(failure, idempote
     with pytest.raises(GatewayError) as raised:
         RetryPolicy(max_retries=2, backoff_seconds=0.0).run(attempt, idempotent=idempotent)
     assert raised.value is failure and len(calls) == attempts and raised.value.transient is transient
+
+
+def test_the_defaults_are_the_config_schema_s():
+    from agl_core.config import default_config
+    from agl_core.rollouts.gateway_client import GatewayClient
+
+    assert RetryPolicy() == RetryPolicy.from_config(default_config())
+    with GatewayClient("http://127.0.0.1:1") as client:
+        assert client._http.timeout.read == default_config().agentlightning.gateway.http_timeout_seconds

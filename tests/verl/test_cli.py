@@ -16,7 +16,7 @@ pytest.importorskip("verl")
 from agl_core.cli import main  # noqa: E402
 from agl_core.config import ConfigError  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
-from agl_core.train import resolve_config  # noqa: E402
+from agl_core.run_config import resolve_config  # noqa: E402
 
 # A run config as a verl user writes it: core keys plus keys that only verl's config has.
 VERL_YAML = """

@@ -59,9 +59,9 @@ from agl_core.backends.torch.checkpoint import (
     rng_states,
     save_checkpoint,
 )
+from agl_core.backends.torch.checks import check_device, model_folder
 from agl_core.backends.torch.data_order import DataOrder
 from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
-from agl_core.backends.torch.precision import Precision
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout
@@ -77,28 +77,15 @@ if TYPE_CHECKING:
     from agl_core.plugins import PluginManager
     from agl_core.rollouts.source import RolloutSource
 
-__all__ = ["TorchBackend", "build_policy", "check_torch_config", "model_folder", "pick_device"]
+__all__ = ["TorchBackend", "build_policy", "pick_device"]
 
 logger = logging.getLogger(__name__)
-
-
-def model_folder(config: DictConfig) -> Path:
-    path = config.actor_rollout_ref.model.path
-    key = "actor_rollout_ref.model.path"
-    if not path:
-        raise ConfigError(key, "the policy's model folder is not set")
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        what = "does not exist" if not folder.exists() else "has no config.json"
-        raise ConfigError(key, f"model folder {path} {what} (a local Hugging Face causal LM folder is needed)")
-    return folder
 
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("agentlightning.torch.device", f"{name} was asked for, but no CUDA device is available")
+    check_device(name)
     return torch.device(name)
 
 
@@ -350,19 +337,3 @@ class TorchBackend:
             restarts = 1
         self.source.after_weight_update([self.engine.base_url], version)
         return {"training/engine/n_restarts": float(restarts)}
-
-
-def check_torch_config(config: DictConfig) -> None:
-    """What ``agl check`` verifies without loading the model: the model folder, the device, the lr
-    schedule and, for the embedded source, that the agent class imports."""
-    from agl_core.backends.torch.update import lr_lambda
-
-    model_folder(config)
-    pick_device(config.agentlightning.torch.device)
-    check_lora_keys(config.actor_rollout_ref.model)
-    Precision.from_config(config.actor_rollout_ref.actor.fsdp_config)
-    lr_lambda(config.actor_rollout_ref.actor.optim, 1)
-    if not config.agentlightning.agl_base_url and not config.agentlightning.replay:
-        from agl_core.rollouts.agents import load_agent_class
-
-        load_agent_class(config.agentlightning.local.agent_class)

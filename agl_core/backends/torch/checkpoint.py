@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agl_core.errors import FileFormatError
 from agl_core.serving.weights import is_adapted
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -68,7 +69,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     text = marker.read_text().strip()
     if not text.isdigit():
-        raise ValueError(f"{marker} should hold a step number, got {text!r}")
+        raise FileFormatError(f"{marker} should hold a step number, got {text!r}")
     path = Path(run_dir) / f"global_step_{int(text)}"
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{marker} names step {text}, but {path / STATE_FILE} is missing")
@@ -83,7 +84,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     adapted, has_adapter = is_adapted(model), (path / ADAPTER_DIR).is_dir()
     if adapted != has_adapter:
         held, runs = ("a LoRA adapter", "without LoRA") if has_adapter else ("a full model", "with LoRA")
-        raise ValueError(
+        raise FileFormatError(
             f"checkpoint {path} holds {held}, but this run trains {runs} (actor_rollout_ref.model.lora_rank)"
         )
     weights: dict[str, torch.Tensor] = {}
@@ -95,7 +96,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {name for name in missing if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in name}
     if set(missing) - tied or unexpected:
-        raise ValueError(
+        raise FileFormatError(
             f"checkpoint {path} does not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
         )
     return torch.load(path / STATE_FILE, weights_only=False)
@@ -108,5 +109,5 @@ def _load_adapter(path: Path, model: Any, weights: dict[str, torch.Tensor]) -> N
     expected = set(get_peft_model_state_dict(model))
     if set(weights) != expected:
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise ValueError(f"checkpoint {path} does not fit the adapter: missing {missing}, unexpected {unexpected}")
+        raise FileFormatError(f"checkpoint {path} does not fit the adapter: missing {missing}, unexpected {unexpected}")
     set_peft_model_state_dict(model, weights)

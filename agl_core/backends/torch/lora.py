@@ -20,11 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from agl_core.config import ConfigError
 
 if TYPE_CHECKING:
+    import torch
     from omegaconf import DictConfig
     from peft import PeftModel
 

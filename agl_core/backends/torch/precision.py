@@ -19,30 +19,25 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import attrs
-import torch
 
 from agl_core.config import ConfigError
 
 if TYPE_CHECKING:
+    import torch
     from omegaconf import DictConfig
 
-__all__ = ["MIXED_PRECISION_KEY", "MODEL_DTYPE_KEY", "Precision", "parse_dtype"]
+__all__ = ["MIXED_PRECISION_KEY", "MODEL_DTYPE_KEY", "Precision", "dtype_names"]
 
 MODEL_DTYPE_KEY = "actor_rollout_ref.actor.fsdp_config.model_dtype"
 MIXED_PRECISION_KEY = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
-# verl's names for the dtypes this backend trains in (verl.utils.torch_dtypes.PrecisionType's spellings).
-DTYPE_NAMES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-}
+# verl's names for the dtypes this backend trains in (verl.utils.torch_dtypes.PrecisionType's
+# spellings) -> torch's name of the dtype.
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 FP16_NAMES = ("fp16", "float16", "16")
 
 
-def parse_dtype(value: object, key: str) -> torch.dtype:
-    """The torch dtype verl's name ``value`` stands for; ``key`` names it in the error."""
+def _dtype_name(value: object, key: str) -> str:
+    """torch's name of the dtype verl's name ``value`` stands for; ``key`` names it in the error."""
     name = str(value).lower()
     if name in FP16_NAMES:
         raise ConfigError(key, "fp16 needs loss scaling, which the torch backend does not do; use bf16 or fp32")
@@ -51,35 +46,53 @@ def parse_dtype(value: object, key: str) -> torch.dtype:
     return DTYPE_NAMES[name]
 
 
+def dtype_names(fsdp_config: DictConfig) -> tuple[str, str | None]:
+    """torch's names of the weights' dtype and of the dtype forward passes autocast to (``None``: no
+    autocast), as ``fsdp_config`` says; every refusal is a :class:`ConfigError` naming its key. Needs
+    no torch, so ``agl check`` runs it without importing torch."""
+    weights = _dtype_name(fsdp_config.model_dtype, MODEL_DTYPE_KEY)
+    mixed = fsdp_config.get("mixed_precision")  # verl's own config leaves the key out
+    if mixed is None:
+        return weights, None
+    for field in ("reduce_dtype", "buffer_dtype"):
+        if _dtype_name(mixed[field], f"{MIXED_PRECISION_KEY}.{field}") != "float32":
+            raise ConfigError(
+                f"{MIXED_PRECISION_KEY}.{field}",
+                "the torch backend keeps it in fp32 (one process, buffers not cast); set fp32 or leave it out",
+            )
+    compute = _dtype_name(mixed.param_dtype, f"{MIXED_PRECISION_KEY}.param_dtype")
+    if compute == "float32" and weights != "float32":
+        raise ConfigError(
+            f"{MIXED_PRECISION_KEY}.param_dtype",
+            f"fp32 compute over {MODEL_DTYPE_KEY} bf16 weights is not done; set model_dtype fp32",
+        )
+    return weights, None if compute in ("float32", weights) else compute
+
+
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
+
+
 @attrs.frozen
 class Precision:
     """The weights' dtype and the dtype forward passes autocast to (``None``: no autocast)."""
 
-    param_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = attrs.field(factory=_float32)
     autocast_dtype: torch.dtype | None = None
 
     @classmethod
     def from_config(cls, fsdp_config: DictConfig) -> Precision:
-        param_dtype = parse_dtype(fsdp_config.model_dtype, MODEL_DTYPE_KEY)
-        mixed = fsdp_config.get("mixed_precision")  # verl's own config leaves the key out
-        if mixed is None:
-            return cls(param_dtype)
-        for field in ("reduce_dtype", "buffer_dtype"):
-            if parse_dtype(mixed[field], f"{MIXED_PRECISION_KEY}.{field}") != torch.float32:
-                raise ConfigError(
-                    f"{MIXED_PRECISION_KEY}.{field}",
-                    "the torch backend keeps it in fp32 (one process, buffers not cast); set fp32 or leave it out",
-                )
-        compute = parse_dtype(mixed.param_dtype, f"{MIXED_PRECISION_KEY}.param_dtype")
-        if compute == torch.float32 and param_dtype != torch.float32:
-            raise ConfigError(
-                f"{MIXED_PRECISION_KEY}.param_dtype",
-                f"fp32 compute over {MODEL_DTYPE_KEY} bf16 weights is not done; set model_dtype fp32",
-            )
-        return cls(param_dtype, None if compute in (torch.float32, param_dtype) else compute)
+        import torch
+
+        weights, autocast = dtype_names(fsdp_config)
+        return cls(getattr(torch, weights), None if autocast is None else getattr(torch, autocast))
 
     def autocast(self, device: torch.device) -> AbstractContextManager[object]:
         """The context forward passes run in: autocast to ``autocast_dtype``, or nothing."""
         if self.autocast_dtype is None:
             return nullcontext()
+        import torch
+
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)

@@ -51,6 +51,7 @@ from agl_core.backends.torch.model_ops import (
 )
 from agl_core.backends.torch.precision import Precision
 from agl_core.config import ConfigError
+from agl_core.errors import UsageError
 from agl_core.serving.weights import is_adapted
 from agl_core.stages.pipeline import PreparedBatch
 from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean, policy_loss_spec
@@ -194,7 +195,7 @@ class ActorUpdate:
                 " turn it off",
             )
         if ref_model is model and not is_adapted(model):
-            raise ValueError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
+            raise UsageError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
         self.model, self.ref_model, self.optimizer = model, ref_model, optimizer
         self.parameters = trainable_parameters(model)
         self.loss_fn, self.settings = loss_fn, settings

@@ -1,11 +1,9 @@
-"""What ``agl check`` verifies beyond the backend's own check: that the gateway it will train
-through is there, so a wrong URL fails before a run rather than at its first step."""
+"""What ``agl check`` asks of the gateway a run will train through: that it is there, so a wrong URL
+or key fails before a run rather than at its first step."""
 
 from __future__ import annotations
 
 from typing import Any
-
-from agl_core.rollouts.gateway_client import GatewayClient
 
 __all__ = ["check_gateway"]
 
@@ -16,6 +14,8 @@ def check_gateway(config: Any) -> str | None:
     A gateway that does not answer raises the client's ``GatewayError``."""
     if not config.agentlightning.agl_base_url:
         return None
+    from agl_core.rollouts.gateway_client import GatewayClient  # httpx: only for a run with a gateway
+
     with GatewayClient.from_config(config) as client:
         client.proxy_state()
     return "gateway at agentlightning.agl_base_url: answers (GET /proxy/state)"
