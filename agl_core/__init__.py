@@ -27,8 +27,11 @@ _serve_moved_modules()  # old module paths stay importable, with a warning, for 
 if TYPE_CHECKING:
     # the plugin system and the data model
     # backends: the contract, the step loop, the step pipeline and the rollout sources it drives
+    from agl_core.backends.checkpoints import restore_source_state, save_source_state
     from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
     from agl_core.backends.loop import LoopSettings, Step, run_steps
+    from agl_core.backends.loop_backend import LoopBackend, Served
+    from agl_core.backends.rollout_source import open_rollout_source
     from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix, trajectory_rollout
     from agl_core.config import AgentLightningConfig, ConfigError, ConfigFile, default_config, load_config, merge_config
     from agl_core.config.checks import validate as validate_config
@@ -83,7 +86,7 @@ if TYPE_CHECKING:
         rollout_reward,
     )
     from agl_core.stages.mismatch import common_prefix_length
-    from agl_core.stages.pipeline import StepPipeline, validation_metrics
+    from agl_core.stages.pipeline import PreparedBatch, StepPipeline, validation_metrics
 
     # policy losses
     from agl_core.stages.policy_loss import (

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from agl_core.backends.checkpoints import latest_checkpoint
 from agl_core.backends.torch.backend import TorchBackend, check_torch_config, load_policy
-from agl_core.backends.torch.checkpoint import latest_checkpoint
 from agl_core.backends.torch.model_ops import response_log_probs
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
