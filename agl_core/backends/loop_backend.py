@@ -133,7 +133,7 @@ class LoopBackend(abc.ABC):
 
     @abc.abstractmethod
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
-        """Write this backend's part of the checkpoint of step :attr:`step` into ``folder`` (its
+        """Write this backend's part of the checkpoint of step ``step`` into ``folder`` (its
         weights) and return the plain state to keep with it (optimizer, lr schedule...; not the
         keys ``step``, ``data`` and ``rng``, which are the loop's)."""
 
@@ -197,7 +197,7 @@ class LoopBackend(abc.ABC):
         return True
 
     def save(self) -> None:
-        """Checkpoint step :attr:`step` (:func:`~agl_core.backends.checkpoints.write_checkpoint`)."""
+        """Checkpoint step ``step`` (:func:`~agl_core.backends.checkpoints.write_checkpoint`)."""
         loop_state = {"data": self.data.position(), "rng": rng_states()}
         write_checkpoint(self.run_dir, self.step, self.save_checkpoint, loop_state, self.source)
 

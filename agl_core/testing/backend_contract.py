@@ -16,7 +16,12 @@ and the backend by its factory, then trained with ``fit(on_step)``. Every run re
 (``agentlightning.replay``, docs/replay.md): by default three steps of the tiny task
 (:mod:`agl_core.testing.tiny_task`) that the contract records first with the reference backend;
 override :meth:`BackendContract.recorded` to replay your own (a recording and the policy it was
-recorded with). The config is the recording's (its core-schema keys), without validation, then
+recorded with). The config is the recording's (its core-schema keys) with the keys a replayed run
+needs (``agentlightning.replay``, ``actor_rollout_ref.model.path``, ``data.train_files``: a file of
+``data.train_batch_size`` rows ``{"index": i}``, which a replayed run does not read,
+``data.val_files=null``, ``trainer.val_before_train=false``, ``trainer.test_freq=-1``,
+``trainer.total_training_steps``, ``trainer.save_freq``, ``trainer.resume_mode=auto``,
+``trainer.default_local_dir``; the recording, async rollout, the gateway and hook files off), then
 ``overrides`` (both backends) and ``backend_overrides`` (the backend under test only: keys of its
 own schema). The reference runs the same steps from the same weights.
 
@@ -31,8 +36,8 @@ The checks, each a test:
   and gradient norm (``actor/grad_norm``, a sum over the rows handed to the update: a row left out or
   trained twice moves it) equal the reference's;
 - **the update equals the reference's**: the loss terms of each step (``actor/pg_loss``,
-  ``actor/entropy_loss`` and ``actor/loss`` where both report them) and the served policy after each
-  step (the probe's answers) equal the reference's;
+  ``actor/entropy_loss``, ``actor/loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, where both
+  report them) and the served policy after each step (the probe's answers) equal the reference's;
 - **weight versions advance and are what agents are served**: the probe sees versions 0, 1, ..., N,
   each once and in order, each with an endpoint, and the served answers change after every step
   whose gradient was not zero;
@@ -67,7 +72,7 @@ and must:
    ``trainer.default_local_dir`` (its rollout source's state kept with
    :func:`~agl_core.backends.checkpoints.save_source_state`).
 
-The contract sets ``data.val_files=null``: a recording holds no validation rollouts.
+Validation is not checked: a recording holds no validation rollouts.
 """
 
 from __future__ import annotations
@@ -274,14 +279,17 @@ class BackendContract:
     backend_overrides: ClassVar[Sequence[str]] = ()
     #: steps replayed (the recording must hold them).
     steps: ClassVar[int] = 3
+    #: relative and absolute tolerances of the compared metrics (fp32: a backend that adds up the
+    #: same terms in another order, or over data-parallel ranks, lands within them).
     metric_rtol: ClassVar[float] = 1e-4
     metric_atol: ClassVar[float] = 1e-6
+    #: absolute tolerance of the served log-probs compared after each step.
     served_atol: ClassVar[float] = 1e-4
 
     def recorded(self, folder: Path) -> tuple[Path, Path]:
         """The recording to replay and the policy folder it was recorded with (the tokenizer must
         match the recording's fingerprint); ``folder`` is free to build them in. Default:
-        :func:`recorded_tiny_task`."""
+        :func:`~agl_core.testing.backend_contract.recorded_tiny_task`."""
         return recorded_tiny_task()
 
     # -- the runs ---------------------------------------------------------------------------------
