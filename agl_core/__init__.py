@@ -59,6 +59,7 @@ __all__ = [
     "Generation",
     "GroupStream",
     "HookTimeout",
+    "LoopBackend",
     "LoopSettings",
     "LossSettings",
     "MetricSink",
@@ -72,6 +73,7 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossSpec",
     "PolicyServer",
+    "PreparedBatch",
     "RecordingError",
     "Register",
     "RegistryError",
@@ -83,6 +85,7 @@ __all__ = [
     "RolloutRequest",
     "RolloutSource",
     "SamplingParams",
+    "Served",
     "Segment",
     "SinkContext",
     "SinkFactory",
@@ -109,13 +112,16 @@ __all__ = [
     "masked_sum",
     "merge_config",
     "merged_row",
+    "open_rollout_source",
     "policy_loss_spec",
     "ppo_token_losses",
     "require_group_size",
+    "restore_source_state",
     "rollout_level",
     "rollout_reward",
     "rollout_timing_metrics",
     "run_steps",
+    "save_source_state",
     "tensorize",
     "trajectory_rollout",
     "validate_config",
@@ -195,6 +201,7 @@ _MODULES: dict[str, str] = {
     "ppo_token_losses": "agl_core.stages.policy_loss",
     # the step pipeline and the backend batch
     "StepPipeline": "agl_core.stages.pipeline",
+    "PreparedBatch": "agl_core.stages.pipeline",
     "validation_metrics": "agl_core.stages.pipeline",
     "PaddedBatch": "agl_core.stages.tensorize",
     "tensorize": "agl_core.stages.tensorize",
@@ -221,6 +228,11 @@ _MODULES: dict[str, str] = {
     "LoopSettings": "agl_core.backends.loop",
     "Step": "agl_core.backends.loop",
     "run_steps": "agl_core.backends.loop",
+    "LoopBackend": "agl_core.backends.loop_backend",
+    "Served": "agl_core.backends.loop_backend",
+    "open_rollout_source": "agl_core.backends.rollout_source",
+    "save_source_state": "agl_core.backends.checkpoints",
+    "restore_source_state": "agl_core.backends.checkpoints",
     # metric sinks
     "MetricSink": "agl_core.tracking",
     "SinkContext": "agl_core.tracking",
@@ -228,8 +240,11 @@ _MODULES: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
+    from agl_core.backends.checkpoints import restore_source_state, save_source_state
     from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
     from agl_core.backends.loop import LoopSettings, Step, run_steps
+    from agl_core.backends.loop_backend import LoopBackend, Served
+    from agl_core.backends.rollout_source import open_rollout_source
     from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix, trajectory_rollout
     from agl_core.config import (
         AgentLightningConfig,
@@ -290,7 +305,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
         rollout_reward,
     )
     from agl_core.stages.mismatch import common_prefix_length
-    from agl_core.stages.pipeline import StepPipeline, validation_metrics
+    from agl_core.stages.pipeline import PreparedBatch, StepPipeline, validation_metrics
     from agl_core.stages.policy_loss import (
         LossSettings,
         PolicyLoss,

@@ -17,10 +17,11 @@ Four kinds of hooks live here:
 * **The settings hook** ``agl_plugin_settings`` declares the typed settings a plugin reads.
 * **The loader hook** ``agl_load_hook_file`` turns a hook file into a plugin (``agl_hooks``
   implements it; ``agl_core`` itself never imports ``agl_hooks``).
-* **Rollout lifecycle hooks** (``agl_on_*``) mirror Agent Lightning's four ``RolloutHooks`` methods,
-  but compose: every plugin implementing one is called, in plugin registration order (built-ins,
-  entry points, hook files, plugins given in code). A hook that raises is logged with its plugin's
-  name and counted (``training/n_hook_failures``); the other plugins still run and training goes on.
+* **Rollout lifecycle hooks** (``agl_on_*``) mirror Agent Lightning's four ``RolloutHooks`` methods
+  (and ``agl_on_weights_served`` tells plugins which engines serve each new weight version), but
+  compose: every plugin implementing one is called, in plugin registration order (built-ins, entry
+  points, hook files, plugins given in code). A hook that raises is logged with its plugin's name and
+  counted (``training/n_hook_failures``); the other plugins still run and training goes on.
   Each call runs in a worker thread and is waited for at most ``agentlightning.hook_timeout_seconds``
   (default 60): a call that overruns is abandoned, logged with its plugin's name and counted as a
   failure and in ``training/n_hook_timeouts``; that plugin's hook is skipped (and counted,
@@ -209,6 +210,20 @@ def agl_on_startup(config: Any, settings: PluginSettings) -> None:
     (an omegaconf ``DictConfig``) with the gateway key replaced by ``***``: the plugin manager
     redacts it, whoever calls. ``settings`` holds the plugins' typed settings, as the registry hooks
     receive them (:func:`agl_plugin_settings`). Return value is ignored.
+    """
+
+
+@hookspec
+def agl_on_weights_served(endpoints: list[str], version: int) -> None:
+    """See each new weight version once the engines serve it, before any rollout uses it.
+
+    The backend calls it in the process where the rollout hooks run, once for the weights a run
+    starts from (``version`` is the step it starts at: 0, or a resumed checkpoint's) and once after
+    every training step's update (``version`` is that step), right after registering the engines
+    with the rollout source. ``endpoints`` are the OpenAI base URLs (``http://host:port/v1``) that
+    serve those weights, as agents reach them; requests name the model ``actor_rollout_ref.model.path``.
+    A plugin may query them (evaluate the new policy, warm a cache); a failure is isolated and counted
+    as for every lifecycle hook. Return value is ignored.
     """
 
 

@@ -52,6 +52,7 @@ PUBLIC_NAMES = [
     "HookTimeout",
     "load_config",
     "load_dataset",
+    "LoopBackend",
     "LoopSettings",
     "LossSettings",
     "masked_sum",
@@ -61,6 +62,7 @@ PUBLIC_NAMES = [
     "Mismatch",
     "MISMATCH_KINDS",
     "OnStep",
+    "open_rollout_source",
     "PaddedBatch",
     "PerRolloutAggregator",
     "PluginError",
@@ -68,11 +70,13 @@ PUBLIC_NAMES = [
     "policy_loss_spec",
     "PolicyLoss",
     "PolicyLossSpec",
+    "PreparedBatch",
     "ppo_token_losses",
     "RecordingError",
     "Register",
     "RegistryError",
     "require_group_size",
+    "restore_source_state",
     "rollout_level",
     "rollout_reward",
     "RolloutAdvantageError",
@@ -81,7 +85,9 @@ PUBLIC_NAMES = [
     "RolloutRequest",
     "RolloutSource",
     "run_steps",
+    "save_source_state",
     "Segment",
+    "Served",
     "SinkContext",
     "SinkFactory",
     "Step",
@@ -179,10 +185,15 @@ def test_the_import_check_finds_a_private_import():
     assert private_imports("from agl_core import hookimpl\nfrom agl_core.testing.contracts import X\n") == []
 
 
+PACKAGED_EXAMPLES = [REPO / "examples" / "retoken_merge", REPO / "examples" / "ddp_backend"]
+
+
 @pytest.mark.parametrize(
-    "path", sorted(p.relative_to(REPO).as_posix() for p in (REPO / "examples" / "retoken_merge").rglob("*.py")), ids=str
+    "path",
+    sorted(p.relative_to(REPO).as_posix() for example in PACKAGED_EXAMPLES for p in example.rglob("*.py")),
+    ids=str,
 )
-def test_the_example_plugin_imports_only_the_public_api(path):
+def test_the_example_plugins_import_only_the_public_api(path):
     assert private_imports((REPO / path).read_text()) == []
 
 
@@ -204,8 +215,8 @@ def test_every_python_example_of_the_guide_compiles_and_imports_only_the_public_
             exec(compile(block, "docs/plugin-guide.md", "exec"), {})
 
 
-def test_names_the_example_imports_from_agl_core_are_public():
-    for path in (REPO / "examples" / "retoken_merge").rglob("*.py"):
+def test_names_the_example_plugins_import_from_agl_core_are_public():
+    for path in (p for example in PACKAGED_EXAMPLES for p in example.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "agl_core":
                 assert {alias.name for alias in node.names} <= set(agl_core.__all__), path

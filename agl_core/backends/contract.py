@@ -2,7 +2,22 @@
 
 A plugin registers either a :class:`BackendSpec` (a factory and the config loader its runs are
 validated with) or a bare :data:`BackendFactory`, which stands for ``BackendSpec(factory)``: its runs
-are validated against the core schema (:func:`agl_core.config.load_config`).
+are validated against the core schema (:func:`agl_core.config.load_config`). The factory returns a
+:class:`Backend`, in one of two ways:
+
+- **agl runs the loop** (the usual case): a subclass of
+  :class:`~agl_core.backends.loop_backend.LoopBackend`, which implements ``fit`` with agl's step loop
+  (startup, the step, validation, checkpoints, resume, the step metrics) and asks the backend only
+  for its update, serving its weights and its checkpoint files. The class itself is the factory.
+- **the engine runs the loop**: a backend that hands the loop to its engine (verl's trainer owns
+  validation, the step and checkpoints) implements ``fit(on_step)`` itself and still reports the same
+  metric names through ``on_step``, built from the loop's parts:
+  :func:`~agl_core.backends.rollout_source.open_rollout_source`,
+  :class:`~agl_core.stages.pipeline.StepPipeline`, :func:`~agl_core.stages.pipeline.validation_metrics`,
+  :func:`~agl_core.backends.checkpoints.save_source_state` /
+  :func:`~agl_core.backends.checkpoints.restore_source_state`, ``plugins.on_startup`` and
+  ``plugins.on_weights_served``. :class:`agl_core.testing.contracts.BackendContract` checks either
+  kind the same way (its docstring lists what a loop-owning backend must provide).
 """
 
 from __future__ import annotations
@@ -38,7 +53,8 @@ class Backend(Protocol):
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train until the configured number of steps (continuing from a checkpoint where the
         config says so), calling ``on_step`` after every step. Before its first rollout it calls
-        ``plugins.on_startup(config)`` once, in the process where the rollout hooks run."""
+        ``plugins.on_startup(config)`` once, and after every weight push
+        ``plugins.on_weights_served(endpoints, version)``, in the process where the rollout hooks run."""
 
 
 BackendFactory = Callable[["DictConfig", "PluginManager"], Backend]

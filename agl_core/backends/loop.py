@@ -1,11 +1,12 @@
-"""The step loop every backend runs, written once: when to validate, report and checkpoint.
+"""The step loop's schedule, written once: when to validate, report and checkpoint.
 
-:func:`run_steps` drives a :class:`StepTrainer` (a backend's own rollouts-to-update step) in this
-order: optionally a validation before training, reported as the step it starts from (0 on a fresh
-run); then per step the next samples (async, at the run's first step: batches until
-``agentlightning.async_rollout.async_train_batch_size`` groups are in flight), the training step,
-a validation when ``trainer.test_freq`` divides the step or it is the last, the step reported, and
-a checkpoint when ``trainer.save_freq`` divides the step or it is the last.
+:func:`run_steps` drives a :class:`StepTrainer` (:class:`~agl_core.backends.loop_backend.LoopBackend`,
+or a backend's own trainer that keeps agl's schedule) in this order: optionally a validation before
+training, reported as the step it starts from (0 on a fresh run); then per step the next samples
+(async, at the run's first step: batches until ``agentlightning.async_rollout.async_train_batch_size``
+groups are in flight), the training step, a validation when ``trainer.test_freq`` divides the step or
+it is the last, the step reported, and a checkpoint when ``trainer.save_freq`` divides the step or it
+is the last.
 
 A step is reported before it is checkpointed: a run killed in between resumes from the previous
 checkpoint, redoes the step, and the run log (:class:`agl_core.train.MetricsLog`) replaces its line.

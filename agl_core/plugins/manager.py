@@ -369,6 +369,10 @@ class PluginManager:
         plugin ever sees the gateway key, whoever calls this."""
         self._call_each("agl_on_startup", "startup", config=redacted(config), settings=self.settings)
 
+    def on_weights_served(self, endpoints: Sequence[str], version: int) -> None:
+        """Call every ``agl_on_weights_served``: ``endpoints`` serve the weights of step ``version``."""
+        self._call_each("agl_on_weights_served", f"weights {version}", endpoints=list(endpoints), version=version)
+
     def _call_each(self, hook_name: str, subject: str, **kwargs: Any) -> list[tuple[str, Any]]:
         impls = in_plugin_order(getattr(self._pm.hook, hook_name).get_hookimpls())
         return self.calls.call_each(impls, hook_name, subject, kwargs)

@@ -39,8 +39,9 @@ Reference mode: ``reference`` is a slow, obviously-correct aggregator (same sign
 (sorted by rollout and first call) and metrics are compared with the plugin's on every batch.
 
 The suites for advantage estimators (:class:`AdvantageEstimatorContract`, in
-:mod:`agl_core.testing.estimator_contract`) and policy losses (:class:`PolicyLossContract`, in
-:mod:`agl_core.testing.loss_contract`) are importable from here too.
+:mod:`agl_core.testing.estimator_contract`), policy losses (:class:`PolicyLossContract`, in
+:mod:`agl_core.testing.loss_contract`) and backends (:class:`BackendContract`, in
+:mod:`agl_core.testing.backend_contract`) are importable from here too.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from agl_core.testing.aggregator_checks import (
     check_metrics,
     check_tokens,
 )
+from agl_core.testing.backend_contract import BackendContract
 from agl_core.testing.estimator_contract import AdvantageEstimatorContract
 from agl_core.testing.hook_contract import HookContract
 from agl_core.testing.lookup import PluginContract
@@ -78,6 +80,7 @@ from agl_core.testing.strategies import CONTRACT_SETTINGS, TOY_TOKENIZER, aggreg
 __all__ = [
     "AdvantageEstimatorContract",
     "AggregatorContract",
+    "BackendContract",
     "HookContract",
     "MetricSinkContract",
     "PolicyLossContract",

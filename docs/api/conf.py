@@ -18,7 +18,7 @@ html_theme = "alabaster"
 nitpick_ignore_regex = [
     (
         "py:.*",
-        r"(numpy|np|torch|pluggy|attrs|omegaconf|hypothesis|pytest|argparse|pathlib|os|tempfile|collections|threading)(\..*)?",
+        r"(numpy|np|torch|pluggy|attrs|omegaconf|hypothesis|pytest|abc|argparse|pathlib|os|tempfile|collections|threading)(\..*)?",
     ),
     ("py:.*", r"(str|int|float|bool|dict|list|tuple|object|Any|Path|ValueError|LookupError|TypeError|Exception)"),
 ]

@@ -18,9 +18,10 @@ CONFIG = "examples/corridor/config.yaml"
 SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["right", "right", "left"]}]
 
 
-def corridor_run(folder, steps, *extra):
+def corridor_run(folder, steps, *extra, plugins=()):
     """``agl train`` of the corridor example for ``steps`` steps on a freshly built policy, under
-    ``folder``, validated once at the end; its metrics lines (step 0 is the run's start)."""
+    ``folder``, validated once at the end (``plugins`` given in code); its metrics lines (step 0 is
+    the run's start)."""
     policy = build_corridor_policy(folder / "policy")
     run_dir = folder / "run"
     overrides = [
@@ -32,7 +33,7 @@ def corridor_run(folder, steps, *extra):
         "trainer.val_before_train=false",
         *extra,
     ]
-    run(CONFIG, overrides, show_progress=False)
+    run(CONFIG, overrides, plugins, show_progress=False)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -73,14 +74,10 @@ class Running:
 
     def __init__(self, config, plugins=()):
         self.backend = TorchBackend(config, PluginManager.from_config(config, plugins, load_entrypoints=False))
-        self.backend.engine = self.backend.make_engine()
-        self.backend.engine.start()
-        self.backend.engine.push_weights(self.backend.model, 0)
-        self.backend.source = self.backend.make_source()
+        self.backend.start()
 
     def close(self):
-        self.backend.source.close()
-        self.backend.engine.close()
+        self.backend.stop()
 
 
 def served_log_probs(engine, prompt, response):

@@ -1,40 +1,22 @@
 """The reference backend (``agentlightning.backend: torch``): one process, PyTorch, any local causal LM.
 
-One training step, with every stage reached through the plugin registries:
+It is a :class:`~agl_core.backends.loop_backend.LoopBackend`: the step loop (startup, rollouts,
+the step pipeline, validation, checkpoints, resume, metrics) is agl's, and this module supplies what
+the loop asks of a backend. Its update (:mod:`agl_core.backends.torch.update`): tensors → old (and
+reference) log-probs → PPO epochs of the configured policy loss over the mini-batches, AdamW → the
+lr schedule's step. Its serving: ``agentlightning.engine`` ``builtin``
+(:class:`~agl_core.serving.policy_server.PolicyServer`, in-process, a copy of the policy) or
+``vllm`` (:class:`~agl_core.serving.vllm_engine.VllmEngine`); a vLLM server that dies mid-step
+fails that step's rollouts (counted) and is restarted at the weight push
+(``training/engine/n_restarts``). Its checkpoint files: the policy (or a LoRA run's adapter,
+:mod:`agl_core.backends.torch.checkpoint`), with the optimizer, lr schedule and the engine's sampler
+state in the loop's ``trainer_state.pt``.
 
-rollouts (embedded source, or the gateway when ``agl_base_url`` is set) → Triplets → the configured
-aggregator → the configured advantage estimator (on everything collected) → batch shaping → the
-actor update (:mod:`agl_core.backends.torch.update`: tensors → old log-probs → PPO epochs of the
-configured policy loss over mini-batches, AdamW) → lr schedule step → the serving copy of the
-policy gets the new weights.
-
-The steps run in the loop every backend shares (:mod:`agl_core.backends.loop`). Validation
-(``data.val_files``): before the first step of a fresh run when ``trainer.val_before_train`` is set,
-and after every ``trainer.test_freq``-th step and the last, one rollout per validation row
-(``is_train=False``; the embedded source samples them at
-``actor_rollout_ref.rollout.val_kwargs.temperature``, 0 = greedy), in batches of
-``data.val_batch_size`` (all rows at once when unset); the ``val/*`` metrics are every backend's
-(:func:`~agl_core.stages.pipeline.validation_metrics`), over every validation rollout of every batch
-(Agent Lightning v1.0 keeps only the last batch's).
-
-Async rollout (``agentlightning.async_rollout.enabled``; gateway only): a run's first step hands the
-source enough batches to keep ``async_train_batch_size`` groups in flight, later steps one batch (the
-source tops up and carries unfinished groups over); the gateway is paused and drained between the
-rollouts and the update, and resumed once the new weights are registered. Every step reports the
-staleness of the calls it trains (``training/async/staleness_*``, from the shared pipeline). A
-checkpoint keeps what the source carries over (its groups in flight and waiting samples); a resumed
-run restores it and hands its first step only what tops that up to ``async_train_batch_size``.
+The embedded source samples validation rollouts at ``actor_rollout_ref.rollout.val_kwargs.temperature``
+(0 = greedy). Async rollout (``agentlightning.async_rollout.enabled``) runs through the gateway only.
 
 The policy is built as verl's model and engine keys say (:func:`build_policy`): its dtype
 (:mod:`agl_core.backends.torch.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.torch.lora`).
-
-The policy is served by ``agentlightning.engine``: ``builtin`` (:class:`~agl_core.serving.policy_server.PolicyServer`,
-in-process) or ``vllm`` (:class:`~agl_core.serving.vllm_engine.VllmEngine`). A vLLM server that dies
-mid-step fails that step's rollouts (counted) and is restarted at the weight push
-(``training/engine/n_restarts``). Checkpoints
-(:mod:`agl_core.backends.torch.checkpoint`) hold model, optimizer, scheduler, step, data position, RNG states
-and (async) the rollout source's groups in flight;
-with ``trainer.resume_mode: auto`` a run continues from the newest one in ``trainer.default_local_dir``.
 With ``agentlightning.torch.merged_model_dir`` the run ends by writing the policy there as a Hugging Face
 model folder (a LoRA run's adapters merged in).
 """
@@ -42,40 +24,27 @@ model folder (a LoRA run's adapters merged in).
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 
 from agl_core.backends.contract import OnStep
-from agl_core.backends.loop import LoopSettings, run_steps
-from agl_core.backends.torch.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng_states,
-    rng_states,
-    save_checkpoint,
-)
+from agl_core.backends.loop_backend import LoopBackend, Served
+from agl_core.backends.torch.checkpoint import load_weights, save_weights
 from agl_core.backends.torch.checks import check_device, model_folder
-from agl_core.backends.torch.data_order import DataOrder
 from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
-from agl_core.config import ConfigError
-from agl_core.data import CompletedRollout
-from agl_core.datasets import load_dataset
 from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.vllm_engine import VllmEngineError
 from agl_core.serving.weights import is_adapted, save_served
-from agl_core.stages.pipeline import StepPipeline, validation_metrics
+from agl_core.stages.pipeline import PreparedBatch
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from agl_core.plugins import PluginManager
-    from agl_core.rollouts.source import RolloutSource
 
 __all__ = ["TorchBackend", "build_policy", "pick_device"]
 
@@ -120,37 +89,24 @@ def build_policy(
     return model, model if is_adapted(model) else load_policy(folder, device, frozen=True, dtype=dtype)
 
 
-class TorchBackend:
-    """The reference backend; ``fit(on_step)`` trains until the configured number of steps."""
+class TorchBackend(LoopBackend):
+    """The reference backend: the policy trained in this process (:class:`ActorUpdate`) and served
+    by ``agentlightning.engine``; :meth:`~agl_core.backends.loop_backend.LoopBackend.fit` trains."""
 
-    engine: InferenceEngine
-    """Serves the policy to the agents; made and started by :meth:`fit`."""
-    source: RolloutSource
-    """Runs the agents; made by :meth:`fit` once the engine serves the first weights."""
+    engine: InferenceEngine | None
+    """Serves the policy to the agents; made and started by the first :meth:`serve`."""
 
     def __init__(self, config: DictConfig, plugins: PluginManager):
         from transformers import AutoTokenizer
 
-        self.config, self.plugins = config, plugins
         actor = config.actor_rollout_ref.actor
         loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
         folder = model_folder(config)
-        if config.agentlightning.async_rollout.enabled and not config.agentlightning.agl_base_url:
-            raise ConfigError(
-                "agentlightning.async_rollout.enabled",
-                "async rollout runs through the gateway: set agentlightning.agl_base_url"
-                " (the embedded source is sync only)",
-            )
-        self.data = DataOrder.from_config(config)
-        steps = config.trainer.total_training_steps
-        self.total_steps = int(steps if steps is not None else config.trainer.total_epochs * self.data.steps_per_epoch)
-        self.val_rows = load_dataset(config.data.val_files, "data.val_files") if config.data.val_files else []
-        self.loop = LoopSettings.from_config(config, self.total_steps, has_validation=bool(self.val_rows))
+        super().__init__(config, plugins, AutoTokenizer.from_pretrained(folder))
         if config.agentlightning.torch.num_threads:
             torch.set_num_threads(int(config.agentlightning.torch.num_threads))
         torch.manual_seed(int(config.trainer.seed))
         device = pick_device(config.agentlightning.torch.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         settings = ActorSettings.from_config(config.actor_rollout_ref)
         self.model, ref_model = build_policy(config, folder, device, settings.precision.param_dtype)
@@ -158,13 +114,8 @@ class TorchBackend:
         self.actor_update = ActorUpdate(
             self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id
         )
-        self.pipeline = StepPipeline(config, plugins, self.tokenizer)
-        self.run_dir = Path(config.trainer.default_local_dir)
-        self.step = 0
+        self.engine = None
         self._sampler_state: object | None = None
-        self._source_state: Mapping[str, Any] | None = None
-
-    # -- serving --------------------------------------------------------------------------------
 
     def make_engine(self) -> InferenceEngine:
         name = str(self.config.actor_rollout_ref.model.path)
@@ -178,155 +129,29 @@ class TorchBackend:
 
         return PolicyServer(self.model, self.tokenizer, name, seed=int(self.config.trainer.seed))
 
-    def make_source(self) -> RolloutSource:
-        if self.config.agentlightning.replay:
-            from agl_core.rollouts.replay import ReplayRolloutSource
+    # -- the step loop's interface --------------------------------------------------------------
 
-            return ReplayRolloutSource(self.config, self.tokenizer)
-        if self.config.agentlightning.agl_base_url:
-            from agl_core.rollouts.gateway import gateway_source
+    def update(self, prepared: PreparedBatch) -> dict[str, float]:
+        """The actor update (:class:`ActorUpdate`), then the lr schedule's step."""
+        update = self.actor_update(prepared)
+        metrics = {**update, "actor/lr": float(self.scheduler.get_last_lr()[0])}
+        if update["actor/n_updates"] > update.get("actor/n_skipped_nonfinite_grad", 0.0):
+            self.scheduler.step()  # the schedule advances with the optimizer only
+        return metrics
 
-            return gateway_source(self.config, self.plugins)
-        from agl_core.rollouts.embedded import EmbeddedRolloutSource
-
-        return EmbeddedRolloutSource(self.config, self.plugins, self.engine.base_url, self.engine.model_name)
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    def save(self) -> None:
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "data": self.data.position(),
-            "rng": rng_states(),
-        }
-        sampler = self.engine.sampler_state()
-        if sampler is not None:
-            state["sampler_rng"] = sampler
-        in_flight = self.source.state()
-        if in_flight is not None:
-            state["rollout_source"] = in_flight
-        save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
-
-    def resume(self) -> bool:
-        """Continue from the newest checkpoint when ``trainer.resume_mode`` is ``auto``."""
-        if self.config.trainer.resume_mode != "auto":
-            return False
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            return False
-        state = load_checkpoint(path, self.model)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.data.restore(state["data"])
-        restore_rng_states(state["rng"])
-        self.step = int(state["step"])
-        self._sampler_state = state.get("sampler_rng")
-        self._source_state = state.get("rollout_source")
-        logger.info("resumed from %s (step %d)", path, self.step)
-        return True
-
-    # -- training -------------------------------------------------------------------------------
-
-    def fit(self, on_step: OnStep | None = None) -> None:
-        self.resume()
-        self.engine = self.make_engine()
-        try:
+    def serve(self, version: int) -> Served:
+        """Push the weights to the engine (made and started by the first call; its sampler state
+        restored on a resumed run). A vLLM server that died (its rollouts this step failed and were
+        counted) is started again (an attached one: waited for, up to
+        ``agentlightning.vllm.startup_timeout_seconds``) and pushed to once more; a second failure ends
+        training."""
+        if self.engine is None:
+            self.engine = self.make_engine()
             self.engine.start()
-            self.engine.push_weights(self.model, self.step)
+            self.engine.push_weights(self.model, version)
             if self._sampler_state is not None:
                 self.engine.restore_sampler_state(self._sampler_state)
-            self.plugins.on_startup(self.config)
-            self.source = self.make_source()
-            self.source.on_rollout_done = self.pipeline.prepare_rollout
-            try:
-                self.source.after_weight_update([self.engine.base_url], self.step)
-                loop = self.loop
-                if self._source_state is not None:
-                    carried = self.source.restore(self._source_state)
-                    loop = attrs.evolve(loop, fill=max(0, loop.fill - carried))  # the fill counts what is carried
-                for step, total, metrics in run_steps(self, loop):
-                    if on_step is not None:
-                        on_step(step, total, metrics, self.pipeline.take_samples())
-                self.export_merged()
-            finally:
-                self.source.close()
-        finally:
-            self.engine.close()
-
-    def export_merged(self) -> None:
-        """Write the policy (a LoRA run's adapters merged in) to ``agentlightning.torch.merged_model_dir``, if set."""
-        folder = self.config.agentlightning.torch.merged_model_dir
-        if folder:
-            save_served(self.model, folder)
-            self.tokenizer.save_pretrained(folder)
-            logger.info("wrote the merged policy to %s", folder)
-
-    def next_batch(self) -> list[Mapping[str, Any]]:
-        return self.data.next_batch()
-
-    def validate(self) -> dict[str, float]:
-        """One rollout per validation row with the current weights; ``val/*`` metrics over all batches
-        (:func:`~agl_core.stages.pipeline.validation_metrics`)."""
-        size = int(self.config.data.val_batch_size or len(self.val_rows))
-        rollouts: list[CompletedRollout] = []
-        source_metrics: list[dict[str, float]] = []
-        for start in range(0, len(self.val_rows), size):
-            batch = self.source.collect(self.val_rows[start : start + size], step=self.step, is_train=False)
-            rollouts.extend(batch.rollouts)
-            source_metrics.append(batch.metrics)
-        return validation_metrics(rollouts, source_metrics)
-
-    def train_step(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        """Train step ``step + 1`` on ``samples`` and advance ``step``."""
-        self.step += 1
-        step = self.step
-        started = time.perf_counter()
-        batch = self.source.collect(samples, step=step, is_train=True)
-        metrics: dict[str, float] = dict(batch.metrics)
-        metrics["timing/gen_s"] = time.perf_counter() - started
-        metrics.update(self.source.before_weight_update())  # async: pause the gateway, drain in-flight calls
-        update_started = time.perf_counter()
-        metrics.update(self.learn(batch.rollouts, step))
-        metrics.update(self.serve_weights(step))
-        metrics["timing/update_s"] = time.perf_counter() - update_started
-        metrics["training/global_step"] = float(step)
-        metrics["training/epoch"] = float(self.data.epoch)
-        return metrics
-
-    def learn(self, rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
-        """The shared pipeline on ``rollouts``, the actor update and the lr schedule's step: step
-        ``step`` from the rollouts on."""
-        prepared = self.pipeline.prepare(rollouts, step)
-        metrics = dict(prepared.metrics)
-        if prepared.shaped is not None:
-            update = self.actor_update(prepared)
-            metrics.update(update)
-            metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
-            if update["actor/n_updates"] > update.get("actor/n_skipped_nonfinite_grad", 0.0):
-                self.scheduler.step()  # the schedule advances with the optimizer only
-        return metrics
-
-    def replay_step(self, rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
-        """Re-run step ``step`` of this run on its recorded ``rollouts`` (``agl replay``): from the
-        checkpoint of step ``step - 1`` in the run directory when there is one, else the initial
-        model; no engine or rollout source is started."""
-        checkpoint = self.run_dir / f"global_step_{step - 1}"
-        if step > 1 and checkpoint.is_dir():
-            state = load_checkpoint(checkpoint, self.model)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            logger.info("replaying step %d from %s", step, checkpoint)
-        else:
-            logger.info("replaying step %d from the initial model (no checkpoint %s)", step, checkpoint)
-        self.step = step
-        return self.learn(rollouts, step)
-
-    def serve_weights(self, version: int) -> dict[str, float]:
-        """Push the weights and register the engine with ``version``. A vLLM server that died (its
-        rollouts this step failed and were counted) is started again (an attached one: waited for,
-        up to ``agentlightning.vllm.startup_timeout_seconds``) and pushed to once more; a second
-        failure ends training."""
+            return Served([self.engine.base_url])
         restarts = 0
         try:
             self.engine.push_weights(self.model, version)
@@ -335,5 +160,37 @@ class TorchBackend:
             self.engine.start()
             self.engine.push_weights(self.model, version)
             restarts = 1
-        self.source.after_weight_update([self.engine.base_url], version)
-        return {"training/engine/n_restarts": float(restarts)}
+        return Served([self.engine.base_url], {"training/engine/n_restarts": float(restarts)})
+
+    def save_checkpoint(self, folder: Path) -> dict[str, Any]:
+        """The policy's files (:func:`~agl_core.backends.torch.checkpoint.save_weights`); the optimizer,
+        lr schedule and the engine's sampler state as plain state."""
+        save_weights(folder, self.model, self.tokenizer)
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        sampler = self.engine.sampler_state() if self.engine is not None else None
+        if sampler is not None:
+            state["sampler_rng"] = sampler
+        return state
+
+    def load_checkpoint(self, folder: Path, state: Mapping[str, Any]) -> None:
+        load_weights(folder, self.model)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._sampler_state = state.get("sampler_rng")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    def fit(self, on_step: OnStep | None = None) -> None:
+        """Train (the step loop), then export the merged policy when the config asks for it."""
+        super().fit(on_step)
+        self.export_merged()
+
+    def export_merged(self) -> None:
+        """Write the policy (a LoRA run's adapters merged in) to ``agentlightning.torch.merged_model_dir``, if set."""
+        folder = self.config.agentlightning.torch.merged_model_dir
+        if folder:
+            save_served(self.model, folder)
+            self.tokenizer.save_pretrained(folder)
+            logger.info("wrote the merged policy to %s", folder)

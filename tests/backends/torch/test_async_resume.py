@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from agl_core.backends.torch.checkpoint import latest_checkpoint
+from agl_core.backends.checkpoints import SOURCE_STATE_FILE, latest_checkpoint
 from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.gateway_fixtures import Plan, SimulatedController
 from tests.helpers.paths import REPO_ROOT
@@ -48,9 +48,9 @@ def plan(rollout):
     return Plan(delay=1.5 if rollout["input"]["id"] % 4 == 3 else 0.05)
 
 
-def in_flight_ids(state):
+def in_flight_ids(checkpoint):
     """The dataset ids of the samples a checkpoint's rollout source carries."""
-    source = state["rollout_source"]
+    source = torch.load(checkpoint / SOURCE_STATE_FILE, weights_only=False)
     ids = [r["input"]["id"] for g in source["groups"] for _, r in g["done"] if r is not None]
     ids += [p["request"]["input"]["id"] for p in source["pending"]]
     ids += [sample["id"] for sample in source["backlog"]]
@@ -120,9 +120,8 @@ def test_a_killed_async_run_trains_every_sample_in_flight_once(gateway, tmp_path
         assert second.returncode == 0, err.decode()[-3000:]
     assert latest_checkpoint(run_dir).name == "global_step_5"
 
-    at_kill = torch.load(run_dir / "global_step_2" / "trainer_state.pt", weights_only=False)
     at_end = torch.load(run_dir / "global_step_5" / "trainer_state.pt", weights_only=False)
-    carried = in_flight_ids(at_kill)
+    carried = in_flight_ids(run_dir / "global_step_2")
     assert carried, "the checkpoint of step 2 holds samples in flight"
     # the steps each run trained: the killed one's first two (checkpointed), the resumed one's 3 to 5
     steps = [json.loads(line) for line in (tmp_path / "first.jsonl").read_text().splitlines()][:2]
@@ -132,9 +131,9 @@ def test_a_killed_async_run_trains_every_sample_in_flight_once(gateway, tmp_path
     assert set(trained.values()) == {N}, f"every trained sample's group is trained once, whole: {trained}"
     handed_out = set(range(at_end["data"]["index"] * 2))
     assert at_end["data"]["epoch"] == 0
-    assert set(trained) | in_flight_ids(at_end) == handed_out, "no sample handed out was lost"
-    assert not set(trained) & in_flight_ids(at_end)
-    assert carried <= set(trained) | in_flight_ids(at_end)
+    assert set(trained) | in_flight_ids(run_dir / "global_step_5") == handed_out, "no sample handed out was lost"
+    assert not set(trained) & in_flight_ids(run_dir / "global_step_5")
+    assert carried <= set(trained) | in_flight_ids(run_dir / "global_step_5")
     resumed_step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[2])
     assert resumed_step["step"] == 3
     assert resumed_step["training/async/n_resumed_groups"] + resumed_step[

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agl_core import hookimpl
-from agl_core.backends.torch.checkpoint import latest_checkpoint
+from agl_core.backends.checkpoints import latest_checkpoint
 from agl_core.train import run
 from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.torch_runs import CONFIG, resume_overrides
@@ -80,7 +80,7 @@ def agl_on_enqueue(request):
 
 def _expected_batches(overrides, steps):
     """The dataset rows each step trains on, from the data order alone (no run needed)."""
-    from agl_core.backends.torch.data_order import DataOrder
+    from agl_core.backends.data_order import DataOrder
     from agl_core.config import load_config
     from agl_core.datasets import load_dataset
 

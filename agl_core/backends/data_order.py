@@ -1,4 +1,4 @@
-"""The order in which the torch backend reads its training rows, reproducible across restarts."""
+"""The order in which the step loop reads its training rows, reproducible across restarts."""
 
 from __future__ import annotations
 

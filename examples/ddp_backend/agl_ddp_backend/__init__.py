@@ -1,0 +1,184 @@
+"""``ddp``: an agl backend on plain PyTorch, data parallel over gloo (CPU processes).
+
+agl runs the step loop (:class:`agl_core.LoopBackend`); this package supplies what the loop asks of
+a backend. The driver (the ``agl train`` process) keeps a copy of the policy that an in-process
+:class:`agl_core.PolicyServer` serves to the agents, and ``agentlightning.plugins.ddp.processes``
+worker processes (:mod:`agl_ddp_backend.worker`) train it in ``DistributedDataParallel``: every
+update goes to all of them, rank 0 sends the new weights back, and the driver serves them.
+
+What it does not implement is refused with an error naming the key (:data:`REQUIRED`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Mapping
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from agl_core import (
+    AglError,
+    BackendSpec,
+    ConfigError,
+    LoopBackend,
+    LossSettings,
+    PluginManager,
+    PolicyServer,
+    PreparedBatch,
+    Served,
+    hookimpl,
+    tensorize,
+)
+from agl_ddp_backend.worker import RESPONSE_KEYS, UpdateSettings, pack, serve_rank, unpack
+
+__all__ = ["REQUIRED", "DdpBackend", "DdpSettings", "check_ddp_config"]
+
+REQUIRED = {  # every other value of these keys needs what only the torch backend has
+    "actor_rollout_ref.actor.use_kl_loss": False,
+    "actor_rollout_ref.actor.use_dynamic_bsz": False,
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision": None,
+    "actor_rollout_ref.model.lora_rank": 0,
+    "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+    "agentlightning.engine": "builtin",
+}
+
+
+@attrs.frozen
+class DdpSettings:
+    """``agentlightning.plugins.ddp``: how many processes train."""
+
+    processes: int = attrs.field(default=2, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
+
+
+def check_ddp_config(config: DictConfig) -> None:
+    """What ``agl check`` refuses before a ``ddp`` run: values of :data:`REQUIRED` keys it does not implement."""
+    for key, value in REQUIRED.items():
+        if OmegaConf.select(config, key) != value:
+            raise ConfigError(key, f"backend 'ddp' trains with {value!r} only; the torch backend has the others")
+    if int(config.actor_rollout_ref.actor.optim.lr_warmup_steps) > 0:
+        raise ConfigError("actor_rollout_ref.actor.optim.lr_warmup_steps", "backend 'ddp' has no lr warmup")
+
+
+class RankError(AglError):
+    """A worker process failed or died; the message holds its traceback."""
+
+
+class DdpBackend(LoopBackend):
+    """The backend ``ddp``: the update in worker processes, the weights served by the driver."""
+
+    def __init__(self, config: DictConfig, plugins: PluginManager):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        check_ddp_config(config)
+        folder = str(config.actor_rollout_ref.model.path)
+        super().__init__(config, plugins, AutoTokenizer.from_pretrained(folder))
+        processes = plugins.settings["ddp"].processes
+        rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+        if rows < processes:
+            raise ConfigError(
+                "agentlightning.plugins.ddp.processes", f"is {processes}, more than the {rows} rows of a mini-batch"
+            )
+        actor = config.actor_rollout_ref.actor
+        settings = UpdateSettings(
+            lr=float(actor.optim.lr),
+            betas=tuple(actor.optim.betas),
+            weight_decay=float(actor.optim.weight_decay),
+            grad_clip=float(actor.grad_clip),
+            ppo_epochs=int(actor.ppo_epochs),
+            entropy_coeff=float(actor.entropy_coeff),
+            loss=LossSettings.from_actor_config(actor),
+        )
+        loss = plugins.policy_losses.get(actor.policy_loss.loss_mode)
+        self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.server: PolicyServer | None = None
+        self._sampler_state: object | None = None
+        self._store = tempfile.mkdtemp(prefix="agl-ddp-")
+        context = torch.multiprocessing.get_context("spawn")
+        self.pipes, self.processes = [], []
+        for rank in range(processes):
+            here, there = context.Pipe()
+            args = (rank, processes, f"{self._store}/store", folder, settings, loss, there)
+            self.processes.append(context.Process(target=serve_rank, args=args, daemon=True))
+            self.processes[-1].start()
+            self.pipes.append(here)
+
+    def _call(self, command: str, *args: Any) -> Any:
+        """Run ``command`` on every rank; rank 0's result. A rank that fails or dies fails the call at
+        once (the others may wait in a collective: :meth:`close` ends them)."""
+        for pipe in self.pipes:
+            pipe.send_bytes(pack((command, args)))
+        results: dict[int, Any] = {}
+        while len(results) < len(self.pipes):
+            for pipe in wait([p for rank, p in enumerate(self.pipes) if rank not in results]):
+                rank = self.pipes.index(pipe)
+                try:
+                    ok, value = unpack(pipe.recv_bytes())
+                except EOFError:
+                    ok, value = False, f"exited with code {self.processes[rank].exitcode}"
+                if not ok:
+                    raise RankError(f"rank {rank} failed in {command}: {value}")
+                results[rank] = value
+        return results[0]
+
+    def update(self, prepared: PreparedBatch) -> dict[str, float]:
+        assert prepared.shaped is not None
+        padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
+        tensors = {name: padded.tensors[name] for name in RESPONSE_KEYS}
+        advantages = prepared.advantages(tensors["responses"].shape[1])
+        metrics, weights = self._call("update", tensors, advantages, prepared.shaped.n_mini_batches)
+        self.model.load_state_dict(weights)
+        return metrics
+
+    def serve(self, version: int) -> Served:
+        if self.server is None:
+            name, seed = str(self.config.actor_rollout_ref.model.path), int(self.config.trainer.seed)
+            self.server = PolicyServer(self.model, self.tokenizer, name, seed=seed)
+            self.server.start()
+            if self._sampler_state is not None:
+                self.server.restore_sampler_state(self._sampler_state)
+        self.server.push_weights(self.model, version)
+        return Served([self.server.base_url])
+
+    def save_checkpoint(self, folder: Path) -> dict[str, Any]:
+        self.model.save_pretrained(folder / "model")
+        self.tokenizer.save_pretrained(folder / "model")
+        assert self.server is not None
+        return {"optimizer": self._call("optimizer_state"), "sampler_rng": self.server.sampler_state()}
+
+    def load_checkpoint(self, folder: Path, state: Mapping[str, Any]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+        self._call("load", self.model.state_dict(), state["optimizer"])
+        self._sampler_state = state["sampler_rng"]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for pipe, process in zip(self.pipes, self.processes):
+            if process.is_alive():
+                pipe.send_bytes(pack(("stop", ())))
+        for process in self.processes:  # a rank stuck in a collective (another failed) is killed
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        shutil.rmtree(self._store, ignore_errors=True)
+
+
+@hookimpl
+def agl_plugin_settings() -> dict[str, type]:
+    return {"ddp": DdpSettings}
+
+
+@hookimpl
+def agl_register_backends(register: Any) -> None:
+    register("ddp", BackendSpec(DdpBackend, check_config=check_ddp_config))

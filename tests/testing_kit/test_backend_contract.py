@@ -1,0 +1,80 @@
+"""The backend contract fails a backend that breaks what it checks: the reference backend with one
+defect each, replaying the corridor recording (the passing runs are tests/backends/test_backend_contracts.py)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from agl_core import Served, hookimpl
+from agl_core.backends.torch.backend import TorchBackend
+from agl_core.testing.backend_contract import ContractRuns
+from agl_core.testing.contracts import BackendContract
+from tests.helpers.corridor_policy import shared_corridor_policy
+from tests.helpers.paths import RECORDED_CORRIDOR
+
+
+class NeverPushes(TorchBackend):
+    """Serves the starting weights and never the updated ones."""
+
+    def serve(self, version):
+        if self.engine is None:
+            return super().serve(version)
+        return Served([self.engine.base_url])
+
+
+class TrainsHalfTheRows(TorchBackend):
+    """Updates on the first half of the rows it is handed."""
+
+    def update(self, prepared):
+        half = len(prepared.shaped.rows) // 2
+        shaped = attrs.evolve(
+            prepared.shaped,
+            rows=prepared.shaped.rows[:half],
+            advantages=prepared.shaped.advantages[:half],
+            kept_indices=prepared.shaped.kept_indices[:half],
+            returns=prepared.shaped.returns[:half],
+        )
+        scales = None if prepared.row_scales is None else prepared.row_scales[:half]
+        return super().update(attrs.evolve(prepared, shaped=shaped, row_scales=scales))
+
+
+class ForgetsTheOptimizer(TorchBackend):
+    """Resumes the weights but starts a fresh optimizer."""
+
+    def load_checkpoint(self, folder, state):
+        super().load_checkpoint(folder, {**state, "optimizer": self.optimizer.state_dict()})
+
+
+class Defective:
+    @hookimpl
+    def agl_register_backends(self, register):
+        register("never_pushes", NeverPushes)
+        register("trains_half", TrainsHalfTheRows)
+        register("forgets_optimizer", ForgetsTheOptimizer)
+
+
+def contract(name):
+    class Contract(BackendContract):
+        backend_name = name
+        plugins = (Defective(),)
+
+        def recorded(self, folder):
+            return RECORDED_CORRIDOR, shared_corridor_policy()
+
+    return Contract()
+
+
+@pytest.mark.parametrize(
+    ("backend", "check", "message"),
+    [
+        ("never_pushes", "test_weight_versions_advance_and_are_what_agents_are_served", "were not pushed"),
+        ("never_pushes", "test_update_equals_the_reference", "the served policy differs from the reference's"),
+        ("trains_half", "test_trains_the_rows_it_is_handed", "the gradient differs from the reference's"),
+        ("forgets_optimizer", "test_a_resumed_run_continues_the_same_run", "differs from an uninterrupted run's"),
+    ],
+)
+def test_the_contract_fails_a_defective_backend(tmp_path, backend, check, message):
+    suite = contract(backend)
+    with pytest.raises(AssertionError, match=message):
+        getattr(suite, check)(ContractRuns(suite, tmp_path))
