@@ -31,7 +31,14 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 from agl_backend_verl.moved_keys import with_moved_key_hint
 from agl_backend_verl.verl_dataclasses import declared_fields, type_names
 from agl_backend_verl.verl_version import VERL_INSTALL, check_verl_version
-from agl_core import AgentLightningConfig, ConfigError, default_config, merge_config, validate_config
+from agl_core import (
+    AgentLightningConfig,
+    ConfigError,
+    check_rollout_source,
+    default_config,
+    merge_config,
+    validate_config,
+)
 
 ROLLOUT_LEVEL_KEY = "enable_rollout_level_advantage"
 
@@ -408,10 +415,7 @@ def check_verl_requirements(cfg: DictConfig) -> None:
         raise ConfigError(
             "actor_rollout_ref.model.path", "the policy's model (a local folder or a Hugging Face id) is not set"
         )
-    if cfg.agentlightning.agl_base_url is None and not cfg.agentlightning.replay:
-        from agl_core.rollouts.agents import load_agent_class
-
-        load_agent_class(cfg.agentlightning.local.agent_class)
+    check_rollout_source(cfg)
     check_layout(cfg)
     check_with_verl(cfg)
 

@@ -34,7 +34,7 @@ from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
 from agl_backend_verl.trainer import StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
-from agl_core import ConfigError, OnStep, PluginError, PluginManager
+from agl_core import ConfigError, OnStep, PluginError, PluginManager, open_rollout_source
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
@@ -232,24 +232,14 @@ def fit_reports(trainer: Any, loop: Any) -> Iterator[StepReport]:
 
 
 def rollout_source(config: DictConfig, manager: PluginManager, trainer: Any) -> Any:
-    """The run's rollout source: a recording's with ``agentlightning.replay``, else the gateway's
-    (the async one, which pauses and drains around weight updates, in the async modes), else the
-    embedded agents calling the first replica."""
-    from agl_core import ReplayRolloutSource, gateway_source
-
+    """The run's rollout source (:func:`~agl_core.open_rollout_source`: a recording, the gateway, or
+    the embedded agents calling the first replica); in the async modes the gateway's async source,
+    which pauses and drains the gateway around each weight update."""
     agl = config.agentlightning
-    if agl.replay:
-        return ReplayRolloutSource(config, trainer.tokenizer)
-    if agl.agl_base_url:
+    if agl.agl_base_url and not agl.replay:
         async_mode = config.trainer.v1.trainer_mode != "sync"
-        return gateway_source(
-            OmegaConf.merge(config, {"agentlightning": {"async_rollout": {"enabled": async_mode}}}), manager
-        )
-    from agl_core.rollouts.embedded import EmbeddedRolloutSource
-
-    return EmbeddedRolloutSource(
-        config, manager, trainer.serving_endpoints()[0], str(config.actor_rollout_ref.model.path)
-    )
+        config = OmegaConf.merge(config, {"agentlightning": {"async_rollout": {"enabled": async_mode}}})
+    return open_rollout_source(config, manager, trainer.tokenizer, trainer.serving_endpoints())
 
 
 RemoteTaskRunner = ray.remote(num_cpus=1)(TaskRunner)

@@ -162,8 +162,11 @@ class AglTrainer:
         return [_endpoint(address) for manager in managers for address in manager.server_addresses]
 
     def register_replicas(self) -> None:
-        """Register the serving replicas with the gateway under the current weights' version."""
-        self.agent_loop_manager.after_weight_update(self.serving_endpoints(), self.global_steps)
+        """Register the serving replicas with the rollout source (the gateway) under the current
+        weights' version, then tell the plugins (``agl_on_weights_served``)."""
+        endpoints = self.serving_endpoints()
+        self.agent_loop_manager.after_weight_update(endpoints, self.global_steps)
+        self.plugins.on_weights_served(endpoints, self.global_steps)
 
     def on_sample_end(self) -> None:
         self.step_metrics = self.agent_loop_manager.before_weight_update()  # async gateway: pause and drain

@@ -100,6 +100,7 @@ __all__ = [
     "__version__",
     "aggregate_trajectories",
     "broadcast",
+    "check_rollout_source",
     "common_prefix_length",
     "default_config",
     "exact_prefix",
@@ -231,6 +232,7 @@ _MODULES: dict[str, str] = {
     "LoopBackend": "agl_core.backends.loop_backend",
     "Served": "agl_core.backends.loop_backend",
     "open_rollout_source": "agl_core.backends.rollout_source",
+    "check_rollout_source": "agl_core.backends.rollout_source",
     "save_source_state": "agl_core.backends.checkpoints",
     "restore_source_state": "agl_core.backends.checkpoints",
     # metric sinks
@@ -244,7 +246,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
     from agl_core.backends.loop import LoopSettings, Step, run_steps
     from agl_core.backends.loop_backend import LoopBackend, Served
-    from agl_core.backends.rollout_source import open_rollout_source
+    from agl_core.backends.rollout_source import check_rollout_source, open_rollout_source
     from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix, trajectory_rollout
     from agl_core.config import (
         AgentLightningConfig,

@@ -63,6 +63,7 @@ SHARED_ROLLOUT_MODULES = (
     "agl_core.rollouts.source",
     "agl_core.rollouts.events",
     "agl_core.rollouts.finish",
+    "agl_core.rollouts.streaming",
 )
 
 # part -> the parts it may import (its own part always included)

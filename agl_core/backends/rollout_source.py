@@ -17,7 +17,8 @@ __all__ = ["check_rollout_source", "open_rollout_source"]
 
 
 def check_rollout_source(config: DictConfig) -> None:
-    """Refuse what no source can run, before anything is built: async rollout runs through the gateway only."""
+    """Refuse what no source can run, before anything is built (``agl check`` runs it too): async
+    rollout runs through the gateway only, and the embedded agents' class must import."""
     agl = config.agentlightning
     if agl.async_rollout.enabled and not agl.agl_base_url:
         raise ConfigError(
@@ -25,6 +26,10 @@ def check_rollout_source(config: DictConfig) -> None:
             "async rollout runs through the gateway: set agentlightning.agl_base_url"
             " (the embedded source is sync only)",
         )
+    if not agl.agl_base_url and not agl.replay:
+        from agl_core.rollouts.agents import load_agent_class
+
+        load_agent_class(agl.local.agent_class)
 
 
 def open_rollout_source(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agl_core.backends.rollout_source import check_rollout_source
 from agl_core.backends.torch.lora import check_lora_keys
 from agl_core.backends.torch.precision import dtype_names
 from agl_core.config import ConfigError
@@ -46,7 +47,4 @@ def check_torch_config(config: DictConfig) -> None:
     check_device(config.agentlightning.torch.device)
     check_lora_keys(config.actor_rollout_ref.model)
     dtype_names(config.actor_rollout_ref.actor.fsdp_config)
-    if not config.agentlightning.agl_base_url and not config.agentlightning.replay:
-        from agl_core.rollouts.agents import load_agent_class
-
-        load_agent_class(config.agentlightning.local.agent_class)
+    check_rollout_source(config)
