@@ -317,6 +317,52 @@ def check_v1(cfg: DictConfig) -> None:
                 f"groups as parameter_sync_step mini-batches of actor_rollout_ref.actor.ppo_mini_batch_size "
                 f"({mini}): their product must equal the batch",
             )
+        check_separate_async(cfg)
+
+
+def check_separate_async(cfg: DictConfig) -> None:
+    """verl's other rules for ``separate_async`` (asserts in its trainer, inside Ray), by key, and the
+    one of agl: the gateway cannot follow verl lending the trainer's replicas to generation."""
+    rollout = cfg.actor_rollout_ref.rollout
+    for key in ("nnodes", "n_gpus_per_node"):
+        if int(rollout[key]) <= 0:
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.{key}",
+                f"is {rollout[key]}, but separate_async runs its rollout replicas on a pool of their own: "
+                "actor_rollout_ref.rollout.nnodes x actor_rollout_ref.rollout.n_gpus_per_node devices",
+            )
+    replica = (
+        int(rollout.tensor_model_parallel_size)
+        * int(rollout.data_parallel_size)
+        * int(rollout.pipeline_model_parallel_size)
+    )
+    if int(rollout.nnodes) * int(rollout.n_gpus_per_node) % replica:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.n_gpus_per_node",
+            f"is {rollout.n_gpus_per_node} on {rollout.nnodes} node(s), but the rollout pool holds whole replicas of "
+            f"tensor x data x pipeline parallel size = {replica} devices",
+        )
+    if rollout.checkpoint_engine.backend == "naive":
+        raise ConfigError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend",
+            "is 'naive', which only feeds replicas inside the trainer's ranks; separate_async sends the weights "
+            "to its rollout pool through another engine (nccl, nixl, ...; agl_gloo with trainer.device=cpu)",
+        )
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(
+            "actor_rollout_ref.hybrid_engine",
+            "is false, which verl 0.9.1's separate_async trainer cannot start with: it logs the standalone-only "
+            'set-up with logger.info(..., flush=True) and stops with "TypeError: Logger._log() got an unexpected '
+            "keyword argument 'flush'\" (verl/trainer/ppo/v1/trainer_separate_async.py); leave it true (the "
+            "trainer's own replicas then serve verl's validation switch only, agl's agents use the rollout pool's)",
+        )
+    if cfg.trainer.v1.separate_async.hybrid_rollout.enable_switch:
+        raise ConfigError(
+            "trainer.v1.separate_async.hybrid_rollout.enable_switch",
+            "is true, but agl's agents reach the replicas the gateway registers (the rollout pool's), not verl's "
+            "load balancer: the trainer's replicas verl would lend to generation between steps would get no "
+            "requests, and each switch would cost a weight push and a sleep; set it to false",
+        )
 
 
 CRITIC_PLACEHOLDER = "~/models/deepseek-llm-7b-chat"

@@ -14,8 +14,10 @@ the mode (``get_trainer_cls``), which changes what the loop does at a few points
   ``_compute_ref_log_prob``, ``_compute_values``, (``gae``: ``_compute_advantage``), ``_update_critic``,
   ``_update_actor``.
 - ``on_sample_end``: the gateway paused and drained (async modes) before verl aborts and sleeps the
-  replicas; ``on_init_end`` / ``on_step_end``: after verl pushed the weights, the replicas registered
-  with the gateway under the step's version (and the gateway resumed).
+  replicas; in ``separate_async``, whose rollout pool keeps generating while the trainer trains, at
+  ``on_step_end`` right before verl pushes the weights to that pool (the drain's metrics go with
+  verl's weight-sync metrics); ``on_init_end`` / ``on_step_end``: after verl pushed the weights, the
+  replicas registered with the gateway under the step's version (and the gateway resumed).
 - ``_validate``: one rollout per validation row through the same agent-loop manager, agl's ``val/*`` metrics.
 - ``_compute_metrics`` and ``logger``: the step's metrics are agl's (the torch backend's names), and
   what verl's loop logs goes to the step reports ``agl train`` receives (:class:`StepReports`).
@@ -169,11 +171,17 @@ class AglTrainer:
         self.plugins.on_weights_served(endpoints, self.global_steps)
 
     def on_sample_end(self) -> None:
-        self.step_metrics = self.agent_loop_manager.before_weight_update()  # async gateway: pause and drain
+        if self.trainer_mode != "separate_async":  # type: ignore[attr-defined]
+            self.step_metrics = self.agent_loop_manager.before_weight_update()  # async gateway: pause and drain
         super().on_sample_end()  # type: ignore[misc]
 
     def on_step_end(self) -> None:
+        drained = {}
+        if self.trainer_mode == "separate_async":  # type: ignore[attr-defined]
+            drained = self.agent_loop_manager.before_weight_update()  # the rollout pool generates until the push
         super().on_step_end()  # type: ignore[misc]
+        if drained:  # logged with verl's weight-sync metrics of the step
+            self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **drained}
         self.register_replicas()
 
     def _reissue_inflight_prompts(self, partition_id: str = "train") -> int:

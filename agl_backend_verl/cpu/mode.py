@@ -6,7 +6,10 @@ trainer.n_gpus_per_node``), which :func:`ray_init_kwargs` declares when agl star
 worker gets ``VERL_PLATFORM=cpu``, so verl picks :class:`~agl_backend_verl.cpu.platform.CpuPlatform`
 (gloo) and the FSDP engines :mod:`~agl_backend_verl.cpu.engines` registers for ``cpu``.
 
-:data:`CPU_KEYS` are the keys a CPU run sets (the CPU examples, tests and scripts use them);
+:data:`CPU_KEYS` are the keys a CPU run sets (the CPU examples, tests and scripts use them), and
+:data:`SEPARATE_ASYNC_CPU_KEYS` those a ``separate_async`` run adds: its standalone rollout pool
+(more ``verl_cpu_rank`` bundles) and the gloo checkpoint engine
+(:mod:`~agl_backend_verl.cpu.checkpoint_engine`) that carries the weights there;
 :func:`check_cpu_config` refuses, by key, a value verl cannot run on CPU; :func:`use_fp32` sets the
 FSDP mixed precision to fp32, which verl's YAML has no key for (its default autocasts to bf16).
 """
@@ -17,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from agl_backend_verl.config import trainer_mode
 from agl_core import ConfigError
 
 DEVICE = "cpu"
@@ -24,6 +28,8 @@ PLATFORM_ENV = "VERL_PLATFORM"
 RANK_RESOURCE = "verl_cpu_rank"  # the Ray resource of one rank (CpuPlatform.ray_resource_name)
 RANKS = 2
 REPLICA = "agl_cpu"  # actor_rollout_ref.rollout.name of the CPU replica
+CHECKPOINT_ENGINE = "agl_gloo"  # actor_rollout_ref.rollout.checkpoint_engine.backend of the standalone replicas
+CHECKPOINT_ENGINE_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 
 # The keys of a CPU run: two gloo ranks sharing one CPU replica, one agent-loop and one reward worker
 # (verl starts them; agl's rollouts go through the gateway), one TransferQueue storage unit, no
@@ -51,11 +57,22 @@ CPU_KEYS: tuple[str, ...] = (
     "ray_kwargs.ray_init.num_cpus=12",
 )
 
+# The keys a separate_async run adds to CPU_KEYS: one standalone replica on its own pool of RANKS
+# verl_cpu_rank bundles (the CPU replica's tensor_model_parallel_size), fed by the gloo checkpoint
+# engine, and Ray CPUs for that pool's bundles (verl gives each bundle 2).
+SEPARATE_ASYNC_CPU_KEYS: tuple[str, ...] = (
+    "trainer.v1.trainer_mode=separate_async",
+    "actor_rollout_ref.rollout.nnodes=1",
+    f"actor_rollout_ref.rollout.n_gpus_per_node={RANKS}",
+    f"{CHECKPOINT_ENGINE_KEY}={CHECKPOINT_ENGINE}",
+    "ray_kwargs.ray_init.num_cpus=16",
+)
+
 
 def mode_keys(mode: str) -> tuple[str, ...]:
-    """What a CPU run adds to :data:`CPU_KEYS` for ``trainer.v1.trainer_mode`` ``mode`` (``sync`` and
-    ``colocate_async`` need nothing more)."""
-    return {}.get(mode, ())
+    """What a CPU run adds to :data:`CPU_KEYS` for ``trainer.v1.trainer_mode`` ``mode``:
+    :data:`SEPARATE_ASYNC_CPU_KEYS` for ``separate_async``; ``sync`` and ``colocate_async`` need nothing more."""
+    return SEPARATE_ASYNC_CPU_KEYS if mode == "separate_async" else ()
 
 
 # Engine sections whose FSDP mixed precision CPU mode sets to fp32.
@@ -95,6 +112,7 @@ def check_cpu_config(config: DictConfig, use_critic: bool) -> None:
         got = OmegaConf.select(config, key, default=None)
         if got != value:
             raise ConfigError(key, f"is {got!r}, but trainer.device=cpu needs {value!r} ({why})")
+    check_checkpoint_engine(config)
     for section in ENGINE_SECTIONS:  # CPU mode trains in fp32: a user's other dtype is refused, not replaced
         mixed = OmegaConf.select(config, f"{section}.mixed_precision", default=None)
         for field, dtype in (mixed or {}).items():
@@ -103,6 +121,22 @@ def check_cpu_config(config: DictConfig, use_critic: bool) -> None:
                     f"{section}.mixed_precision.{field}",
                     f"is {dtype!r}, but trainer.device=cpu trains in fp32 (set fp32 or leave mixed_precision out)",
                 )
+
+
+def check_checkpoint_engine(config: DictConfig) -> None:
+    """On CPU, weights reach a standalone replica (``separate_async``) through :data:`CHECKPOINT_ENGINE`
+    only; the other modes feed the trainer's own replicas in process (``naive``)."""
+    separate = trainer_mode(config) == "separate_async"
+    allowed = (CHECKPOINT_ENGINE,) if separate else ("naive", CHECKPOINT_ENGINE)
+    got = OmegaConf.select(config, CHECKPOINT_ENGINE_KEY, default=None)
+    if got not in allowed:
+        raise ConfigError(
+            CHECKPOINT_ENGINE_KEY,
+            f"is {got!r}, but trainer.device=cpu{' with separate_async' if separate else ''} needs "
+            f"{' or '.join(map(repr, allowed))}: verl's other checkpoint engines need GPUs (nccl, hccl) or RDMA "
+            "(nixl, mooncake, kimi), and 'naive' only feeds replicas inside the trainer's ranks; "
+            f"{CHECKPOINT_ENGINE!r} sends the weights to the standalone replicas over gloo",
+        )
 
 
 def use_fp32(config: DictConfig) -> None:
@@ -114,7 +148,13 @@ def use_fp32(config: DictConfig) -> None:
 
 
 def ranks(config: DictConfig) -> int:
-    return int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    """The :data:`RANK_RESOURCE` units a run takes: the trainer's ranks, and in ``separate_async`` the
+    standalone rollout pool's."""
+    trainer = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    if trainer_mode(config) != "separate_async":
+        return trainer
+    rollout = config.actor_rollout_ref.rollout
+    return trainer + int(rollout.nnodes) * int(rollout.n_gpus_per_node)
 
 
 def runtime_env_vars() -> dict[str, str]:
@@ -132,9 +172,12 @@ def check_ray_resources(config: DictConfig, cluster: dict[str, float]) -> None:
     """The Ray cluster must offer one :data:`RANK_RESOURCE` per rank (agl declares them when it starts Ray)."""
     needed, available = ranks(config), cluster.get(RANK_RESOURCE, 0)
     if available < needed:
+        pools = "trainer.nnodes x trainer.n_gpus_per_node"
+        if trainer_mode(config) == "separate_async":
+            pools += " + actor_rollout_ref.rollout.nnodes x actor_rollout_ref.rollout.n_gpus_per_node"
         raise ConfigError(
             "trainer.n_gpus_per_node",
-            f"trainer.device=cpu runs trainer.nnodes x trainer.n_gpus_per_node = {needed} ranks on Ray resource "
+            f"trainer.device=cpu runs {pools} = {needed} ranks on Ray resource "
             f"{RANK_RESOURCE!r}, of which the Ray cluster has {available:g} "
             f"(start Ray with resources={{'{RANK_RESOURCE}': {needed}}}, "
             "or let agl start it)",

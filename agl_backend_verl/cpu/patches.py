@@ -52,11 +52,28 @@ def unpinned_offload_policy(**kwargs: Any) -> Any:
     return CPUOffloadPolicy(**{**kwargs, "pin_memory": False})
 
 
+def copying_sharded_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu`` returning copies: it keeps each rank's shard
+    as ``shard.detach().cpu()``, which copies from a GPU but on CPU is the parameter's own storage,
+    so the snapshot the separate_async trainer takes of π_old (``DetachActorWorker.save_model_to_cpu``)
+    would follow every optimizer step and its old log-probs would be the current policy's."""
+
+    def fsdp2_sharded_save_to_cpu(model: Any) -> Any:
+        shards, spec = original(model)
+        return {name: (shard.clone(), shard_spec) for name, (shard, shard_spec) in shards.items()}, spec
+
+    fsdp2_sharded_save_to_cpu._agl_patch = True  # type: ignore[attr-defined]
+    return fsdp2_sharded_save_to_cpu
+
+
 def apply() -> None:
     """Apply every patch (idempotent)."""
-    from verl.utils import distributed, model
+    from verl.utils import distributed, fsdp_utils, model
     from verl.workers import engine_workers
     from verl.workers.engine.fsdp import transformer_impl
+    from verl.workers.rollout import replica
+
+    from agl_backend_verl.cpu.resources import CpuResourcePoolManager
 
     if transformer_impl.CPUOffloadPolicy is not unpinned_offload_policy:
         transformer_impl.CPUOffloadPolicy = unpinned_offload_policy  # imported by name there
@@ -71,3 +88,11 @@ def apply() -> None:
         distributed.initialize_global_process_group_ray = patched
         engine_workers.initialize_global_process_group_ray = patched  # imported by name there
         APPLIED.append("verl.utils.distributed.initialize_global_process_group_ray")
+
+    if replica.ResourcePoolManager is not CpuResourcePoolManager:
+        replica.ResourcePoolManager = CpuResourcePoolManager  # imported by name there, for init_standalone
+        APPLIED.append("verl.workers.rollout.replica.ResourcePoolManager")
+
+    if not getattr(fsdp_utils.fsdp2_sharded_save_to_cpu, "_agl_patch", False):
+        fsdp_utils.fsdp2_sharded_save_to_cpu = copying_sharded_save(fsdp_utils.fsdp2_sharded_save_to_cpu)
+        APPLIED.append("verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu")  # imported from there at call time

@@ -2,33 +2,42 @@
 
 Registered as ``agl_cpu`` in verl's ``RolloutReplicaRegistry`` (the replica verl's
 ``LLMServerManager`` builds, picked by ``actor_rollout_ref.rollout.name``) and in verl's rollout
-table ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the in-process adapter each training rank
-builds, through which verl's hybrid ``update_weights`` hands it the actor's weights).
+table ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the server adapter through which verl hands
+a replica its weights).
 
 - :class:`CpuReplica` runs one :class:`CpuPolicyServer` Ray actor per replica: an OpenAI-compatible
   server on 127.0.0.1 answering as vLLM does (prompt and response token ids, per-token log-probs),
   :class:`agl_core.serving.policy_server.PolicyServer` serving the policy from the model path.
-- :class:`CpuServerAdapter` lives in every training rank; verl's ``update_weights`` (checkpoint
-  engine backend ``naive``) streams it the actor's full weights, which the replica's first rank sends
-  to the server with the training step as its version. Every rank drains the stream (FSDP gathers
-  each tensor collectively). A LoRA run's adapters are merged into the served base weights
-  (:mod:`agl_backend_verl.cpu.lora`).
+- :class:`CpuServerAdapter` receives the actor's full weights and sends them to its replica's
+  server with the training step as their version (from the replica's first rank; every rank drains
+  the stream). In verl's hybrid mode (``sync``, ``colocate_async``, and the trainer's own replicas of
+  ``separate_async``) it lives in every training rank and verl's ``update_weights`` streams it the
+  weights in process (checkpoint engine ``naive``). In verl's standalone mode (the rollout pool of
+  ``separate_async``) verl's ``init_standalone`` gives the replica its own resource pool of
+  ``verl_cpu_rank`` bundles, with one ``CheckpointEngineWorker`` per rank holding the adapter; the
+  weights reach them through the checkpoint engine of
+  :mod:`agl_backend_verl.cpu.checkpoint_engine`, and the server is placed in that pool. A LoRA run's adapters
+  are merged into the served base weights (:mod:`agl_backend_verl.cpu.lora`).
 
-Sleep and wake free nothing on CPU (the server keeps its copy of the weights); abort refuses the
-requests queued or arriving until the next resume (a batch already decoding finishes). Only verl's
-hybrid mode (rollout sharing the trainer's ranks) is supported.
+Sleep and wake free nothing on CPU (the server keeps its copy of the weights). Abort and resume are
+verl's partial-rollout gate: while aborted, new requests wait for the resume (or are refused with
+HTTP 503 when verl rejects them, as when it takes a replica out of generation); a batch already
+decoding finishes with the weights it started with, since weights change between batches only.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import Any
 
 import ray
 import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from agl_backend_verl.cpu.lora import hf_name, is_adapter, lora_scale, merge_adapters
 from agl_backend_verl.cpu.mode import REPLICA as NAME
@@ -41,27 +50,37 @@ def server_name(replica_rank: int) -> str:
 
 
 class AbortablePolicyServer(PolicyServer):
-    """agl's policy server with vLLM's abort/resume: while aborted, requests get HTTP 503."""
+    """agl's policy server with the abort/resume gate of verl's replicas (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._accepting = threading.Event()
-        self._accepting.set()
+        self._gate = threading.Condition()
+        self._open = True
+        self._rejecting = False
         self._base: dict[str, torch.Tensor] | None = None  # LoRA: the weights adapters are merged into
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        if not self._accepting.is_set():
-            raise RequestError("generation is paused: the replica's requests were aborted", status=503)
-        result = super().generate(prompt_ids, params)
-        if not self._accepting.is_set():
-            raise RequestError("the request was aborted", status=503)
-        return result
+        with self._gate:
+            while not self._open:
+                if self._rejecting:
+                    raise RequestError("generation is stopped: the replica's requests were aborted", status=503)
+                self._gate.wait()
+        return super().generate(prompt_ids, params)
 
-    def abort(self) -> None:
-        self._accepting.clear()
+    def abort(self, reject: bool = False) -> None:
+        """Hold new requests until :meth:`resume`; with ``reject``, refuse them (and those held) instead."""
+        with self._gate:
+            self._open, self._rejecting = False, reject
+            self._gate.notify_all()
 
     def resume(self) -> None:
-        self._accepting.set()
+        with self._gate:
+            self._open, self._rejecting = True, False
+            self._gate.notify_all()
+
+    def close(self) -> None:
+        self.abort(reject=True)
+        super().close()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy the actor's full weights into the served model, between batches (PEFT's names of a
@@ -128,7 +147,7 @@ class CpuPolicyServer:
         pass
 
     def abort_all_requests(self, reject_request: bool = False) -> None:
-        self.server.abort()
+        self.server.abort(reject=reject_request)
 
     def resume_generation(self) -> None:
         self.server.resume()
@@ -143,39 +162,50 @@ class CpuPolicyServer:
 
 
 class CpuReplica(RolloutReplica):
-    """verl's rollout replica on CPU: one :class:`CpuPolicyServer` per replica (hybrid mode only)."""
+    """verl's rollout replica on CPU: one :class:`CpuPolicyServer` per replica, in verl's hybrid or
+    standalone mode."""
 
     async def launch_servers(self) -> None:
         model_path = self.model_config.get("local_path") or self.model_config.path
+        placement = {}
+        if self.resource_pool is not None:  # standalone: the server sits in the replica's own pool
+            group = self.resource_pool.get_placement_groups()[0]
+            placement = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)}
         server = (
             ray.remote(CpuPolicyServer)
-            .options(name=server_name(self.replica_rank), num_cpus=0, max_concurrency=self.max_concurrency)
+            .options(name=server_name(self.replica_rank), num_cpus=0, max_concurrency=self.max_concurrency, **placement)
             .remote(str(model_path), str(self.model_config.path), self.replica_rank)
         )
         self.servers = [server]
         self._server_handle = server
         self._server_address = await server.address.remote()
 
-    async def init_standalone(self) -> None:
+    async def init_colocated(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
-            f"rollout {NAME!r} runs in verl's hybrid mode only (actor_rollout_ref.hybrid_engine=true)"
+            f"rollout {NAME!r} runs in verl's hybrid and standalone modes, not colocated in the trainer's pool"
         )
 
-    init_colocated = init_hybrid_colocated = init_standalone
+    init_hybrid_colocated = init_colocated
 
 
 class CpuServerAdapter(BaseRollout):
-    """The rollout inside each training rank: receives verl's weight updates for its replica's server."""
+    """A replica rank's server adapter: hands the weights verl sends it to its replica's server.
 
-    def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any):
+    ``replica_rank`` is given by verl's ``CheckpointEngineWorker`` (standalone mode); in a training
+    rank (hybrid mode) it follows from the rank, as verl's vLLM adapter derives it."""
+
+    def __init__(
+        self, config: Any, model_config: Any, device_mesh: Any, *args: Any, replica_rank: int = -1, **kwargs: Any
+    ):
         super().__init__(config, model_config, device_mesh)
         replica_size = (
             self.config.tensor_model_parallel_size
             * self.config.data_parallel_size
             * self.config.pipeline_model_parallel_size
         )
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.replica_rank, self.is_leader = divmod(rank, replica_size)[0], rank % replica_size == 0
+        rank = int(os.environ.get("RANK", 0))  # the rank in verl's worker group
+        self.replica_rank = replica_rank if replica_rank >= 0 else rank // replica_size
+        self.is_leader_rank = rank % replica_size == 0
 
     async def resume(self, tags: list[str]) -> None:
         pass
@@ -184,12 +214,17 @@ class CpuServerAdapter(BaseRollout):
         pass
 
     async def update_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], wire_format: str = "named_tensors", **kwargs: Any
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        wire_format: str = "named_tensors",
+        **kwargs: Any,
     ) -> None:
         if wire_format != "named_tensors":
             raise ValueError(f"rollout {NAME!r} takes full weights (wire format 'named_tensors'), got {wire_format!r}")
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}  # every rank drains the gather
-        if not self.is_leader:
+        state = {}
+        async for name, tensor in ensure_async_iterator(weights):  # every rank drains the stream
+            state[name] = tensor.detach().to("cpu", copy=True)
+        if not self.is_leader_rank:
             return
         version = int(kwargs.get("global_steps") or 0)
         server = ray.get_actor(server_name(self.replica_rank))

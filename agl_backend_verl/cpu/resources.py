@@ -3,8 +3,10 @@
 verl 0.9.1's ``ResourcePoolManager._check_resource_available`` counts only Ray's ``GPU`` (or
 ``NPU``) resources, so on CPU it stops with ``Total available GPUs 0 is less than total desired
 GPUs 2`` although the placement groups (bundles of the platform's Ray resource) would schedule.
-This subclass checks the resource verl's pools actually request; agl's task runner hands it to
-verl's trainer in CPU mode, in place of the manager verl's task runner builds.
+This subclass checks the resource verl's pools actually request. agl's trainer uses it in CPU mode
+in place of the manager verl's trainer builds, and verl's standalone rollout replicas (the rollout
+pool of ``separate_async``, ``RolloutReplica.init_standalone``) get it through the patch of
+``verl.workers.rollout.replica.ResourcePoolManager`` (:mod:`agl_backend_verl.cpu.patches`).
 """
 
 from __future__ import annotations

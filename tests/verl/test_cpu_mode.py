@@ -20,6 +20,7 @@ from verl.plugin.platform import PlatformRegistry, platform_manager  # noqa: E40
 from agl_backend_verl.config import load_verl_config  # noqa: E402
 from agl_backend_verl.cpu import (  # noqa: E402
     CPU_KEYS,
+    SEPARATE_ASYNC_CPU_KEYS,
     mode,
     patches,  # noqa: E402
 )
@@ -137,6 +138,77 @@ def test_what_cannot_run_on_cpu_is_refused_by_key(override, key):
     assert error.value.key == key and "trainer.device=cpu" in str(error.value)
 
 
+def separate_async_config(*overrides: str):
+    """A CPU separate_async config: two mini-batches of one group per step."""
+    return cpu_config(
+        *SEPARATE_ASYNC_CPU_KEYS,
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        *overrides,
+    )
+
+
+def test_separate_async_cpu_keys_load_pass_the_cpu_checks_and_reserve_both_pools():
+    config = separate_async_config()
+    mode.check_cpu_config(config, use_critic=False)
+    assert config.actor_rollout_ref.rollout.checkpoint_engine.backend == mode.CHECKPOINT_ENGINE
+    kwargs = ray_init_kwargs(config)
+    assert kwargs["resources"] == {mode.RANK_RESOURCE: 4.0}  # the trainer's 2 ranks + the rollout pool's 2
+    assert kwargs["num_cpus"] == 16
+    with pytest.raises(ConfigError, match=r"\+ actor_rollout_ref.rollout.nnodes x .* = 4 ranks .* has 2") as error:
+        mode.check_ray_resources(config, {mode.RANK_RESOURCE: 2.0})
+    assert error.value.key == "trainer.n_gpus_per_node"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "nixl", "naive"])
+def test_separate_async_on_cpu_takes_the_gloo_checkpoint_engine_only(backend):
+    key = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    if backend == "naive":  # verl's own rule, refused for every device when the config loads
+        with pytest.raises(ConfigError, match="only feeds replicas inside the trainer's ranks") as error:
+            separate_async_config(f"{key}={backend}")
+    else:
+        with pytest.raises(ConfigError, match="needs 'agl_gloo': verl's other checkpoint engines need GPUs") as error:
+            mode.check_cpu_config(separate_async_config(f"{key}={backend}"), use_critic=False)
+    assert error.value.key == key
+
+
+def test_the_hybrid_modes_on_cpu_take_naive_or_the_gloo_engine():
+    key = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    for backend in ("naive", mode.CHECKPOINT_ENGINE):
+        mode.check_cpu_config(cpu_config(f"{key}={backend}"), use_critic=False)
+    with pytest.raises(ConfigError, match="needs 'naive' or 'agl_gloo'") as error:
+        mode.check_cpu_config(cpu_config(f"{key}=nccl"), use_critic=False)
+    assert error.value.key == key
+
+
+@pytest.mark.parametrize(
+    "overrides, key, message",
+    [
+        (["actor_rollout_ref.rollout.nnodes=0"], "actor_rollout_ref.rollout.nnodes", "a pool of their own"),
+        (
+            ["actor_rollout_ref.rollout.n_gpus_per_node=3"],
+            "actor_rollout_ref.rollout.n_gpus_per_node",
+            "whole replicas of tensor x data x pipeline parallel size = 2",
+        ),
+        (
+            ["trainer.v1.separate_async.hybrid_rollout.enable_switch=true"],
+            "trainer.v1.separate_async.hybrid_rollout.enable_switch",
+            "would get no requests",
+        ),
+        (
+            ["actor_rollout_ref.hybrid_engine=false"],
+            "actor_rollout_ref.hybrid_engine",
+            "unexpected keyword argument 'flush'",
+        ),
+    ],
+)
+def test_separate_async_rules_verl_asserts_in_ray_are_refused_by_key_first(overrides, key, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        separate_async_config(*overrides)
+    assert error.value.key == key
+
+
 def test_the_critic_keys_are_checked_when_a_critic_is_used():
     config = cpu_config("critic.strategy=fsdp")
     mode.check_cpu_config(config, use_critic=False)
@@ -168,7 +240,13 @@ def test_the_cpu_replica_is_verls_rollout_agl_cpu():
     assert get_rollout_class("agl_cpu", "async") is CpuServerAdapter
 
 
-def test_the_replica_server_aborts_resumes_and_takes_weights_with_their_step(tiny_model_dir):
+def test_the_replica_server_holds_or_refuses_requests_while_aborted_and_takes_weights_with_their_step(
+    tiny_model_dir,
+):
+    """verl's partial-rollout gate: an abort holds new requests until the resume (they are then
+    served), an abort that rejects refuses them with 503 (those held too); weights load with their step."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agl_backend_verl.cpu.replica import AbortablePolicyServer
@@ -177,23 +255,53 @@ def test_the_replica_server_aborts_resumes_and_takes_weights_with_their_step(tin
     server = AbortablePolicyServer(model, AutoTokenizer.from_pretrained(tiny_model_dir), "tiny")
     server.start()
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 1, "seed": 1, "return_token_ids": True}
+
+    def post():
+        return httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+
     try:
-        ok = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()["choices"][0]
+        ok = post().json()["choices"][0]
         assert len(ok["token_ids"]) == len(ok["logprobs"]["token_logprobs"]) > 0
-        server.abort()
-        assert httpx.post(f"{server.base_url}/completions", json=body, timeout=60).status_code == 503
+        with ThreadPoolExecutor(2) as pool:
+            server.abort()
+            held = pool.submit(post)
+            with pytest.raises(TimeoutError):
+                held.result(timeout=1.0)  # parked, not answered (a wrong gate answers at once)
+            server.resume()
+            assert held.result(timeout=60).json()["choices"][0]["token_ids"] == ok["token_ids"]  # same seed
+            server.abort()
+            held = pool.submit(post)
+            with pytest.raises(TimeoutError):
+                held.result(timeout=1.0)
+            server.abort(reject=True)  # verl takes the replica out of generation: held requests are refused
+            assert held.result(timeout=60).status_code == 503
+            assert post().status_code == 503
         server.resume()
-        assert httpx.post(f"{server.base_url}/completions", json=body, timeout=60).status_code == 200
+        assert post().status_code == 200
         weights = {name: torch.zeros_like(p) for name, p in model.state_dict().items()}
         server.load_weights(weights, version=7)
         assert server.version == 7
-        again = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()["choices"][0]
+        again = post().json()["choices"][0]
         assert again["logprobs"]["token_logprobs"] != ok["logprobs"]["token_logprobs"]  # the new weights serve
         with pytest.raises(ValueError, match="unexpected"):
             server.load_weights({"not.a.weight": torch.zeros(1)}, version=8)
         assert server.version == 7
     finally:
         server.close()
+
+
+def test_the_server_adapter_takes_its_replica_from_verl_or_from_its_rank(monkeypatch, tiny_model_dir):
+    """Standalone: verl's CheckpointEngineWorker names the replica; hybrid: the training rank implies it."""
+    from agl_backend_verl.cpu.replica import CpuServerAdapter
+
+    config = cpu_config(f"actor_rollout_ref.model.path={tiny_model_dir}").actor_rollout_ref
+    rollout, model = config.rollout, config.model  # tensor parallel size 2: replicas of two ranks
+    monkeypatch.setenv("RANK", "3")
+    hybrid = CpuServerAdapter(config=rollout, model_config=model, device_mesh=None)
+    assert (hybrid.replica_rank, hybrid.is_leader_rank) == (1, False)
+    monkeypatch.setenv("RANK", "0")
+    standalone = CpuServerAdapter(config=rollout, model_config=model, device_mesh=None, replica_rank=4)
+    assert (standalone.replica_rank, standalone.is_leader_rank) == (4, True)
 
 
 def test_the_value_model_patch_loads_the_critic_with_sdpa(tiny_model_dir):
@@ -212,3 +320,43 @@ def test_the_offload_patch_builds_verls_policy_unpinned():
 
     policy = patches.unpinned_offload_policy(pin_memory=True)
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
+
+
+def test_apply_gives_verls_standalone_replicas_the_cpu_pool_manager_and_copying_saves(monkeypatch):
+    from verl.utils import distributed, fsdp_utils, model
+    from verl.workers import engine_workers
+    from verl.workers.engine.fsdp import transformer_impl
+    from verl.workers.rollout import replica
+
+    from agl_backend_verl.cpu.resources import CpuResourcePoolManager
+
+    patched = [
+        (replica, "ResourcePoolManager"),
+        (fsdp_utils, "fsdp2_sharded_save_to_cpu"),
+        (transformer_impl, "CPUOffloadPolicy"),
+        (model, "load_valuehead_model"),
+        (distributed, "initialize_global_process_group_ray"),
+        (engine_workers, "initialize_global_process_group_ray"),
+    ]
+    for module, name in patched:  # restored after the test: other tests see verl as it is
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(patches, "APPLIED", [])
+    patches.apply()
+    patches.apply()  # idempotent
+    assert replica.ResourcePoolManager is CpuResourcePoolManager  # used by RolloutReplica.init_standalone
+    assert fsdp_utils.fsdp2_sharded_save_to_cpu._agl_patch
+    assert len(patches.APPLIED) == len(set(patches.APPLIED))
+
+
+def test_the_sharded_save_patch_keeps_a_copy_that_later_steps_leave_alone():
+    """On CPU, verl's ``shard.detach().cpu()`` is the live parameter: π_old would follow each step."""
+    weight = torch.nn.Parameter(torch.ones(3))
+
+    def verls_save(model):  # what fsdp2_sharded_save_to_cpu returns on CPU: the shard itself
+        return {"w": (weight.detach().cpu(), "spec")}, "spec"
+
+    saved, spec = patches.copying_sharded_save(verls_save)(None)
+    with torch.no_grad():
+        weight.add_(1.0)  # an optimizer step
+    assert verls_save(None)[0]["w"][0].data_ptr() == weight.data_ptr()  # verl's own keeps no copy on CPU
+    assert torch.equal(saved["w"][0], torch.ones(3)) and saved["w"][1] == spec == "spec"

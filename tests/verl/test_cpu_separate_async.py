@@ -1,0 +1,87 @@
+"""verl's ``separate_async`` trainer in CPU mode: the trainer's two gloo ranks and a standalone CPU
+replica in separate ``verl_cpu_rank`` pools of one machine, the weights pushed over the gloo checkpoint
+engine, two steps with the embedded corridor agents (the gateway's run is ``tests/verl/test_cpu_e2e.py``)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.verl, pytest.mark.ray, pytest.mark.slow]
+
+pytest.importorskip("ray")
+pytest.importorskip("verl")
+
+import ray  # noqa: E402
+
+from agl_backend_verl.config import load_verl_config  # noqa: E402
+from agl_backend_verl.cpu import CPU_KEYS, SEPARATE_ASYNC_CPU_KEYS  # noqa: E402
+from agl_backend_verl.cpu.replica import server_name  # noqa: E402
+from agl_backend_verl.run import train  # noqa: E402
+from agl_core.plugins.manager import DISABLE_AUTOLOAD_ENV  # noqa: E402
+from examples.corridor.build_policy import build  # noqa: E402
+from tests.helpers.paths import REPO_ROOT  # noqa: E402
+
+STEPS = 2
+CORRIDOR = REPO_ROOT / "examples" / "corridor"
+
+
+def replica_servers() -> dict[str, dict[str, int]]:
+    """Version and weight pushes of every CPU replica server of the running job, by actor name."""
+    names = [name for name in ray.util.list_named_actors() if name.startswith("agl_cpu")]  # this job's
+    return {name: ray.get(ray.get_actor(name).stats.remote()) for name in names}
+
+
+def test_two_separate_async_steps_on_cpu_push_each_steps_weights_to_the_standalone_replica(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+    policy = build(tmp_path / "policy", seed=0)
+    config = load_verl_config(
+        CORRIDOR / "config.yaml",
+        [
+            *CPU_KEYS,
+            *SEPARATE_ASYNC_CPU_KEYS,
+            "agentlightning.backend=verl",
+            f"actor_rollout_ref.model.path={policy}",
+            f"data.train_files={CORRIDOR / 'dataset.jsonl'}",
+            f"data.val_files={CORRIDOR / 'val.jsonl'}",
+            "data.train_batch_size=2",
+            "trainer.v1.separate_async.parameter_sync_step=2",  # two mini-batches of one group per step
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            "data.max_prompt_length=256",
+            "data.max_response_length=256",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.save_freq=-1",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
+    steps: list[tuple[int, dict[str, float], dict[str, dict[str, int]]]] = []
+
+    def on_step(step, total, metrics, samples=None):
+        steps.append((step, metrics, replica_servers()))  # the trainer's actor, and its replicas, still run
+
+    try:
+        train(config, on_step=on_step)
+    finally:
+        ray.shutdown()
+    assert [step for step, _, _ in steps] == [1, 2]
+    for step, metrics, servers in steps:
+        assert metrics["training/n_sample_trained"] > 0, step
+        for name in ("actor/pg_loss", "actor/grad_norm", "training/reward"):
+            assert math.isfinite(metrics[name]), (step, name, metrics[name])
+        # the standalone replica (rank 1: after the trainer's own) has taken the weights at start (version 0)
+        # and after each step, tagged with the step; the trainer's replica, which agl's agents never call
+        # and verl lends to generation only to validate, kept those of the start
+        assert servers == {
+            server_name(0): {"version": 0, "weight_pushes": 1},
+            server_name(1): {"version": step, "weight_pushes": step + 1},
+        }, step
+    assert os.environ.get("VERL_PLATFORM") is None  # the CPU platform is the Ray workers', not the driver's
