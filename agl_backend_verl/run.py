@@ -237,8 +237,10 @@ def rollout_source(config: DictConfig, manager: PluginManager, trainer: Any) -> 
     which pauses and drains the gateway around each weight update."""
     agl = config.agentlightning
     if agl.agl_base_url and not agl.replay:
-        async_mode = config.trainer.v1.trainer_mode != "sync"
-        config = OmegaConf.merge(config, {"agentlightning": {"async_rollout": {"enabled": async_mode}}})
+        async_rollout = {"enabled": config.trainer.v1.trainer_mode != "sync"}
+        if agl.async_rollout.async_train_batch_size is None:  # verl's replay buffer keeps the groups in flight
+            async_rollout["async_train_batch_size"] = 2 * int(config.data.train_batch_size)
+        config = OmegaConf.merge(config, {"agentlightning": {"async_rollout": async_rollout}})
     return open_rollout_source(config, manager, trainer.tokenizer, trainer.serving_endpoints())
 
 

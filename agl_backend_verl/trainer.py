@@ -100,6 +100,7 @@ class AglTrainer:
         self.step_metrics: dict[str, float] = {}
         self.resume_metrics: dict[str, float] = {}
         self.carried_over = 0.0  # rollouts the last step left running
+        self.iterations: list[dict[str, float]] = []  # agl's metrics of each mini-batch of the step
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -137,6 +138,8 @@ class AglTrainer:
     def _compute_metrics(self, batch: KVBatchMeta, metrics: dict, timing_raw: dict, global_steps: int, epoch: int):
         """The step's metrics under the torch backend's names (verl's own data metrics are not computed:
         agl's pipeline reports the batch)."""
+        metrics.update(combine_iterations(self.iterations))
+        self.iterations = []
         metrics.update(self.agent_loop_manager.pop_counts())
         metrics.update(self.plugins.pop_metrics())
         metrics.update(self.resume_metrics)
@@ -211,16 +214,16 @@ class AglTrainer:
             sampled, off_policy = self.replay_buffer.sample(  # type: ignore[attr-defined]
                 global_steps=self.global_steps, partition_id="train", batch_size=sample_batch_size
             )
-            metrics.update(off_policy)
+            metrics.update(off_policy)  # verl's, which verl's loop combines over the step's mini-batches
             self.on_sample_end()
-            metrics.update(self.step_metrics)
         self.agent_loop_manager.raise_failure()
         rollouts, keys = read_rollouts(sampled)
-        metrics.update(rollout_timing_metrics(rollouts))
+        iteration = {**self.step_metrics, **rollout_timing_metrics(rollouts)}
+        self.step_metrics = {}
         if self.trainer_mode != "sync":  # type: ignore[attr-defined]
-            metrics.update(self.carry_over_metrics(sampled, len(rollouts)))
+            iteration.update(self.carry_over_metrics(sampled, len(rollouts)))
         learned, row_keys = self.learn(rollouts, keys)
-        metrics.update(learned)
+        self.iterations.append({**iteration, **learned})
         return KVBatchMeta(
             keys=[*sampled.keys, *row_keys],
             tags=[*sampled.tags, *({} for _ in row_keys)],
@@ -328,6 +331,32 @@ class AglTrainer:
             rollouts.extend(found)
             clear(where, sampled.keys)
         return validation_metrics(rollouts, [self.agent_loop_manager.pop_counts()])
+
+
+def combine_iterations(iterations: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """agl's metrics of a step trained in several mini-batches (separate_async's
+    ``parameter_sync_step``), each sampled and prepared on its own: counts (``.../n_*``) and phase
+    times (``timing/*_s``) add up, ``max`` and ``min`` statistics take the extreme, and the rest
+    (rewards, losses, means) are averaged weighted by each mini-batch's rollouts. One mini-batch's
+    metrics are returned as they are."""
+    if len(iterations) == 1:
+        return dict(iterations[0])
+    weights = [float(it.get("training/n_rollouts", 1.0)) or 1.0 for it in iterations]
+    combined: dict[str, float] = {}
+    for key in {key for it in iterations for key in it}:
+        present = [(it[key], w) for it, w in zip(iterations, weights) if key in it]
+        values = [v for v, _ in present]
+        last = key.rsplit("/", 1)[-1]
+        words = last.split("_")
+        if last.startswith("n_") or (key.startswith("timing/") and key.endswith("_s")):
+            combined[key] = float(sum(values))
+        elif "max" in words:
+            combined[key] = float(max(values))
+        elif "min" in words:
+            combined[key] = float(min(values))
+        else:
+            combined[key] = float(sum(v * w for v, w in present) / sum(w for _, w in present))
+    return combined
 
 
 def scale_advantages(batch: KVBatchMeta, row_scales: Any, order: Sequence[int]) -> None:
