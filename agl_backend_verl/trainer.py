@@ -335,7 +335,7 @@ class AglTrainer:
 
 def combine_iterations(iterations: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """agl's metrics of a step trained in several mini-batches (separate_async's
-    ``parameter_sync_step``), each sampled and prepared on its own: counts (``.../n_*``) and phase
+    ``parameter_sync_step``), each sampled and prepared on its own: counts (``n_*`` in the name) and phase
     times (``timing/*_s``) add up, ``max`` and ``min`` statistics take the extreme, and the rest
     (rewards, losses, means) are averaged weighted by each mini-batch's rollouts. One mini-batch's
     metrics are returned as they are."""
@@ -348,7 +348,7 @@ def combine_iterations(iterations: Sequence[Mapping[str, float]]) -> dict[str, f
         values = [v for v, _ in present]
         last = key.rsplit("/", 1)[-1]
         words = last.split("_")
-        if last.startswith("n_") or (key.startswith("timing/") and key.endswith("_s")):
+        if any(part.startswith("n_") for part in key.split("/")) or (key.startswith("timing/") and key.endswith("_s")):
             combined[key] = float(sum(values))
         elif "max" in words:
             combined[key] = float(max(values))
