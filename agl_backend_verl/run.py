@@ -34,7 +34,7 @@ from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
 from agl_backend_verl.trainer import StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
-from agl_core import ConfigError, OnStep, PluginError, PluginManager, open_rollout_source
+from agl_core import ConfigError, OnStep, PluginError, PluginManager, open_rollout_source, read_recording
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
@@ -163,9 +163,12 @@ def v1_config(config: DictConfig) -> DictConfig:
     """``config`` with verl's slots set to agl's: the dataset class, the agent-loop manager, the
     trainer mode (Agent Lightning's async rollout is ``colocate_async``) and its warm-up batches,
     TransferQueue on, and no tracker of verl's own (``trainer.logger`` names agl's sinks, which run
-    in ``agl train``)."""
+    in ``agl train``). Without ``data.val_files`` nothing is validated."""
     mode = trainer_mode(config)
     with open_dict(config):
+        if not config.data.val_files:  # no validation: verl's loop still builds a dataset, never read
+            config.data.val_files = config.data.train_files
+            config.trainer.test_freq, config.trainer.val_before_train = -1, False
         config.trainer.logger = []
         config.data.custom_cls = dict(DATASET_SLOT)
         config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = AGL_AGENT_LOOP_MANAGER
@@ -264,3 +267,29 @@ class VerlBackend:
         """Train; each step's metrics and samples come back from the Ray actor to ``on_step``. Hook
         files and entry points are loaded again there from the config; plugins given in code are sent."""
         train(self.config, plugins=self.plugins.given_in_code(), on_step=on_step)
+
+    def replay_step(self, rollouts: Sequence[Any], step: int) -> dict[str, float]:
+        """Re-run step ``step`` of the recording at ``agentlightning.replay`` through verl's trainer
+        (``agl replay``): from verl's checkpoint of step ``step - 1`` in ``trainer.default_local_dir``
+        when there is one, else from the initial model (on a copy of the recording holding that step
+        alone, as step 1); nothing is validated, checkpointed or written to the run. ``rollouts`` are
+        the step's, which the trainer reads from the recording itself. Returns the step's metrics."""
+        run_dir = Path(self.config.trainer.default_local_dir)
+        checkpoint = run_dir / f"global_step_{step - 1}"
+        with tempfile.TemporaryDirectory(prefix="agl-verl-replay-") as scratch:
+            trainer = {"save_freq": -1, "test_freq": -1, "val_before_train": False, "default_local_dir": scratch}
+            replayed: dict[str, Any] = {}
+            if step > 1 and checkpoint.is_dir():
+                trainer.update(resume_mode="resume_path", resume_from_path=str(checkpoint), total_training_steps=step)
+            else:
+                trainer.update(resume_mode="disable", total_training_steps=1)
+                copy = read_recording(self.config.agentlightning.replay).save_step(step, Path(scratch) / "step.jsonl")
+                replayed = {"agentlightning": {"replay": str(copy)}}
+            config = OmegaConf.merge(self.config, {"trainer": trainer}, replayed)
+            reports: dict[int, dict[str, float]] = {}
+            train(
+                config,
+                self.plugins.given_in_code(),
+                lambda s, total, metrics, samples=None: reports.update({s: metrics}),
+            )
+        return reports[max(reports)]

@@ -116,6 +116,7 @@ __all__ = [
     "open_rollout_source",
     "policy_loss_spec",
     "ppo_token_losses",
+    "read_recording",
     "require_group_size",
     "restore_source_state",
     "rollout_level",
@@ -163,6 +164,7 @@ _MODULES: dict[str, str] = {
     "UsageTypeError": "agl_core.errors",
     "GatewayError": "agl_core.rollouts.gateway_error",
     "RecordingError": "agl_core.recording",
+    "read_recording": "agl_core.recording",
     "VllmEngineError": "agl_core.serving.vllm_engine",
     # aggregators
     "CALLS_LEFT_OUT_METRIC": "agl_core.stages.aggregation",
@@ -270,7 +272,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.errors import AglError, FileFormatError, UsageError, UsageTypeError
     from agl_core.hookspecs import Register
     from agl_core.plugins import EventWriter, HookTimeout, PluginError, PluginManager, PluginSettings, RegistryError
-    from agl_core.recording import RecordingError
+    from agl_core.recording import RecordingError, read_recording
     from agl_core.rollouts.events import rollout_timing_metrics
     from agl_core.rollouts.gateway import gateway_source
     from agl_core.rollouts.gateway_error import GatewayError

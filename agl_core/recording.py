@@ -167,10 +167,15 @@ class RecordingWriter:
         return {BYTES_METRIC: float(self._append(line)), REDACTED_METRIC: float(counter[0])}
 
     def _append(self, record: Mapping[str, Any]) -> int:
-        data = (json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
-        with open(self.path, "ab") as f:
-            f.write(data)
-        return len(data)
+        return _append_line(self.path, record)
+
+
+def _append_line(path: Path, record: Mapping[str, Any]) -> int:
+    """Append ``record`` to ``path`` as one JSON line; the bytes written."""
+    data = (json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
+    with open(path, "ab") as f:
+        f.write(data)
+    return len(data)
 
 
 @attrs.frozen
@@ -192,6 +197,19 @@ class Recording:
     def core_config(self) -> dict[str, Any]:
         """The recorded run's config, the keys the core schema knows (another backend's left out)."""
         return _schema_keys(self.header.get("config") or {}, default_config())
+
+    def run_config(self) -> dict[str, Any]:
+        """The recorded run's whole config (its backend's keys too; secrets hidden)."""
+        return dict(self.header.get("config") or {})
+
+    def save_step(self, step: int, path: str | os.PathLike[str], as_step: int = 1) -> Path:
+        """Write a recording holding only ``step``, renumbered ``as_step``, to ``path`` (a new file;
+        this recording's header): a run replaying it trains that step first."""
+        target = Path(path)
+        target.unlink(missing_ok=True)
+        _append_line(target, self.header)
+        _append_line(target, {"step": as_step, "rollouts": [r.to_dict() for r in self.rollouts(step)]})
+        return target
 
     def check(self, config: Any, tokenizer: Any) -> None:
         """Refuse a recording whose model or tokenizer is not the run's: a :class:`RecordingError`

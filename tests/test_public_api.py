@@ -68,6 +68,7 @@ PUBLIC_NAMES = [
     "GroupStream",
     "group_stream",
     "rollout_timing_metrics",
+    "read_recording",
     "PaddedBatch",
     "PerRolloutAggregator",
     "PluginError",
