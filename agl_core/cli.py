@@ -138,7 +138,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    """Re-run one recorded step of a run (its pipeline and the torch backend's update) and print its metrics."""
+    """Re-run one recorded step of a run (its pipeline and its backend's update) and print its metrics."""
     import tempfile
 
     from agl_core.replay import replay_step

@@ -238,18 +238,66 @@ def report_lines(title: str, rows: list[dict], seconds: float) -> list[str]:
     return lines
 
 
+def replay(stack: Stack, run_dir: Path, step: int, timeout: float) -> dict[str, float]:
+    """``agl replay RUN --step N`` (the recorded run's backend and config): the step's metrics."""
+    env = {**train_command(stack.gateway.url, stack.gateway.key, stack.policy, run_dir, step, 1)[1]}
+    command = [sys.executable, "-m", "agl_core.cli", "replay", str(run_dir), "--step", str(step)]
+    log = run_dir / "replay.log"
+    with log.open("wb") as out:
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+    text = log.read_text(errors="replace")
+    if done.returncode:
+        raise RuntimeError(f"agl replay exited with {done.returncode}:\n{text[-6000:]}")
+    printed = (line.split(": ", 1) for line in text.splitlines() if ": " in line)
+    return {name: float(value) for name, value in printed if "/" in name and _number(value)}
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+REPLAYED = ("training/reward", "training/n_rollouts", "training/n_sample_trained", "actor/grad_norm", "actor/pg_loss")
+
+
+def check_replay(recorded: dict, replayed: dict[str, float]) -> list[str]:
+    """The replayed step trained what the recorded one did, from the same weights (verl's checkpoint of
+    the step before): the same rollouts and rows, and the same update within fp32 tolerance."""
+    problems = []
+    for name in REPLAYED:
+        want, got = recorded.get(name), replayed.get(name)
+        if not isinstance(want, (int, float)) or got is None or not math.isclose(want, got, rel_tol=1e-3, abs_tol=1e-5):
+            problems.append(f"replayed step {recorded.get('step')}: {name} = {got!r}, recorded {want!r}")
+    return problems
+
+
 def scenario(
-    stack: Stack, device_keys: Sequence[str], n_gpus: int = 1, timeout: float = 900.0
+    stack: Stack,
+    device_keys: Sequence[str],
+    n_gpus: int = 1,
+    timeout: float = 900.0,
+    separate_async_keys: Sequence[str] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Sync, async, kill and resume in one run folder: ``(problems, report lines)``."""
+    """Sync (recorded, its step 2 replayed), colocate_async with a kill and a resume in one run folder,
+    then, given ``separate_async_keys``, 2 separate_async steps in another: ``(problems, report lines)``."""
     run_dir = stack.work / "run"
     lines: list[str] = []
-    seconds = Train(stack, run_dir, 2, device_keys, name="sync", n_gpus=n_gpus).finish(timeout)
+    recorded = "agentlightning.record_rollouts=true"
+    seconds = Train(stack, run_dir, 2, device_keys, recorded, name="sync", n_gpus=n_gpus).finish(timeout)
     sync = rows(run_dir)
     lines += report_lines("sync", sync, seconds)
     problems = check_rows(sync, [1, 2])
     if not (run_dir / "global_step_2" / "actor").is_dir():
         problems.append("verl saved no actor checkpoint for step 2")
+    if len(sync) == 2:
+        started = time.perf_counter()
+        replayed = replay(stack, run_dir, 2, timeout)
+        shown = {k: replayed.get(k) for k in REPLAYED}
+        lines.append(f"replay of step 2 ({time.perf_counter() - started:.0f}s): {shown}")
+        problems += check_replay(sync[1], replayed)
     started = time.perf_counter()
     Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="async", n_gpus=n_gpus).kill_after_step(3, timeout)
     if not (run_dir / "global_step_3" / "transfer_queue").is_dir():
@@ -269,8 +317,17 @@ def scenario(
         for row in async_rows:
             if row.get("training/async/proxy_inflight_after_drain") != 0.0:
                 problems.append(f"step {row['step']}: calls in flight after the drain")
-    for name in (*LOGS, "metrics.jsonl"):
-        path = run_dir / name
-        if path.is_file() and SECRET in path.read_text(errors="replace"):
-            problems.append(f"the gateway key leaked into {name}")
+    if separate_async_keys is not None:
+        separate_dir = stack.work / "separate_async"
+        seconds = Train(
+            stack, separate_dir, 2, device_keys, *separate_async_keys, name="separate", n_gpus=n_gpus
+        ).finish(timeout)
+        separate = rows(separate_dir)
+        lines += report_lines("separate_async", separate, seconds)
+        problems += check_rows(separate, [1, 2])
+    for folder in (run_dir, stack.work / "separate_async"):
+        for name in (*LOGS, "replay.log", "separate.log", "metrics.jsonl", "rollouts.jsonl"):
+            path = folder / name
+            if path.is_file() and SECRET in path.read_text(errors="replace"):
+                problems.append(f"the gateway key leaked into {folder.name}/{name}")
     return problems, lines
