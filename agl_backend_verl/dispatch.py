@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agl_core import UsageError
+
 __all__ = ["dispatch_order", "mini_batch_major_order"]
 
 
 def _check(n_rows: int, n_mini: int, dp_size: int) -> int:
     """Rows per mini-batch, once the batch splits into ``n_mini`` mini-batches of ``dp_size`` equal parts."""
     if n_mini <= 0 or dp_size <= 0 or n_rows % n_mini or (n_rows // n_mini) % dp_size:
-        raise ValueError(
+        raise UsageError(
             f"{n_rows} rows cannot be cut into {n_mini} mini-batches of {dp_size} equal per-rank parts "
             "(actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n must be a multiple of the actor's "
             "data-parallel size)"

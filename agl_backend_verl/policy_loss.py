@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from agl_core import LossSettings, PolicyLoss, PolicyLossSpec, policy_loss_spec
+from agl_core import LossSettings, PolicyLoss, PolicyLossSpec, UsageError, policy_loss_spec
 
 __all__ = ["as_verl_policy_loss"]
 
@@ -34,7 +34,7 @@ def as_verl_policy_loss(loss: PolicyLoss | PolicyLossSpec) -> Callable[..., tupl
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if config is None:
-            raise ValueError(f"policy loss {name!r} needs the actor config")
+            raise UsageError(f"policy loss {name!r} needs the actor config")
         settings = LossSettings.from_actor_config(config)
         return loss_fn(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights)
 

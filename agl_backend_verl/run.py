@@ -34,7 +34,16 @@ from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
 from agl_backend_verl.trainer import StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
-from agl_core import ConfigError, OnStep, PluginError, PluginManager, open_rollout_source, read_recording
+from agl_core import (
+    ConfigError,
+    OnStep,
+    PluginError,
+    PluginManager,
+    UsageError,
+    UsageTypeError,
+    open_rollout_source,
+    read_recording,
+)
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
@@ -121,15 +130,15 @@ def run_ppo(
 def write_rows(rows: Sequence[Mapping[str, Any]], path: Path, name: str) -> str:
     """``rows`` (a non-empty list of JSON-like dicts) as a JSON-lines file at ``path``; its path."""
     if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
-        raise ValueError(f"{name} must be a non-empty list of dicts, got {type(rows).__name__}")
+        raise UsageTypeError(f"{name} must be a non-empty list of dicts, got {type(rows).__name__}")
     with path.open("w", encoding="utf-8") as f:
         for i, row in enumerate(rows):
             if not isinstance(row, Mapping) or not all(isinstance(k, str) for k in row):
-                raise ValueError(f"{name}[{i}] must be a dict with string keys, got {row!r:.80}")
+                raise UsageTypeError(f"{name}[{i}] must be a dict with string keys, got {row!r:.80}")
             try:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"{name}[{i}] is not JSON-like: {exc}") from None
+                raise UsageError(f"{name}[{i}] is not JSON-like: {exc}") from None
     return str(path)
 
 

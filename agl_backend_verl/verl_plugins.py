@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 
 from agl_backend_verl.cpu import register as register_cpu_mode
 from agl_backend_verl.policy_loss import as_verl_policy_loss
-from agl_core import AdvantageSettings, PluginManager, TrainingRow
+from agl_core import AdvantageSettings, PluginManager, TrainingRow, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def verl_advantage_estimator(estimate: Any, name: str) -> Any:
         token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, index: Any = None, **_: Any
     ):
         if index is None:
-            raise ValueError(f"advantage estimator {name!r} needs the group index (uid) of every row")
+            raise UsageError(f"advantage estimator {name!r} needs the group index (uid) of every row")
         settings = AdvantageSettings.from_config(SimpleNamespace(algorithm={} if config is None else config))
         masks = response_mask.detach().cpu().numpy().astype(np.int8)
         rewards = token_level_rewards.detach().sum(dim=-1).float().cpu().tolist()
@@ -103,7 +103,7 @@ def worker_plugins() -> PluginManager:
         try:
             sections = json.loads(raw)
         except ValueError as exc:
-            raise ValueError(f"{PLUGIN_SETTINGS_ENV} is not JSON ({exc}): {raw[:200]!r}") from exc
+            raise UsageError(f"{PLUGIN_SETTINGS_ENV} is not JSON ({exc}): {raw[:200]!r}") from exc
         declared = plugins.settings_declarations()
         plugins.configure({"agentlightning": {"plugins": {k: v for k, v in sections.items() if k in declared}}})
     return plugins

@@ -59,7 +59,7 @@ def test_each_error_keeps_its_builtin_class(error, builtin):
     assert issubclass(error, AglError) and issubclass(error, builtin)
 
 
-def builtin_raises(root: Path, packages: tuple[str, ...] = ("agl_core", "agl_hooks")) -> list[str]:
+def builtin_raises(root: Path, packages: tuple[str, ...] = ("agl_core", "agl_hooks", "agl_backend_verl")) -> list[str]:
     """``path:line`` of every ``raise ValueError(...)`` / ``raise TypeError(...)`` in ``packages``:
     library code raises an :class:`AglError` (its message naming the key, file, plugin or argument)."""
     found = []

@@ -40,6 +40,8 @@ from verl.checkpoint_engine.base import (
 )
 from verl.workers.rollout.utils import ensure_async_iterator
 
+from agl_core import UsageError
+
 __all__ = ["BACKEND", "GlooCheckpointEngine", "Rendezvous"]
 
 BACKEND = "agl_gloo"
@@ -86,7 +88,7 @@ class GlooCheckpointEngine(CheckpointEngine):
         """Actor rank 0 is group rank 0, the rollout workers are ranks 1..n, the other actor ranks stay out."""
         rendezvous = metadata[0]
         if not isinstance(rendezvous, Rendezvous):
-            raise ValueError(f"actor rank 0 must be checkpoint engine {BACKEND!r}'s source, got {rendezvous!r}")
+            raise UsageError(f"actor rank 0 must be checkpoint engine {BACKEND!r}'s source, got {rendezvous!r}")
         world_size = 1 + rollout_world_size
         actor = {
             "rank": [SOURCE] + [NOT_IN_GROUP] * (actor_wg_world_size - 1),

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from agl_core import UsageError
+
 __all__ = ["hf_name", "is_adapter", "lora_scale", "merge_adapters"]
 
 _PREFIX = "base_model.model."
@@ -60,10 +62,10 @@ def merge_adapters(
     merged = {}
     for layer, pair in halves.items():
         if set(pair) != {"lora_A", "lora_B"}:
-            raise ValueError(f"LoRA layer {layer!r} came with {sorted(pair)} only")
+            raise UsageError(f"LoRA layer {layer!r} came with {sorted(pair)} only")
         weight = f"{layer}.weight"
         if weight not in base:
-            raise ValueError(f"LoRA layer {layer!r} has no base weight {weight!r} in the served model")
+            raise UsageError(f"LoRA layer {layer!r} has no base weight {weight!r} in the served model")
         delta = pair["lora_B"].float() @ pair["lora_A"].float()
         merged[weight] = (base[weight].float() + scale * delta).to(base[weight].dtype)
     return merged

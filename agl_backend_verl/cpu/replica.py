@@ -41,7 +41,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from agl_backend_verl.cpu.lora import hf_name, is_adapter, lora_scale, merge_adapters
 from agl_backend_verl.cpu.mode import REPLICA as NAME
-from agl_core import Generation, PolicyServer, RequestError, SamplingParams
+from agl_core import Generation, PolicyServer, RequestError, SamplingParams, UsageError
 
 
 def server_name(replica_rank: int) -> str:
@@ -90,7 +90,7 @@ class AbortablePolicyServer(PolicyServer):
             missing, unexpected = self._model.load_state_dict(state, strict=False)
             tied = {"lm_head.weight"} if getattr(self._model.config, "tie_word_embeddings", False) else set()
             if unexpected or set(missing) - tied:
-                raise ValueError(
+                raise UsageError(
                     f"weights do not fit the served model: missing {sorted(set(missing) - tied)}, "
                     f"unexpected {sorted(unexpected)}"
                 )
@@ -220,7 +220,7 @@ class CpuServerAdapter(BaseRollout):
         **kwargs: Any,
     ) -> None:
         if wire_format != "named_tensors":
-            raise ValueError(f"rollout {NAME!r} takes full weights (wire format 'named_tensors'), got {wire_format!r}")
+            raise UsageError(f"rollout {NAME!r} takes full weights (wire format 'named_tensors'), got {wire_format!r}")
         state = {}
         async for name, tensor in ensure_async_iterator(weights):  # every rank drains the stream
             state[name] = tensor.detach().to("cpu", copy=True)

@@ -15,6 +15,7 @@ import ray
 from verl.single_controller.ray import ResourcePoolManager
 
 from agl_backend_verl.cpu.mode import RANK_RESOURCE
+from agl_core import UsageError
 
 
 class CpuResourcePoolManager(ResourcePoolManager):
@@ -34,4 +35,4 @@ class CpuResourcePoolManager(ResourcePoolManager):
         available = sum(node.get(RANK_RESOURCE, 0) for node in nodes)
         needed = self.get_n_gpus()
         if available < needed:
-            raise ValueError(f"Ray offers {available:g} of resource {RANK_RESOURCE!r}; verl's CPU ranks need {needed}")
+            raise UsageError(f"Ray offers {available:g} of resource {RANK_RESOURCE!r}; verl's CPU ranks need {needed}")
