@@ -45,6 +45,7 @@ from agl_backend_verl.transfer import clear, partition, put_rows, read_rollouts,
 from agl_core import (
     CompletedRollout,
     PluginManager,
+    PreparedBatch,
     StepPipeline,
     StepSamples,
     rollout_timing_metrics,
@@ -288,7 +289,7 @@ class AglTrainer:
             batch = self._compute_values(batch, metrics=metrics)  # type: ignore[attr-defined]
         if needs_values(self.config):  # gae: verl's advantages from the critic's values, then agl's scaling
             batch = self._compute_advantage(batch, metrics=metrics)  # type: ignore[attr-defined]
-            scale_advantages(batch, prepared.row_scales, order)
+            scale_advantages(batch, prepared, order)
         updated = time.perf_counter()
         metrics["timing/log_prob_s"] = updated - scored
         if self.use_critic:  # type: ignore[attr-defined]
@@ -359,21 +360,24 @@ def combine_iterations(iterations: Sequence[Mapping[str, float]]) -> dict[str, f
     return combined
 
 
-def scale_advantages(batch: KVBatchMeta, row_scales: Any, order: Sequence[int]) -> None:
-    """Multiply the rows' advantages in TransferQueue by their per-rollout scales (``gae``, whose
-    advantages verl computes after the critic's values); nothing when the loss uses no scales."""
-    if row_scales is None:
+def scale_advantages(batch: KVBatchMeta, prepared: PreparedBatch, order: Sequence[int]) -> None:
+    """Scale the rows' advantages in TransferQueue per rollout (:meth:`~agl_core.PreparedBatch.scale`;
+    ``gae``, whose advantages verl computes after the critic's values): row ``j`` of ``batch`` is
+    kept row ``order[j]``. Nothing when the loss uses no scales."""
+    if prepared.row_scales is None:
         return
     import transfer_queue as tq
-
-    scales = torch.as_tensor(row_scales, dtype=torch.float32)[list(order)]
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["advantages"])
-    scaled = [values * scales[i] for i, values in enumerate(data["advantages"].unbind())]
-    fields = {"advantages": torch.nested.as_nested_tensor(scaled, layout=torch.jagged)}
     from tensordict import TensorDict
 
+    nested = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["advantages"])
+    advantages = nested["advantages"]
+    scaled = prepared.scale(advantages.to_padded_tensor(0.0), rows=order)
+    lengths = advantages.offsets().diff().tolist()
+    rows = torch.nested.as_nested_tensor([scaled[j, :n] for j, n in enumerate(lengths)], layout=torch.jagged)
     tq.kv_batch_put(
-        keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(fields, batch_size=len(batch.keys))
+        keys=batch.keys,
+        partition_id=batch.partition_id,
+        fields=TensorDict({"advantages": rows}, batch_size=len(lengths)),
     )
 
 

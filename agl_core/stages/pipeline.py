@@ -122,10 +122,18 @@ class PreparedBatch:
     def advantages(self, width: int) -> torch.Tensor:
         """The kept rows' advantages as a ``[rows, width]`` float32 tensor, right-padded like the
         responses and scaled per rollout when the loss uses it."""
-        padded = pad_responses(self._shaped().advantages, width, torch.float32)
-        if self.row_scales is not None:
-            padded = padded * torch.as_tensor(self.row_scales, dtype=torch.float32)[:, None]
-        return padded
+        return self.scale(pad_responses(self._shaped().advantages, width, torch.float32))
+
+    def scale(self, values: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Per-row ``values`` (``[rows, ...]``: the kept rows in order, or kept rows ``rows``) times
+        each row's per-rollout normalisation factor; unchanged when the loss uses none. The one place
+        the factor is applied (a backend whose advantages come later, as verl's ``gae``, calls it too)."""
+        if self.row_scales is None:
+            return values
+        scales = torch.as_tensor(self.row_scales, dtype=torch.float32)
+        if rows is not None:
+            scales = scales[list(rows)]
+        return values * scales.reshape(-1, *[1] * (values.dim() - 1)).to(values.dtype)
 
     def returns(self, width: int) -> torch.Tensor:
         """The kept rows' returns (what a critic fits; never scaled), padded like :meth:`advantages`."""
