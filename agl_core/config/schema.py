@@ -59,6 +59,9 @@ class TraceAggregatorConfig:
     level: str = "trajectory"  # the aggregator's registry name: transition | trajectory | a plugin's
     trajectory_max_prompt_length: int = checked(2048, integer())
     trajectory_max_response_length: int = checked(8192, integer())
+    # Agent Lightning 1.0.2: a row's prompt + response at most this many tokens (its response cut to
+    # fit); null: no cap. Not read at the transition level, as in 1.0.2.
+    trajectory_max_total_length: int | None = checked(None, integer().or_null())
     # Trajectory breaks kept per batch for inspection (ids and decoded text), and how many ids and
     # characters each sample field keeps.
     mismatch_sample_size: int = checked(20, integer(0))
