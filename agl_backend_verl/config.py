@@ -234,6 +234,12 @@ def validate_verl(cfg: DictConfig) -> None:
             "critic.enable",
             "is false, but 'gae' needs the critic's values: enable the critic or choose another estimator",
         )
+    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay", default=False):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+            "is true, but the routes vLLM records reach an update only through MoE router replay (R3), which "
+            "agl does not honour (see actor_rollout_ref.actor.megatron.router_replay): set it to false",
+        )
     actor = cfg.actor_rollout_ref.actor
     clip_grad = OmegaConf.select(actor, "optim.clip_grad", default=None)
     if clip_grad is not None and float(actor.grad_clip) != float(clip_grad):

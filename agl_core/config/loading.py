@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from agl_core.config.checks import validate
 from agl_core.config.composition import strip_composition
 from agl_core.config.errors import ConfigError
+from agl_core.config.refused import refuse_unhonoured
 from agl_core.config.schema import SECRET_KEYS, default_config
 from agl_core.suggestions import closest
 
@@ -134,6 +135,7 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
 
 
 def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    refuse_unhonoured(other, cfg, origin)
     try:
         merged = OmegaConf.merge(cfg, other)
     except OmegaConfBaseException as exc:

@@ -305,6 +305,21 @@ class AlgorithmConfig:
 
 
 @dataclass
+class SamplerConfig:
+    """verl's V1 staleness bound for async training (``trainer.v1.sampler``, verl's names and defaults):
+    a group submitted at step ``s`` is stale at step ``g`` once ``g - s + 1`` passes the threshold.
+    Sync training is on-policy and ignores it, as verl does."""
+
+    max_off_policy_threshold: int | None = checked(8, integer().or_null())  # null: no bound
+    max_off_policy_strategy: str = choice("drop", "wait")  # drop stale finished groups, or wait for them
+
+
+@dataclass
+class TrainerV1Config:
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+
+
+@dataclass
 class TrainerConfig:
     total_epochs: int = checked(30, integer())
     total_training_steps: int | None = checked(None, integer().or_null())  # null: epochs x steps per epoch
@@ -319,6 +334,7 @@ class TrainerConfig:
     # Metric sinks besides the run log (metrics.jsonl, always written), by registry name: console |
     # tensorboard | wandb | a plugin's. verl's key; its default is [console, wandb], agl's stays offline.
     logger: list[str] = field(default_factory=lambda: ["console"])
+    v1: TrainerV1Config = field(default_factory=TrainerV1Config)
 
 
 @dataclass

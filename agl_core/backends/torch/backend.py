@@ -252,6 +252,7 @@ class TorchBackend:
             self.plugins.on_startup(self.config)
             self.source = self.make_source()
             self.source.on_rollout_done = self.pipeline.prepare_rollout
+            self.source.next_samples = self.next_batch  # async: fresh groups for those the staleness bound evicts
             try:
                 self.source.after_weight_update([self.engine.base_url], self.step)
                 loop = self.loop
