@@ -24,7 +24,16 @@ from agl_core.plugins import PluginManager
 from agl_core.tracking import MetricSink, SinkContext, open_sinks, sink_names
 from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE, RunLog
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLog", "preflight", "replay_step", "resolve_config", "run"]
+__all__ = [
+    "METRICS_FILE",
+    "PLOT_FILE",
+    "MetricsLog",
+    "preflight",
+    "replay_step",
+    "resolve_config",
+    "run",
+    "run_resolved",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +104,22 @@ class MetricsLog:
 
 
 def run(
-    config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = (), show_progress: bool = True
+    config_path: str | ConfigFile | None,
+    overrides: Sequence[str] = (),
+    plugins: Iterable[Any] = (),
+    show_progress: bool = True,
 ) -> Path:
-    """Train as the config says; return the run directory (metrics, samples, plot, checkpoints).
+    """Train as the config says; return the run directory (metrics, samples, plot, checkpoints)."""
+    config, manager = resolve_config(config_path, overrides, plugins)
+    return run_resolved(config, manager, show_progress)
+
+
+def run_resolved(config: Any, manager: PluginManager, show_progress: bool = True) -> Path:
+    """:func:`run` of a config :func:`resolve_config` returned, with its plugin manager.
 
     The sinks are looked up before the backend is built (an unknown name in ``trainer.logger`` is an
     error naming the key and the registered sinks) and opened when the backend reports its first
     step, after its own checks."""
-    config, manager = resolve_config(config_path, overrides, plugins)
     _, factories = preflight(config, manager)
     backend = _spec(manager, config.agentlightning.backend).factory(config, manager)
     log = MetricsLog(
@@ -184,12 +201,13 @@ def replay_step(
 
 
 def resolve_config(
-    config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = ()
+    config_path: str | ConfigFile | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = ()
 ) -> tuple[Any, PluginManager]:
     """The run's validated config and its plugin manager.
 
-    The file is read once (:class:`~agl_core.config.ConfigFile`). The backend is read first
-    (``agentlightning.backend`` from the overrides, else the YAML, else the schema's default), so that
+    The file is read once (:class:`~agl_core.config.ConfigFile`; one already made is taken as it is).
+    The backend is read first (``agentlightning.backend`` from the overrides, else the YAML, else the
+    schema's default), so that
     the run is validated by that backend's ``load_config``
     (:class:`~agl_core.backends.contract.BackendSpec`) (verl: verl's full config; by default the core
     schema's :func:`~agl_core.config.load_config`).
@@ -198,7 +216,9 @@ def resolve_config(
 
     from agl_core.config import ConfigError, default_config, read_config_file, with_backend_hint
 
-    source = None if config_path is None else read_config_file(config_path)
+    source = (
+        config_path if config_path is None or isinstance(config_path, ConfigFile) else read_config_file(config_path)
+    )
     raw = _unvalidated(source, overrides)
     hooks = OmegaConf.select(raw, "agentlightning.hooks", default=None, throw_on_resolution_failure=False)
     if not isinstance(hooks, str) and not (OmegaConf.is_list(hooks) and all(isinstance(h, str) for h in hooks)):

@@ -35,7 +35,7 @@ BASE = {
     "agl_core.datasets",
     "agl_core.plot",
 }
-ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.scaffold"}
+ENTRY = {"agl_core.cli", "agl_core.train", "agl_core.in_memory", "agl_core.scaffold"}
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {
     "gateway": (

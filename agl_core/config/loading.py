@@ -46,6 +46,22 @@ class ConfigFile:
     path: str
     content: DictConfig
 
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any] | DictConfig, origin: str) -> ConfigFile:
+        """A config held in memory (a dict, or a ``DictConfig`` such as Hydra composes) as if read from a
+        file: loaded as the file would be, its errors saying ``(in origin)``. The content is copied
+        with its interpolations unresolved, so the caller's object is never changed."""
+        if not isinstance(config, (Mapping, DictConfig)):
+            raise ConfigError(
+                "<config>", f"{origin} must be a mapping (a dict or a DictConfig), got {type(config).__name__}"
+            )
+        plain = OmegaConf.to_container(config, resolve=False) if isinstance(config, DictConfig) else dict(config)
+        try:
+            content = OmegaConf.create(plain)
+        except OmegaConfBaseException as exc:
+            raise _config_error(exc, origin) from None
+        return cls(origin, content)
+
 
 def read_config_file(path: str | os.PathLike[str]) -> ConfigFile:
     """The YAML mapping at ``path``; a :class:`ConfigError` (key ``<file>``) when it cannot be read."""
