@@ -207,8 +207,7 @@ def resolve_config(
 
     The file is read once (:class:`~agl_core.config.ConfigFile`; one already made is taken as it is).
     The backend is read first (``agentlightning.backend`` from the overrides, else the YAML, else the
-    schema's default), so that
-    the run is validated by that backend's ``load_config``
+    schema's default), so that the run is validated by that backend's ``load_config``
     (:class:`~agl_core.backends.contract.BackendSpec`) (verl: verl's full config; by default the core
     schema's :func:`~agl_core.config.load_config`).
     """
