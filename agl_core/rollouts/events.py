@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
@@ -225,6 +226,9 @@ def _model_version(value: Any) -> int | None:
     return None
 
 
+_IMAGE_URL = re.compile(rb"image_url")
+
+
 def _content_images(content: Any) -> int:
     """The ``image_url`` parts of one message's content (a list of parts, or its JSON text)."""
     if isinstance(content, str) and "image_url" in content:
@@ -242,10 +246,9 @@ def _image_parts(request: Any) -> int:
     decoded when they mention ``image_url`` at all)."""
     messages = request.get("messages") if isinstance(request, Mapping) else None
     if msgspec is not None and isinstance(messages, msgspec.Raw):
-        raw = bytes(messages)
-        if b"image_url" not in raw:
+        if _IMAGE_URL.search(messages) is None:  # searched in place: the messages are not copied
             return 0
-        messages = _decode_any(raw)
+        messages = _decode_any(messages)
     if not isinstance(messages, list):
         return 0
     return sum(_content_images(m.get("content")) for m in messages if isinstance(m, Mapping))
