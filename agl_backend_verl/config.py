@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -34,6 +34,7 @@ from agl_backend_verl.verl_version import VERL_INSTALL, check_verl_version
 from agl_core import (
     AgentLightningConfig,
     ConfigError,
+    ConfigFile,
     check_rollout_source,
     default_config,
     merge_config,
@@ -70,6 +71,9 @@ def overlay() -> DictConfig:
 
 # The Hydra config the base holds: a user file's ``defaults`` may name it (verl's run configs do).
 COMPOSED = ("ppo_trainer",)
+# What Hydra's compose of ``ppo_trainer`` adds that the flattened defaults leave out: its model-engine
+# group choice, a top-level key verl itself never reads. The base is that choice's composition.
+MODEL_ENGINE = "dp"
 
 # Estimators this backend refuses, with the reason given to the user.
 UNSUPPORTED_ESTIMATORS = {
@@ -121,7 +125,8 @@ def verl_base() -> DictConfig:
     agl = OmegaConf.structured(AgentLightningConfig)
     agl.backend = "verl"
     omitted = OmegaConf.from_dotlist([f"{key}={MISSING}" for key in _omitted_fields()])
-    cfg = OmegaConf.merge(_verl_defaults(), omitted, {"agentlightning": agl}, overlay())
+    composition = {"model_engine": MODEL_ENGINE}
+    cfg = OmegaConf.merge(_verl_defaults(), composition, omitted, {"agentlightning": agl}, overlay())
     assert isinstance(cfg, DictConfig)
     OmegaConf.set_struct(cfg, True)
     for _key, node in _walk(cfg):
@@ -130,8 +135,11 @@ def verl_base() -> DictConfig:
     return cfg
 
 
-def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> DictConfig:
-    """The validated run config for backend ``verl``; every error is a :class:`ConfigError` naming its key."""
+def load_verl_config(
+    path: str | os.PathLike[str] | ConfigFile | None = None, overrides: Sequence[str] = ()
+) -> DictConfig:
+    """The validated run config for backend ``verl`` from a YAML file (its path, or the
+    :class:`~agl_core.ConfigFile` already read); every error is a :class:`ConfigError` naming its key."""
     base = verl_base()
     try:
         cfg = merge_config(path, overrides, base=base.copy(), composed=COMPOSED)
@@ -143,6 +151,21 @@ def load_verl_config(path: str | os.PathLike[str] | None = None, overrides: Sequ
     validate_verl(cfg)
     fill_critic(cfg)
     return cfg
+
+
+IN_MEMORY = "the config given in code"
+
+
+def load_verl_config_mapping(config: Mapping[str, Any] | DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+    """:func:`load_verl_config` of a config held in memory: the dict an Agent Lightning v1.0 script
+    builds (its ``verl_default_config()``), or the ``DictConfig`` Hydra composes from its verl config
+    (``defaults: [ppo_trainer, _self_]``), as ``agentlightning.verl.entrypoint.run_ppo`` took it.
+
+    It loads as a file would: over verl's defaults, agl's own ``agentlightning`` keys take their
+    defaults where the script set none (``agentlightning.replay`` among them), and an unknown,
+    ill-typed or out-of-range key, or one agl does not honour, is a :class:`ConfigError` naming the
+    key — before any Ray worker starts. The caller's object is not changed."""
+    return load_verl_config(ConfigFile.from_mapping(config, IN_MEMORY), overrides)
 
 
 _NO_TYPE = object()  # an interpolation or a mandatory value left unset: no default type
@@ -227,6 +250,13 @@ def check_types(cfg: DictConfig, base: DictConfig) -> None:
 def validate_verl(cfg: DictConfig) -> None:
     """Rules of this backend that the core's :func:`~agl_core.config.checks.validate` does not know."""
     check_v1(cfg)
+    if cfg.model_engine not in (None, MODEL_ENGINE):
+        raise ConfigError(
+            "model_engine",
+            f"is {cfg.model_engine!r}, but this backend's base is verl's ppo_trainer composed with model_engine "
+            f"{MODEL_ENGINE!r} (FSDP): its actor, reference and critic sections are that engine's; the "
+            "megatron, torchtitan and veomni engines' configs are not composed by agl",
+        )
     estimator = str(cfg.algorithm.adv_estimator)
     if estimator in UNSUPPORTED_ESTIMATORS:
         raise ConfigError(
@@ -242,6 +272,12 @@ def validate_verl(cfg: DictConfig) -> None:
         raise ConfigError(
             "critic.enable",
             "is false, but 'gae' needs the critic's values: enable the critic or choose another estimator",
+        )
+    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay", default=False):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+            "is true, but the routes vLLM records reach an update only through MoE router replay (R3), which "
+            "agl does not honour (see actor_rollout_ref.actor.megatron.router_replay): set it to false",
         )
     actor = cfg.actor_rollout_ref.actor
     clip_grad = OmegaConf.select(actor, "optim.clip_grad", default=None)

@@ -19,7 +19,6 @@ in the actor, with the config's secrets redacted.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,7 +28,13 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from agl_backend_verl.config import AGL_AGENT_LOOP_MANAGER, check_verl_requirements, trainer_mode, warmup_batches
+from agl_backend_verl.config import (
+    AGL_AGENT_LOOP_MANAGER,
+    check_verl_requirements,
+    load_verl_config_mapping,
+    trainer_mode,
+    warmup_batches,
+)
 from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
 from agl_backend_verl.trainer import StepReport
@@ -39,11 +44,11 @@ from agl_core import (
     OnStep,
     PluginError,
     PluginManager,
-    UsageError,
-    UsageTypeError,
     open_rollout_source,
     read_recording,
+    write_dataset,
 )
+from agl_core import run_ppo as core_run_ppo
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
@@ -106,40 +111,36 @@ def check_gpus(config: DictConfig) -> None:
 
 
 def run_ppo(
-    config: DictConfig,
+    config: Mapping[str, Any] | DictConfig,
     train_dataset: Sequence[Mapping[str, Any]],
-    val_dataset: Sequence[Mapping[str, Any]],
+    val_dataset: Sequence[Mapping[str, Any]] | None = None,
     plugins: Sequence[Any] = (),
     on_step: OnStep | None = None,
-) -> None:
-    """Train with verl on in-memory datasets: non-empty lists of JSON-like dicts, each a rollout ``input``.
+) -> Path | None:
+    """Train with verl on in-memory datasets, as Agent Lightning v1.0's
+    ``agentlightning.verl.entrypoint.run_ppo`` does: a script changes only that import.
 
-    ``config`` comes from :func:`~agl_backend_verl.config.load_verl_config`; ``on_step(step,
-    total_steps, metrics, samples)`` runs in this process after every step (step 0: validation
-    before training). ``plugins`` run in the Ray actor, as copies: they must pickle (:func:`shippable`).
-    """
+    ``config`` is the dict or ``DictConfig`` the script builds (Hydra's compose of its verl config
+    included), loaded as a file would be (:func:`~agl_backend_verl.config.load_verl_config_mapping`:
+    agl's own keys take their defaults, a bad key is refused by name before Ray starts); the
+    datasets are lists of JSON-like dicts, each a rollout ``input``. Without ``on_step`` this is
+    :func:`agl_core.run_ppo` on backend ``verl``: the datasets are written to the run directory and
+    each step is logged to the run log and the ``trainer.logger`` sinks, as ``agl train`` logs it;
+    the run directory is returned. With ``on_step(step, total_steps, metrics, samples)`` the caller
+    gets every step instead (step 0: validation before training) and the datasets live in a
+    temporary folder. ``plugins`` run in the Ray actor, as copies: they must pickle (:func:`shippable`)."""
+    shippable(plugins)
+    if on_step is None:
+        return core_run_ppo(
+            config, train_dataset, val_dataset, overrides=["agentlightning.backend=verl"], plugins=plugins
+        )
+    loaded = load_verl_config_mapping(config)
     with tempfile.TemporaryDirectory(prefix="agl-verl-data-") as folder:
-        files = {
-            "train_files": write_rows(train_dataset, Path(folder) / "train.jsonl", "train_dataset"),
-            "val_files": write_rows(val_dataset, Path(folder) / "val.jsonl", "val_dataset"),
-        }
-        config = OmegaConf.merge(config, {"data": files})
-        train(config, plugins, on_step)
-
-
-def write_rows(rows: Sequence[Mapping[str, Any]], path: Path, name: str) -> str:
-    """``rows`` (a non-empty list of JSON-like dicts) as a JSON-lines file at ``path``; its path."""
-    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
-        raise UsageTypeError(f"{name} must be a non-empty list of dicts, got {type(rows).__name__}")
-    with path.open("w", encoding="utf-8") as f:
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping) or not all(isinstance(k, str) for k in row):
-                raise UsageTypeError(f"{name}[{i}] must be a dict with string keys, got {row!r:.80}")
-            try:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            except (TypeError, ValueError) as exc:
-                raise UsageError(f"{name}[{i}] is not JSON-like: {exc}") from None
-    return str(path)
+        files = {"train_files": str(write_dataset(train_dataset, Path(folder) / "train.jsonl", "train_dataset"))}
+        if val_dataset is not None:
+            files["val_files"] = str(write_dataset(val_dataset, Path(folder) / "val.jsonl", "val_dataset"))
+        train(OmegaConf.merge(loaded, {"data": files}), plugins, on_step)
+    return None
 
 
 def train(config: DictConfig, plugins: Sequence[Any] = (), on_step: OnStep | None = None) -> None:

@@ -122,12 +122,14 @@ __all__ = [
     "rollout_level",
     "rollout_reward",
     "rollout_timing_metrics",
+    "run_ppo",
     "run_steps",
     "save_source_state",
     "tensorize",
     "trajectory_rollout",
     "validate_config",
     "validation_metrics",
+    "write_dataset",
 ]
 
 #: public name -> the module it is imported from on first use (``hookimpl`` is imported above).
@@ -165,6 +167,8 @@ _MODULES: dict[str, str] = {
     "GatewayError": "agl_core.rollouts.gateway_error",
     "RecordingError": "agl_core.recording",
     "read_recording": "agl_core.recording",
+    "run_ppo": "agl_core.in_memory",
+    "write_dataset": "agl_core.in_memory",
     "VllmEngineError": "agl_core.serving.vllm_engine",
     # aggregators
     "CALLS_LEFT_OUT_METRIC": "agl_core.stages.aggregation",
@@ -271,6 +275,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.datasets import load_dataset
     from agl_core.errors import AglError, FileFormatError, UsageError, UsageTypeError
     from agl_core.hookspecs import Register
+    from agl_core.in_memory import run_ppo, write_dataset
     from agl_core.plugins import EventWriter, HookTimeout, PluginError, PluginManager, PluginSettings, RegistryError
     from agl_core.recording import RecordingError, read_recording
     from agl_core.rollouts.events import rollout_timing_metrics

@@ -19,17 +19,19 @@ __all__ = ["registered_backend", "resolve_config"]
 
 
 def resolve_config(
-    config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = ()
+    config_path: str | ConfigFile | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = ()
 ) -> tuple[Any, PluginManager]:
     """The run's validated config and its plugin manager (the hook files the config names loaded,
     ``plugins`` registered, the plugins' settings configured). The file is read once
-    (:class:`~agl_core.config.ConfigFile`); an unknown key that another backend knows is an error
-    naming that backend."""
+    (:class:`~agl_core.config.ConfigFile`; one already made is taken as it is); an unknown key that
+    another backend knows is an error naming that backend."""
     from omegaconf import OmegaConf
 
     from agl_core.config import ConfigError, default_config, read_config_file, with_backend_hint
 
-    source = None if config_path is None else read_config_file(config_path)
+    source = (
+        config_path if config_path is None or isinstance(config_path, ConfigFile) else read_config_file(config_path)
+    )
     raw = _unvalidated(source, overrides)
     hooks = OmegaConf.select(raw, "agentlightning.hooks", default=None, throw_on_resolution_failure=False)
     if not isinstance(hooks, str) and not (OmegaConf.is_list(hooks) and all(isinstance(h, str) for h in hooks)):

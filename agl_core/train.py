@@ -15,13 +15,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agl_core.config import ConfigFile
 from agl_core.data import StepSamples
+from agl_core.plugins import PluginManager
 from agl_core.preflight import preflight
 from agl_core.run_config import registered_backend, resolve_config
 from agl_core.tracking import MetricSink, SinkContext, open_sinks
 from agl_core.tracking.run_log import RunLog
 
-__all__ = ["MetricsLog", "run"]
+__all__ = ["MetricsLog", "run", "run_resolved"]
 
 
 class MetricsLog:
@@ -90,7 +92,10 @@ class MetricsLog:
 
 
 def run(
-    config_path: str | None, overrides: Sequence[str] = (), plugins: Iterable[Any] = (), show_progress: bool = True
+    config_path: str | ConfigFile | None,
+    overrides: Sequence[str] = (),
+    plugins: Iterable[Any] = (),
+    show_progress: bool = True,
 ) -> Path:
     """Train as the config says; return the run directory (metrics, samples, plot, checkpoints).
 
@@ -99,6 +104,11 @@ def run(
     the key and the registered sinks) before the backend is built; the sinks are opened when the
     backend reports its first step, after its own checks."""
     config, manager = resolve_config(config_path, overrides, plugins)
+    return run_resolved(config, manager, show_progress)
+
+
+def run_resolved(config: Any, manager: PluginManager, show_progress: bool = True) -> Path:
+    """:func:`run` of a config :func:`~agl_core.run_config.resolve_config` returned, with its plugin manager."""
     checked = preflight(config, manager)
     backend = registered_backend(manager, config.agentlightning.backend).factory(config, manager)
     log = MetricsLog(

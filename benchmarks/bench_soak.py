@@ -12,6 +12,11 @@ Faults on a schedule:
   fixed rates, chosen per rollout by a hash of its id (``benchmarks/soak_agent.py``);
 - a hook raises in ``agl_on_succeeded`` on every ``--hook-raise-every``-th call.
 
+The async staleness bound is on (``trainer.v1.sampler.max_off_policy_threshold``, ``--max-off-policy-threshold``,
+default 2, and ``--max-off-policy-strategy``, default ``drop``), tight enough that the slow agents' groups
+pass it: evicted groups (and their rollouts), the fresh groups that replaced them, the groups waited
+for, and the largest span a step trained are reported, and checked against the bound.
+
 Every ``--every`` steps it records the trainer's RSS, the bytes its C heap has handed out and not
 taken back and the free bytes it keeps (glibc's ``mallinfo2``), Python's allocated blocks (RSS
 growing while these stay flat is memory an allocator keeps, not a leak), open file descriptors and
@@ -70,7 +75,11 @@ SUMMED = (
     "training/n_hook_",
     "training/async/n_c",
     "training/n_sample",
+    "training/off_policy/evicted_samples",
+    "training/off_policy/n_",
 )
+# Step metrics whose largest value over the run is reported.
+MAXED = ("training/off_policy/trained_staleness/max", "training/off_policy/evicted_samples_staleness/max")
 GROUP_COUNTS = ("training/n_groups", "training/n_groups_dropped_one_rollout_left", "training/n_skipped_empty_rows")
 
 
@@ -81,6 +90,8 @@ class Faults:
     slow_rate: float = 0.05  # agents that wait slow_seconds before starting
     slow_seconds: float = 3.0
     hook_raise_every: int = 25  # agl_on_succeeded raises on every n-th call
+    max_off_policy_threshold: int | None = 2  # the async staleness bound (trainer.v1.sampler)
+    max_off_policy_strategy: str = "drop"
 
     def restart_after(self, step: int) -> bool:
         return self.restart_every > 0 and step % self.restart_every == self.restart_every // 2
@@ -93,6 +104,8 @@ class Faults:
             f"{self.crash_rate:.0%} of agents exit (code 17) after their first model call",
             f"{self.slow_rate:.0%} of agents sleep {self.slow_seconds:g} s before starting",
             f"agl_on_succeeded raises on every {self.hook_raise_every}th call",
+            f"staleness bound: max_off_policy_threshold {self.max_off_policy_threshold}, "
+            f"strategy {self.max_off_policy_strategy}",
         ]
 
 
@@ -145,6 +158,7 @@ class Soak:
         self.table: list[dict[str, float]] = []
         self.n_steps = 0
         self.sums: Counter[str] = Counter()  # the SUMMED step metrics, over the run
+        self.maxima: dict[str, float] = {}  # the MAXED step metrics, over the run
         self.last: dict[str, float] = {}  # the last step's metrics
         self.groups: dict[str, Any] = {}  # group id -> dataset row id, in enqueue order
         self.rollouts: dict[str, str] = {}  # rollout id -> group id
@@ -170,6 +184,8 @@ class Soak:
         for key, value in metrics.items():
             if key.startswith(SUMMED) or key in GROUP_COUNTS:
                 self.sums[key] += value
+            if key in MAXED:
+                self.maxima[key] = max(self.maxima.get(key, value), value)
         if step == 1 or step % self.every == 0:
             self.table.append(
                 {"step": float(step), **resources(), "ledger": self.ledger(), "run_dir_mib": tree_mib(self.run_dir)}
@@ -270,14 +286,25 @@ def accounting(soak: Soak, n_rows: int, n: int) -> dict[str, Any]:
         "partial_last_epoch_groups": len(epochs[-1]) if epochs and len(epochs[-1]) < n_rows else 0,
         "hook_raises_scheduled": soak.n_raised,
         "gateway_restarts_injected": soak.n_restarts,
+        "off_policy": {
+            "groups_evicted": sums["training/off_policy/evicted_samples"],
+            "rollouts_evicted": sums["training/off_policy/n_evicted_rollouts"],
+            "groups_refilled": sums["training/off_policy/n_refilled_groups"],
+            "groups_waited_for": sums["training/off_policy/n_waited_groups"],
+            "trained_span_max": soak.maxima.get(MAXED[0], 0.0),
+            "evicted_span_max": soak.maxima.get(MAXED[1], 0.0),
+        },
         "step_metric_sums": dict(sorted(sums.items())),
     }
 
 
-def problems(report: Mapping[str, Any], batch: int = 2, n: int = 4, rss_tolerance: float = 0.01) -> list[str]:
+def problems(
+    report: Mapping[str, Any], batch: int = 2, n: int = 4, rss_tolerance: float = 0.01, faults: Faults = Faults()
+) -> list[str]:
     """What the soak must show, as the list of what it did not: resources flat after warm-up (RSS
     growth under ``rss_tolerance`` per 100 steps, threads and fds within a few of their warm-up
-    level), the gateway's ledger bounded, every fault survived and counted, every sample accounted for."""
+    level), the gateway's ledger bounded, every fault survived and counted, every sample accounted for,
+    and (``drop``) no group trained past the staleness bound, every evicted group counted with its rollouts."""
     found = []
     acc, sums = report["accounting"], report["accounting"]["step_metric_sums"]
     in_flight_cap = (batch + 1) * n  # async_train_batch_size groups in flight
@@ -326,6 +353,21 @@ def problems(report: Mapping[str, Any], batch: int = 2, n: int = 4, rss_toleranc
         )
     if acc["epochs_with_a_repeated_row"]:
         found.append(f"{acc['epochs_with_a_repeated_row']} epochs enqueued a dataset row twice")
+    off_policy, threshold = acc["off_policy"], faults.max_off_policy_threshold
+    if threshold is not None and faults.max_off_policy_strategy == "drop":
+        if off_policy["trained_span_max"] > threshold:
+            found.append(
+                f"a step trained a group spanning {off_policy['trained_span_max']:g} versions (bound {threshold})"
+            )
+        if off_policy["groups_evicted"] and off_policy["evicted_span_max"] <= threshold:
+            found.append(
+                f"groups spanning at most {off_policy['evicted_span_max']:g} versions were evicted (bound {threshold})"
+            )
+        if off_policy["rollouts_evicted"] != n * off_policy["groups_evicted"]:
+            found.append(
+                f"{off_policy['groups_evicted']:g} groups evicted with {off_policy['rollouts_evicted']:g} rollouts, "
+                f"not {n} each"
+            )
     return found
 
 
@@ -369,6 +411,9 @@ def soak(
                 "trainer.val_before_train=false",
                 "trainer.logger=[soak]",
                 f"trainer.default_local_dir={run_dir}",
+                "trainer.v1.sampler.max_off_policy_threshold="
+                + ("null" if faults.max_off_policy_threshold is None else str(faults.max_off_policy_threshold)),
+                f"trainer.v1.sampler.max_off_policy_strategy={faults.max_off_policy_strategy}",
             ]
             try:
                 run(str(CONFIG), overrides, plugins=[plugin], show_progress=False)
@@ -417,16 +462,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=20, help="record resources every this many steps")
     parser.add_argument("--restart-every", type=int, default=Faults().restart_every)
     parser.add_argument("--hook-raise-every", type=int, default=Faults().hook_raise_every)
+    parser.add_argument(
+        "--max-off-policy-threshold",
+        type=lambda v: None if v == "null" else int(v),
+        default=Faults().max_off_policy_threshold,
+        help="the async staleness bound (null: none)",
+    )
+    parser.add_argument("--max-off-policy-strategy", choices=("drop", "wait"), default=Faults().max_off_policy_strategy)
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a new temporary one)")
     args = parser.parse_args(argv)
     signal.signal(
         signal.SIGINT, signal.default_int_handler
     )  # also when started in the background, where SIGINT is ignored
     out = args.out or Path(tempfile.mkdtemp(prefix="agl-soak-"))
-    faults = Faults(restart_every=args.restart_every, hook_raise_every=args.hook_raise_every)
+    faults = Faults(
+        restart_every=args.restart_every,
+        hook_raise_every=args.hook_raise_every,
+        max_off_policy_threshold=args.max_off_policy_threshold,
+        max_off_policy_strategy=args.max_off_policy_strategy,
+    )
     report = soak(args.steps, args.every, out, faults)
     print_report(report)
-    found = problems(report)
+    found = problems(report, faults=faults)
     print("\nchecks: " + ("all passed" if not found else "FAILED:\n  - " + "\n  - ".join(found)))
     print(f"report: {out / 'report.json'}")
     return 0 if not found else 1

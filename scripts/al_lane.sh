@@ -36,8 +36,11 @@ def version(name):
 print(f"{sys.argv[1]}: Python {platform.python_version()},", ", ".join(f"{n} {version(n)}" for n in names))
 PY
 t=$(date +%s)
-RAY_AUTH_MODE=disabled "$venv/bin/python" -m pytest -q -p no:cacheprovider "${select[@]}" \
+# tests/test_agent_lightning_102.py checks the installed agentlightning is the constraints' version and
+# loads its shipped verl config with every key 1.0.2 added.
+expected=$(sed -n 's/^agentlightning==//p' constraints/agentlightning.txt)
+AGL_EXPECT_AGENTLIGHTNING=$expected RAY_AUTH_MODE=disabled "$venv/bin/python" -m pytest -q -p no:cacheprovider "${select[@]}" \
     tests/hooks tests/plugins tests/config tests/stages tests/builtins tests/testing_kit \
     tests/verl/test_config.py tests/verl/test_al_v1_configs.py tests/verl/test_verl_version.py tests/test_parquet_datasets.py \
-    tests/test_migration_guide.py tests/scripts/test_device_check.py
+    tests/test_migration_guide.py tests/test_agent_lightning_102.py tests/scripts/test_device_check.py
 echo "$lane tests: $(( $(date +%s) - t )) s"

@@ -39,6 +39,7 @@ BASE = {
 ENTRY = {
     "agl_core.cli",
     "agl_core.train",
+    "agl_core.in_memory",
     "agl_core.run_config",
     "agl_core.preflight",
     "agl_core.replay",
@@ -81,7 +82,7 @@ ALLOWED = {
     "testing": {"base", "plugins", "stages", "rollouts", "serving", "backends", "backend:torch", "tracking", "entry"},
     "entry": {"base", "plugins", "rollouts", "backends", "tracking", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
-    "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends"},
+    "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends", "entry"},
 }
 
 

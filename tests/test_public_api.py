@@ -69,6 +69,8 @@ PUBLIC_NAMES = [
     "group_stream",
     "rollout_timing_metrics",
     "read_recording",
+    "run_ppo",
+    "write_dataset",
     "PaddedBatch",
     "PerRolloutAggregator",
     "PluginError",

@@ -166,6 +166,7 @@ class LoopBackend(abc.ABC):
         self.plugins.on_startup(self.config)
         self.source = open_rollout_source(self.config, self.plugins, self.tokenizer, served.endpoints)
         self.source.on_rollout_done = self.pipeline.prepare_rollout
+        self.source.next_samples = self.next_batch  # the async source refills evicted groups from the dataset
         self.source.after_weight_update(served.endpoints, self.step)
         self.plugins.on_weights_served(served.endpoints, self.step)
         carried = 0 if self._resumed_from is None else restore_source_state(self.source, self._resumed_from)

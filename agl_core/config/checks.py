@@ -83,13 +83,17 @@ def _validate_micro_batch_keys(cfg: DictConfig) -> None:
     through (as verl asks of its ``max_token_len``), so no row ever exceeds its micro-batch budget."""
     prompt_key, response_key = row_length_keys(cfg)
     longest = OmegaConf.select(cfg, prompt_key) + OmegaConf.select(cfg, response_key)
+    limits = f"{prompt_key} + {response_key} = {longest}"
+    aggregator = cfg.agentlightning.trace_aggregator
+    total = aggregator.trajectory_max_total_length  # a cap on every level but transition's
+    if aggregator.level != "transition" and total is not None and total < longest:
+        longest, limits = total, f"agentlightning.trace_aggregator.trajectory_max_total_length = {total}"
     for switch, budget in MICRO_BATCH_KEYS:
         tokens = OmegaConf.select(cfg, budget)
         if OmegaConf.select(cfg, switch) and tokens < longest:
             raise ConfigError(
                 budget,
-                f"is {tokens}, less than the longest row ({prompt_key} + {response_key} = {longest}); "
-                f"raise it or turn {switch} off",
+                f"is {tokens}, less than the longest row ({limits}); raise it or turn {switch} off",
             )
 
 

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from agl_core.config.checks import validate
 from agl_core.config.composition import strip_composition
 from agl_core.config.errors import ConfigError
+from agl_core.config.refused import refuse_unhonoured
 from agl_core.config.schema import SECRET_KEYS, default_config
 from agl_core.suggestions import closest
 
@@ -44,6 +45,22 @@ class ConfigFile:
 
     path: str
     content: DictConfig
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any] | DictConfig, origin: str) -> ConfigFile:
+        """A config held in memory (a dict, or a ``DictConfig`` such as Hydra composes) as if read from a
+        file: loaded as the file would be, its errors saying ``(in origin)``. The content is copied
+        with its interpolations unresolved, so the caller's object is never changed."""
+        if not isinstance(config, (Mapping, DictConfig)):
+            raise ConfigError(
+                "<config>", f"{origin} must be a mapping (a dict or a DictConfig), got {type(config).__name__}"
+            )
+        plain = OmegaConf.to_container(config, resolve=False) if isinstance(config, DictConfig) else dict(config)
+        try:
+            content = OmegaConf.create(plain)
+        except OmegaConfBaseException as exc:
+            raise _config_error(exc, origin) from None
+        return cls(origin, content)
 
 
 def read_config_file(path: str | os.PathLike[str]) -> ConfigFile:
@@ -134,6 +151,7 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
 
 
 def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    refuse_unhonoured(other, cfg, origin)
     try:
         merged = OmegaConf.merge(cfg, other)
     except OmegaConfBaseException as exc:

@@ -68,6 +68,9 @@ class TraceAggregatorConfig:
     level: str = "trajectory"  # the aggregator's registry name: transition | trajectory | a plugin's
     trajectory_max_prompt_length: int = checked(2048, integer())
     trajectory_max_response_length: int = checked(8192, integer())
+    # Agent Lightning 1.0.2: a row's prompt + response at most this many tokens (its response cut to
+    # fit); null: no cap. Not read at the transition level, as in 1.0.2.
+    trajectory_max_total_length: int | None = checked(None, integer().or_null())
     # Trajectory breaks kept per batch for inspection (ids and decoded text), and how many ids and
     # characters each sample field keeps.
     mismatch_sample_size: int = checked(20, integer(0))
@@ -313,6 +316,21 @@ class AlgorithmConfig:
 
 
 @dataclass
+class SamplerConfig:
+    """verl's V1 staleness bound for async training (``trainer.v1.sampler``, verl's names and defaults):
+    a group submitted at step ``s`` is stale at step ``g`` once ``g - s + 1`` passes the threshold.
+    Sync training is on-policy and ignores it, as verl does."""
+
+    max_off_policy_threshold: int | None = checked(8, integer().or_null())  # null: no bound
+    max_off_policy_strategy: str = choice("drop", "wait")  # drop stale finished groups, or wait for them
+
+
+@dataclass
+class TrainerV1Config:
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+
+
+@dataclass
 class TrainerConfig:
     total_epochs: int = checked(30, integer())
     total_training_steps: int | None = checked(None, integer().or_null())  # null: epochs x steps per epoch
@@ -327,6 +345,7 @@ class TrainerConfig:
     # Metric sinks besides the run log (metrics.jsonl, always written), by registry name: console |
     # tensorboard | wandb | a plugin's. verl's key; its default is [console, wandb], agl's stays offline.
     logger: list[str] = field(default_factory=lambda: ["console"])
+    v1: TrainerV1Config = field(default_factory=TrainerV1Config)
 
 
 @dataclass

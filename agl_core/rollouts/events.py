@@ -26,6 +26,10 @@ Rules (Agent Lightning v1.0 semantics, with every anomaly counted instead of dro
   ``Triplet.reward`` (last one wins). Booleans, non-numbers and non-finite values are refused and
   counted, never coerced.
 - A rollout without a final reward gets ``reward_fillna_value`` and is counted.
+- A successful training call whose request carries images (``image_url`` parts in its chat
+  messages, as a vision-language agent sends them) is refused with an error naming the rollout:
+  agl builds no vision-language rows (image inputs, mrope position ids), and its prompt's image
+  placeholder tokens trained as text would train the policy on what it never saw.
 
 Counts come back as a :class:`collections.Counter` keyed by metric name, so a source can add the
 counters of a batch and report them.
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
@@ -130,7 +135,12 @@ class _Response(TypedDict, total=False):
     error: Any
 
 
+class _Request(TypedDict, total=False):
+    messages: msgspec.Raw  # kept undecoded: only searched for images (_image_parts)
+
+
 class _Data(TypedDict, total=False):
+    request: _Request | None
     http_status: Any
     status: Any
     response: _Response | None
@@ -216,8 +226,37 @@ def _model_version(value: Any) -> int | None:
     return None
 
 
-def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Triplet | None:
-    """One successful model call as a Triplet, or ``None`` (counted) when it cannot be trained on."""
+_IMAGE_URL = re.compile(rb"image_url")
+
+
+def _content_images(content: Any) -> int:
+    """The ``image_url`` parts of one message's content (a list of parts, or its JSON text)."""
+    if isinstance(content, str) and "image_url" in content:
+        try:
+            content = json.loads(content)  # some clients send the parts as JSON text
+        except ValueError:
+            return 0
+    if not isinstance(content, list):
+        return 0
+    return sum(isinstance(part, Mapping) and part.get("type") == "image_url" for part in content)
+
+
+def _image_parts(request: Any) -> int:
+    """How many images a call's request carries in its chat messages (undecoded ones are only
+    decoded when they mention ``image_url`` at all)."""
+    messages = request.get("messages") if isinstance(request, Mapping) else None
+    if msgspec is not None and isinstance(messages, msgspec.Raw):
+        if _IMAGE_URL.search(messages) is None:  # searched in place: the messages are not copied
+            return 0
+        messages = _decode_any(messages)
+    if not isinstance(messages, list):
+        return 0
+    return sum(_content_images(m.get("content")) for m in messages if isinstance(m, Mapping))
+
+
+def _triplet_from_call(data: Any, call_index: int, counts: Counter[str], *, refuse_images: bool) -> Triplet | None:
+    """One successful model call as a Triplet, or ``None`` (counted) when it cannot be trained on;
+    with ``refuse_images``, a call whose request carries images is a :class:`DataValidationError`."""
     if not isinstance(data, Mapping):
         _count(counts, "training/events/n_malformed_events")
         return None
@@ -244,6 +283,13 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str]) -> Trip
     if not len(response_ids):
         _count(counts, "training/events/n_calls_empty_response")
         return None
+    if refuse_images and (images := _image_parts(data.get("request"))):
+        raise DataValidationError(
+            f"calls[{call_index}].request.messages",
+            f"carries {images} image(s): a vision-language chat, whose rows need the image inputs and mrope "
+            "position ids agl does not build (Agent Lightning 1.0.2's multimodal rows); trained as text, its "
+            "image placeholder tokens would teach the policy what it never saw. Train a text-only task",
+        )
     raw = _raw_log_probs(choice)
     response_log_probs = None
     if raw is None:
@@ -278,8 +324,9 @@ def _reward(data: Mapping[str, Any], counts: Counter[str]) -> float | None:
         return None
 
 
-def parse_events(events: Sequence[Any]) -> ParsedEvents:
-    """Triplets (successful calls, in order), the final reward (``None`` if none) and the counts."""
+def parse_events(events: Sequence[Any], *, refuse_images: bool = True) -> ParsedEvents:
+    """Triplets (successful calls, in order), the final reward (``None`` if none) and the counts.
+    ``refuse_images``: a call whose request carries images is an error (training rollouts)."""
     counts: Counter[str] = Counter()
     calls: list[Triplet | None] = []
     call_rewards: dict[int, float] = {}
@@ -291,7 +338,7 @@ def parse_events(events: Sequence[Any]) -> ParsedEvents:
         kind, data = event["event_type"], event.get("data")
         if kind == "model_request":
             _count(counts, "training/events/n_calls")
-            calls.append(_triplet_from_call(data, len(calls), counts))
+            calls.append(_triplet_from_call(data, len(calls), counts, refuse_images=refuse_images))
         elif kind == "reward":
             _count(counts, "training/events/n_reward_events")
             if not isinstance(data, Mapping):
@@ -367,7 +414,10 @@ def completed_rollout(
     the trainer can see the agent running. Timestamps that are not finite numbers, there or in
     ``queued_at`` / ``ended_at``, are left out and counted.
     """
-    parsed = parse_events(events)
+    try:  # a validation rollout's reward is measured as it is: only training refuses images
+        parsed = parse_events(events, refuse_images=request.is_train)
+    except DataValidationError as exc:
+        raise exc.within(rollout_id=request.rollout_id) from None
     counts = parsed.counts
     final_reward = parsed.final_reward
     if final_reward is None:

@@ -14,6 +14,19 @@ its engines (the gateway's ``updated_at`` against this process's clock: agents c
 the stopped run's engines) is re-created the same way, per ``gateway.restart_policy``
 (``training/async/n_resumed_failed_unserved``). Nothing carried is dropped or trained twice, and the
 restore is counted (``training/async/n_resumed_*``, ``training/rollouts/n_lost``, ``n_reenqueued``).
+
+**The staleness bound** is verl V1's (``trainer.v1.sampler.max_off_policy_threshold`` and
+``max_off_policy_strategy``, with verl's meaning and metric names): a group submitted at step ``s``
+spans ``g - s + 1`` policy versions when step ``g`` trains on it, and is stale once that passes the
+threshold. ``drop`` evicts stale groups as they finish (``training/off_policy/evicted_samples``, the
+groups, and their ``evicted_samples_staleness/{mean,max,min}``) and tops the groups in flight up
+with fresh samples, from the backlog and then from ``next_samples`` when the backend gave it
+(``training/off_policy/n_refilled_groups``). ``wait`` never evicts: before a step takes its groups,
+it waits until every group in flight whose span has reached the threshold has finished, so it can be
+trained (``training/off_policy/n_waited_groups``, ``training/off_policy/wait_s``). With a bound, a
+step takes its groups oldest first (by step, then completion); without one (``null``), in completion
+order, as Agent Lightning v1.0 does. ``training/off_policy/trained_staleness/{mean,max}`` is the span
+of the groups a step trains on.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 from agl_core.data import CompletedRollout, RolloutRequest
@@ -51,11 +65,34 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
         super().__init__(config, plugins, client)
         self.train_batch_size = int(config.data.train_batch_size)
         self.in_flight = int(config.agentlightning.async_rollout.async_train_batch_size)
+        sampler = config.trainer.v1.sampler
+        self.threshold: int | None = sampler.max_off_policy_threshold  # None: no staleness bound
+        self.strategy: str = sampler.max_off_policy_strategy
         self.backlog: list[Mapping[str, Any]] = []
         self.paused = False
 
     def _train_groups(self) -> list[Group]:
         return [g for g in self.groups.values() if g.is_train]
+
+    def _top_up(self, step: int, *, refill: bool = False) -> int:
+        """Enqueue backlog samples until ``async_train_batch_size`` groups are in flight; with
+        ``refill``, first draw batches from ``next_samples`` while the backlog is short. The groups enqueued."""
+        need = max(0, self.in_flight - len(self._train_groups()))
+        while refill and len(self.backlog) < need and self.next_samples is not None:
+            more = list(self.next_samples())
+            if not more:
+                break
+            self.backlog.extend(more)
+        take, self.backlog = self.backlog[:need], self.backlog[need:]
+        self._enqueue(take, step=step, is_train=True)
+        return len(take)
+
+    def _stale(self, group: Group, step: int, *, reached: bool = False) -> bool:
+        """Whether ``group``'s span at ``step`` passes the threshold (``reached``: has reached it)."""
+        if self.threshold is None:
+            return False
+        span = step - group.step + 1
+        return span >= self.threshold if reached else span > self.threshold
 
     def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
         if not is_train:
@@ -63,12 +100,38 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
         carried = self._train_groups()
         n_prev = sum(g.size - len(g.done) for g in carried)
         self.backlog.extend(samples)
-        need = max(0, self.in_flight - len(carried))
-        take, self.backlog = self.backlog[:need], self.backlog[need:]
-        self._enqueue(take, step=step, is_train=True)
+        self._top_up(step)
+        drop = self.strategy == "drop"
+        evicted: list[Group] = []
+        refilled = 0
+        waited: set[str] = set()
+        wait_started: float | None = None
+
+        def sampleable() -> bool:
+            nonlocal wait_started
+            groups = self._train_groups()
+            if drop and any(g.complete and self._stale(g, step) for g in groups):
+                return True  # evict it first
+            if sum(g.complete for g in groups) < min(self.train_batch_size, len(groups)):
+                return False
+            blocking = [] if drop else [g for g in groups if not g.complete and self._stale(g, step, reached=True)]
+            if blocking and wait_started is None:
+                wait_started = time.monotonic()
+            waited.update(g.group_id for g in blocking)
+            return not blocking
+
+        while True:
+            self._wait(sampleable)
+            stale = [g for g in self._train_groups() if drop and g.complete and self._stale(g, step)]
+            if not stale:
+                break
+            for group in stale:
+                del self.groups[group.group_id]
+            evicted += stale
+            refilled += self._top_up(step, refill=True)
         target = min(self.train_batch_size, len(self._train_groups()))
-        self._wait(lambda: sum(g.complete for g in self._train_groups()) >= target)
-        ready = sorted((g for g in self._train_groups() if g.complete), key=lambda g: g.completed_at)[:target]
+        order = (lambda g: g.completed_at) if self.threshold is None else (lambda g: (g.step, g.completed_at))
+        ready = sorted((g for g in self._train_groups() if g.complete), key=order)[:target]
         rest = [g for g in self._train_groups() if g not in ready]
         extra = {
             "training/async/n_prev_carry_over_rollouts": float(n_prev),
@@ -76,8 +139,43 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
             "training/async/n_new_carry_over_rollouts": float(sum(g.size - len(g.done) for g in rest)),
             "training/async/new_carry_over_age_max_steps": float(max((step - g.step for g in rest), default=0)),
             "training/async/n_backlog_samples": float(len(self.backlog)),
+            **self._off_policy_metrics(step, ready, evicted, refilled, waited, wait_started),
         }
         return self._batch(ready, extra)
+
+    def _off_policy_metrics(
+        self,
+        step: int,
+        ready: Sequence[Group],
+        evicted: Sequence[Group],
+        refilled: int,
+        waited: set[str],
+        wait_started: float | None,
+    ) -> dict[str, float]:
+        """The staleness bound's counts (verl's names for evictions) and the span of the trained groups."""
+        spans = [step - g.step + 1 for g in ready]
+        metrics = {
+            "training/off_policy/trained_staleness/mean": float(np.mean(spans)) if spans else 0.0,
+            "training/off_policy/trained_staleness/max": float(max(spans, default=0)),
+        }
+        if self.threshold is None:
+            return metrics
+        if self.strategy == "wait":
+            metrics["training/off_policy/n_waited_groups"] = float(len(waited))
+            metrics["training/off_policy/wait_s"] = 0.0 if wait_started is None else time.monotonic() - wait_started
+            return metrics
+        metrics["training/off_policy/evicted_samples"] = float(len(evicted))
+        metrics["training/off_policy/n_evicted_rollouts"] = float(sum(len(g.done) for g in evicted))
+        metrics["training/off_policy/n_refilled_groups"] = float(refilled)
+        if evicted:
+            evicted_spans = np.array([step - g.step + 1 for g in evicted], dtype=float)
+            prefix = "training/off_policy/evicted_samples_staleness"
+            metrics |= {
+                f"{prefix}/mean": float(evicted_spans.mean()),
+                f"{prefix}/max": float(evicted_spans.max()),
+                f"{prefix}/min": float(evicted_spans.min()),
+            }
+        return metrics
 
     def before_weight_update(self) -> dict[str, float]:
         """Pause the proxy and wait for in-flight model calls to reach zero, up to the drain deadline."""

@@ -50,9 +50,15 @@ class RolloutSource(Protocol):
     soon as that rollout is done and kept (the step pipeline's
     :meth:`~agl_core.stages.pipeline.StepPipeline.prepare_rollout`), so per-rollout work runs while
     other rollouts still run. A source that only has its rollouts once all are done need not call it.
+
+    ``next_samples``, when a backend sets it, gives the next dataset batch (the data position
+    advances) to a source that needs samples beyond those ``collect`` was handed: the async gateway
+    source replacing the groups its staleness bound evicted. Without it, such a source tops up at
+    the next ``collect``.
     """
 
     on_rollout_done: Callable[[CompletedRollout], None] | None = None
+    next_samples: Callable[[], Sequence[Mapping[str, Any]]] | None = None
 
     def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
         """Run rollouts for ``samples`` (``rollout.n`` each when training, one when validating) and return

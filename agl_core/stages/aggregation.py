@@ -9,6 +9,9 @@ of them and lives here, so a third-party aggregator keeps the same limits and co
   (``training/n_sample_dropped/marked``); batch shaping removes it before training;
 - a response longer than ``max_response_length`` is cut, its mask, log-probs and turn indices with
   it (``training/n_truncated_sample``); a row left with no trained token is skipped instead;
+- with ``max_total_length`` set, the response is also cut where prompt + response would pass it
+  (Agent Lightning 1.0.2's ``trajectory_max_total_length``); each row it cuts is counted in
+  ``training/n_truncated_sample/total_length`` too, and one whose prompt leaves no room is skipped;
 - calls an aggregator leaves out on purpose (it trains only some calls of a rollout, e.g. the last)
   are counted, one per call, in ``training/n_calls_left_out`` (:meth:`AggregationCounts.leave_out`).
 
@@ -39,6 +42,7 @@ from agl_core.fields import from_checked, is_int
 __all__ = [
     "CALLS_LEFT_OUT_METRIC",
     "MISMATCH_KINDS",
+    "TOTAL_LENGTH_CUT_METRIC",
     "Aggregation",
     "AggregationCounts",
     "AggregationSettings",
@@ -55,6 +59,7 @@ __all__ = [
 
 MISMATCH_KINDS = ("retokenization", "template", "other")
 CALLS_LEFT_OUT_METRIC = "training/n_calls_left_out"
+TOTAL_LENGTH_CUT_METRIC = "training/n_truncated_sample/total_length"
 
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -78,14 +83,23 @@ class AggregationSettings:
 
     ``tokenizer`` is any object with ``decode(list[int]) -> str``; without one, breaks cannot be
     classified (they count as ``other``) and mismatch samples carry ids only. Each mismatch sample
-    keeps at most ``mismatch_max_length`` ids and characters per field.
+    keeps at most ``mismatch_max_length`` ids and characters per field. ``max_total_length``
+    (``None``: no cap) bounds a row's prompt + response (:meth:`response_limit`).
     """
 
     max_prompt_length: int = attrs.field(validator=_positive_int)
     max_response_length: int = attrs.field(validator=_positive_int)
+    max_total_length: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive_int))
     tokenizer: Any = attrs.field(default=None, validator=_decoder, eq=False)
     mismatch_sample_size: int = attrs.field(default=20, validator=_non_negative_int)
     mismatch_max_length: int = attrs.field(default=2000, validator=_positive_int)
+
+    def response_limit(self, prompt_length: int) -> int:
+        """The most response tokens a row with a ``prompt_length``-token prompt keeps: ``max_response_length``,
+        or less where prompt + response would pass ``max_total_length`` (0 when the prompt fills it)."""
+        if self.max_total_length is None:
+            return self.max_response_length
+        return min(self.max_response_length, max(self.max_total_length - prompt_length, 0))
 
 
 def settings_from_config(cfg: Any, tokenizer: Any = None) -> AggregationSettings:
@@ -93,13 +107,15 @@ def settings_from_config(cfg: Any, tokenizer: Any = None) -> AggregationSettings
 
     The ``transition`` level uses verl's ``data.max_prompt_length`` / ``data.max_response_length``;
     every other level (``trajectory`` and third-party ones) uses
-    ``agentlightning.trace_aggregator.trajectory_max_*``, as Agent Lightning does.
+    ``agentlightning.trace_aggregator.trajectory_max_*``, as Agent Lightning does, the total too
+    (Agent Lightning 1.0.2 reads ``trajectory_max_total_length`` at the trajectory level only).
     """
     agg = cfg.agentlightning.trace_aggregator
     prompt_key, response_key = row_length_keys(cfg)
     return AggregationSettings(
         max_prompt_length=OmegaConf.select(cfg, prompt_key),
         max_response_length=OmegaConf.select(cfg, response_key),
+        max_total_length=None if agg.level == "transition" else agg.trajectory_max_total_length,
         tokenizer=tokenizer,
         mismatch_sample_size=agg.mismatch_sample_size,
         mismatch_max_length=agg.mismatch_max_length,
@@ -350,10 +366,12 @@ def merged_row(
         return None
     prompt = first.triplet.prompt_ids
     dropped = len(prompt) > settings.max_prompt_length
+    cut = settings.response_limit(len(prompt))
     if dropped:
         counts.counts["training/n_sample_dropped/marked"] += 1
-    elif len(response) > settings.max_response_length:
-        cut = settings.max_response_length
+    elif len(response) > cut:
+        if cut < settings.max_response_length:
+            counts.counts[TOTAL_LENGTH_CUT_METRIC] += 1
         if not mask[:cut].any():
             counts.counts["training/n_skipped_empty_rows"] += 1
             return None

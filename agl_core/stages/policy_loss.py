@@ -25,6 +25,14 @@ and differ only in how they reduce it over the trained tokens ``T`` of the (micr
   rollout (:func:`agl_core.stages.normalization.rollout_scales`, applied by the step pipeline), which
   makes this sum a mean over rollouts; multiplying by ``dp_size`` undoes the data-parallel gradient averaging.
 
+``cispo_per_rollout_mean`` (Agent Lightning 1.0.2's CISPO loss) reduces as ``per_rollout_mean`` does
+but replaces the per-token term (:func:`cispo_token_losses`): the clipped ratio is a constant weight
+on the log-prob, so a token whose ratio is past a bound still gets a gradient (of the clipped size)::
+
+    l = -sg(clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A * log_prob * w
+
+with ``sg`` the stop-gradient; ``clip_ratio_c`` plays no part.
+
 Mapping onto verl 0.9.1: verl's policy-loss registry (``verl.trainer.ppo.core_algos.
 register_policy_loss(name)``, looked up by ``get_policy_loss_fn(actor.policy_loss.loss_mode)``)
 calls ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
@@ -59,6 +67,7 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossSpec",
     "batch_token_mean",
+    "cispo_token_losses",
     "masked_sum",
     "policy_loss_spec",
     "ppo_token_losses",
@@ -218,5 +227,35 @@ def ppo_token_losses(
         "actor/pg_clipfrac": _masked_mean((clipped > unclipped).to(log_prob.dtype), mask).item(),
         "actor/ppo_kl": _masked_mean(-log_ratio, mask).detach().item(),
         "actor/pg_clipfrac_lower": _masked_mean(((ppo > dual) & negative).to(log_prob.dtype), mask).item(),
+    }
+    return losses, metrics
+
+
+def cispo_token_losses(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    settings: LossSettings,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO's per-token loss ``l`` (see the module docstring) and its metrics.
+
+    ``actor/pg_clipfrac`` is the fraction of trained tokens whose ratio the clip changes;
+    ``actor/pg_clipfrac_lower`` is 0 (there is no dual clip); ``actor/ppo_kl`` as for PPO.
+    """
+    import torch
+
+    mask = response_mask.bool()
+    log_ratio = torch.clamp(torch.where(mask, log_prob - old_log_prob, 0.0), min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - settings.low, 1.0 + settings.high).detach()
+    losses = -weight * torch.where(mask, advantages, 0.0) * torch.where(mask, log_prob, 0.0)
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean((weight != ratio).to(log_prob.dtype), mask).item(),
+        "actor/ppo_kl": _masked_mean(-log_ratio, mask).detach().item(),
+        "actor/pg_clipfrac_lower": 0.0,
     }
     return losses, metrics

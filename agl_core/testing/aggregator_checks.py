@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 
 from agl_core.data import CompletedRollout, TrainingRow
-from agl_core.stages.aggregation import CALLS_LEFT_OUT_METRIC, MISMATCH_KINDS, Aggregation, AggregationSettings
+from agl_core.stages.aggregation import (
+    CALLS_LEFT_OUT_METRIC,
+    MISMATCH_KINDS,
+    TOTAL_LENGTH_CUT_METRIC,
+    Aggregation,
+    AggregationSettings,
+)
 from agl_core.stages.mismatch import common_prefix_length
 from agl_core.testing.snapshots import shorten
 
@@ -44,7 +50,9 @@ class _RowView:
 
     def __init__(self, row: TrainingRow, rollout: CompletedRollout, agg_settings: AggregationSettings):
         self.row = row
-        self.limit = agg_settings.max_response_length
+        # max_response_length, or less where the prompt leaves less room under max_total_length
+        self.limit = agg_settings.response_limit(len(row.prompt_ids))
+        self.total_cut = self.limit < agg_settings.max_response_length
         calls = rollout.triplets
         first, n_merged = row.turn_index, len(row.turn_rewards)
         if n_merged < 1 or first + n_merged > len(calls):
@@ -115,10 +123,14 @@ class _RowView:
             expected = min(len(row.response_ids) + missing, self.limit)
             _fail(
                 f"{lost} and the row's response has {len(row.response_ids)} tokens: a row is cut only at "
-                f"max_response_length = {self.limit}, so it should have {expected} response tokens",
+                f"{self.limit_name} = {self.limit}, so it should have {expected} response tokens",
                 row,
             )
         self.short = True
+
+    @property
+    def limit_name(self) -> str:
+        return "max_total_length - prompt" if self.total_cut else "max_response_length"
 
 
 def _views(rollouts: Sequence[CompletedRollout], result: Aggregation, agg_settings: AggregationSettings):
@@ -192,10 +204,9 @@ def check_tokens(rollouts, result, agg_settings) -> None:
                     "row should be marked dropped",
                     row,
                 )
-            if len(row.response_ids) > agg_settings.max_response_length:
+            if len(row.response_ids) > view.limit:
                 _fail(
-                    f"response of {len(row.response_ids)} tokens, expected it cut at max_response_length = "
-                    f"{agg_settings.max_response_length}",
+                    f"response of {len(row.response_ids)} tokens, expected it cut at {view.limit_name} = {view.limit}",
                     row,
                 )
 
@@ -244,7 +255,7 @@ def _check_ids_context(view: _RowView, got: np.ndarray, want: np.ndarray) -> Non
     if len(got) < len(want) and not view.at_limit:
         _fail(
             f"prompt + response is {len(got)} ids, the last merged call's {len(want)}: a row is shorter only when cut "
-            f"at max_response_length = {view.limit}, so it should have "
+            f"at {view.limit_name} = {view.limit}, so it should have "
             f"{min(len(want) - len(row.prompt_ids), view.limit)} response ids",
             row,
         )
@@ -292,6 +303,14 @@ def check_metrics(
         if not low <= truncated <= high:
             _fail(f"training/n_truncated_sample is {truncated}, expected between {low} and {high}")
     _check_calls_in_no_row(by_id, views, metrics, leaves_calls_out)
+    # Rows the total cap cut: the kept ones cut at its limit, and at most every skipped row besides.
+    by_total = metrics.get(TOTAL_LENGTH_CUT_METRIC, 0.0)
+    low = sum(v.total_cut and v.short for v in kept)
+    if not low <= by_total <= low + metrics["training/n_skipped_empty_rows"]:
+        _fail(
+            f"{TOTAL_LENGTH_CUT_METRIC} is {by_total}, expected at least {low} (the kept rows cut to fit "
+            "max_total_length) and at most that plus training/n_skipped_empty_rows"
+        )
 
     lengths = [len(t.response_ids) for r in rollouts for t in r.triplets]
     if metrics["training/n_turns"] != len(lengths):

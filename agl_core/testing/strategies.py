@@ -179,6 +179,7 @@ def aggregation_settings(tokenizer: Any = TOY_TOKENIZER) -> st.SearchStrategy[Ag
         AggregationSettings,
         max_prompt_length=st.integers(4, 120),
         max_response_length=st.integers(2, 120),
+        max_total_length=st.none() | st.integers(4, 200),
         tokenizer=st.sampled_from([None, tokenizer]),
         mismatch_sample_size=st.integers(0, 4),
         mismatch_max_length=st.integers(1, 40),

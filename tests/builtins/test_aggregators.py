@@ -87,6 +87,39 @@ def test_a_prompt_over_the_limit_marks_the_row_dropped_and_keeps_it_whole():
     assert result.metrics["training/n_truncated_sample"] == 0
 
 
+@pytest.mark.parametrize(
+    ("prompt_length", "max_response", "total", "kept", "by_total"),
+    [
+        (3, 10, 6, 3, 1),  # the total cap leaves 6 - 3 response tokens
+        (3, 2, 6, 2, 0),  # the response cap is the tighter one: cut, but not by the total
+        (3, 10, 20, 5, 0),  # within both: kept whole
+        (6, 10, 6, 0, 1),  # the prompt fills the cap: nothing to train, skipped
+        (8, 10, 6, 0, 1),  # ... and past it
+    ],
+)
+def test_the_total_length_cap_cuts_the_response_as_agent_lightning_1_0_2(
+    prompt_length, max_response, total, kept, by_total
+):
+    # 1.0.2's rule: response limit = min(max_response_length, max(total - prompt length, 0)).
+    prompt, response = list(range(100, 100 + prompt_length)), [1, 2, 3, 4, 5]
+    limits = AggregationSettings(max_prompt_length=10, max_response_length=max_response, max_total_length=total)
+    result = trajectory([rollout(call(prompt, response))], limits)
+
+    assert [row.response_ids.tolist() for row in result.rows] == ([response[:kept]] if kept else [])
+    assert result.metrics.get("training/n_truncated_sample/total_length", 0) == by_total
+    assert result.metrics["training/n_truncated_sample"] == (0 < kept < len(response))
+    assert result.metrics["training/n_skipped_empty_rows"] == (kept == 0)
+
+
+def test_the_total_length_cap_counts_merged_observations_and_leaves_dropped_rows_whole():
+    merged = [call([1], [2, 3]), call([1, 2, 3, 4, 5], [6, 7])]  # one row: [1] + 2 3 | 4 5 | 6 7
+    limits = AggregationSettings(max_prompt_length=3, max_response_length=10, max_total_length=5)
+    (row,) = trajectory([rollout(*merged)], limits).rows
+    assert row.response_ids.tolist() == [2, 3, 4, 5] and row.response_mask.tolist() == [1, 1, 0, 0]
+    (dropped,) = trajectory([rollout(call([1, 2, 3, 4], [5, 6, 7]))], limits).rows
+    assert dropped.dropped and dropped.response_ids.tolist() == [5, 6, 7]
+
+
 def test_rows_without_a_trained_token_are_skipped_and_counted():
     # An empty response alone, then one whose only tokens within the limit are an observation.
     calls = [call([1], []), call([5], []), call([5, 8, 9], [7])]
@@ -168,6 +201,25 @@ def test_settings_from_config_pick_the_limits_of_the_level(level, expected):
     settings = settings_from_config(cfg)
     assert (settings.max_prompt_length, settings.max_response_length) == expected
     assert (settings.mismatch_sample_size, settings.mismatch_max_length) == (3, 2000)
+    assert settings.max_total_length is None
+
+
+@pytest.mark.parametrize(("level", "expected"), [("transition", None), ("trajectory", 500), ("retoken_merge", 500)])
+def test_the_total_length_cap_is_read_at_every_level_but_transition(level, expected):
+    # As in Agent Lightning 1.0.2, whose transition level bounds rows by data.max_*_length alone.
+    cfg = load_config(
+        overrides=[
+            f"agentlightning.trace_aggregator.level={level}",
+            "agentlightning.trace_aggregator.trajectory_max_total_length=500",
+        ]
+    )
+    assert settings_from_config(cfg).max_total_length == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "many", "true"])
+def test_a_bad_total_length_cap_is_refused_by_name(value):
+    with pytest.raises(ConfigError, match="agentlightning.trace_aggregator.trajectory_max_total_length"):
+        load_config(overrides=[f"agentlightning.trace_aggregator.trajectory_max_total_length={value}"])
 
 
 @pytest.mark.parametrize(
@@ -187,6 +239,8 @@ def test_settings_refuse_bad_values_by_name():
         AggregationSettings(max_prompt_length=1, max_response_length=0)
     with pytest.raises(ValueError, match="tokenizer"):
         AggregationSettings(max_prompt_length=1, max_response_length=1, tokenizer=object())
+    with pytest.raises(ValueError, match="max_total_length"):
+        AggregationSettings(max_prompt_length=1, max_response_length=1, max_total_length=0)
 
 
 def test_mismatches_are_written_as_json_lines(tmp_path):

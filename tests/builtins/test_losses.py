@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl_backend_verl.policy_loss import as_verl_policy_loss
-from agl_core.builtins.losses import per_rollout_mean, token_mean
+from agl_core.builtins.losses import cispo_per_rollout_mean, per_rollout_mean, token_mean
 from agl_core.config import default_config
 from agl_core.plugins import PluginManager
-from agl_core.stages.policy_loss import LossSettings, ppo_token_losses
+from agl_core.stages.policy_loss import LossSettings, cispo_token_losses, ppo_token_losses
 
-LOSSES = {"per_rollout_mean": per_rollout_mean, "token_mean": token_mean}
+# The PPO-clipped losses; CISPO's stop-gradient weight is invisible to finite differences (gradcheck).
+PPO_LOSSES = {"per_rollout_mean": per_rollout_mean, "token_mean": token_mean}
+LOSSES = {**PPO_LOSSES, "cispo_per_rollout_mean": cispo_per_rollout_mean}
 
 
 def _batch(seed, dtype=torch.float32, batch=3, length=5, spread=0.5):
@@ -45,6 +48,25 @@ def test_per_token_term_by_hand():
     assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 5)
     assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 5)
     assert metrics["actor/ppo_kl"] == pytest.approx(-float(ratio.log().mean()), rel=1e-5)
+
+
+def test_cispo_per_token_term_by_hand():
+    s = LossSettings(clip_ratio=0.2, clip_ratio_high=0.3, clip_ratio_c=1.5)
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 5.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, 2.0, -1.0]], dtype=torch.float64)
+    old = torch.full_like(ratio, -1.0)
+    new = (old + ratio.log()).requires_grad_(True)
+    mask = torch.ones_like(ratio, dtype=torch.bool)
+    weight = torch.tensor([[1.3, 0.8, 1.1, 1.3]], dtype=torch.float64)  # clip(r, 0.8, 1.3); no dual clip
+    losses, metrics = cispo_token_losses(old, new, adv, mask, s)
+    torch.testing.assert_close(losses, -weight * adv * new.detach())
+    loss, _ = cispo_per_rollout_mean(old, new, adv, mask, attrs.evolve(s, dp_size=2))
+    loss.backward()
+    # Every token keeps a gradient, clipped ones too, of the clipped ratio's size.
+    torch.testing.assert_close(new.grad, -weight * adv * 2)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(3 / 4)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/ppo_kl"] == pytest.approx(-float(ratio.log().mean()))
 
 
 def test_asymmetric_clip_bounds_default_to_clip_ratio():
@@ -103,7 +125,7 @@ def _away_from_kinks(old, new, adv, s):
     return not any(n.any() for n in near) and not dual.any()
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(PPO_LOSSES))
 @pytest.mark.parametrize("with_weights", [False, True])
 def test_gradcheck_float64(name, with_weights):
     s = LossSettings(clip_ratio=0.2, clip_ratio_c=2.0)
@@ -166,4 +188,4 @@ def test_verl_adapter_reads_global_batch_info_and_ignores_the_aggregation_mode()
 
 def test_builtins_are_registered_by_the_default_plugins():
     names = PluginManager(load_entrypoints=False).policy_losses.names()
-    assert {"per_rollout_mean", "token_mean"} <= set(names)
+    assert {"cispo_per_rollout_mean", "per_rollout_mean", "token_mean"} <= set(names)

@@ -48,7 +48,7 @@ def test_plugins_lists_builtins_with_their_hooks_and_names():
     for name in DEFAULT_PLUGINS:
         assert f"{name}  [built-in]" in out.stdout
     assert "aggregators: trajectory, transition" in out.stdout
-    assert "policy_losses: per_rollout_mean, token_mean" in out.stdout
+    assert "policy_losses: cispo_per_rollout_mean, per_rollout_mean, token_mean" in out.stdout
     assert "backends: torch" in out.stdout
     assert "hookfiles  [entry point (agl-backend-verl" in out.stdout, "agl's own entry points always load"
     assert "retoken_merge" not in out.stdout, "third-party autoload is off"

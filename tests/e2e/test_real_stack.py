@@ -238,6 +238,61 @@ def test_async_steps_carry_over_drain_and_report_staleness(async_rows: list[dict
     assert async_rows[0]["training/async/staleness_max_steps"] == 0.0
 
 
+OFF_POLICY_METRICS = (
+    "training/off_policy/trained_staleness/max",
+    "training/off_policy/evicted_samples",
+    "training/off_policy/evicted_samples_staleness/max",
+    "training/off_policy/n_refilled_groups",
+    "training/off_policy/n_waited_groups",
+    "training/async/staleness_max_steps",
+)
+
+
+@pytest.fixture(scope="module", params=[("drop", 1), ("wait", 2)], ids=["drop-1", "wait-2"])
+def bounded_async_rows(request, stack, policy_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """An async run with the staleness bound tight enough to act within 3 steps (verl's keys)."""
+    strategy, threshold = request.param
+    rows = train(
+        stack,
+        policy_dir,
+        tmp_path_factory.mktemp(f"bounded-{strategy}"),
+        "agentlightning.async_rollout.enabled=true",
+        f"agentlightning.async_rollout.async_train_batch_size={BATCH + 2}",
+        "agentlightning.gateway.pause_retry_after_seconds=1",
+        f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
+        f"trainer.v1.sampler.max_off_policy_strategy={strategy}",
+        *NO_VALIDATION,
+    )
+    report(
+        f"async, bound {strategy} at {threshold}", rows, (*OFF_POLICY_METRICS, "training/n_rollouts", "timing/step_s")
+    )
+    return strategy, threshold, rows
+
+
+def test_the_staleness_bound_holds_through_the_real_stack(bounded_async_rows):
+    strategy, threshold, rows = bounded_async_rows
+    for row in rows:
+        assert row["training/n_rollouts"] == BATCH * N  # evicted groups are replaced, never trained short
+        # No trained group spans more versions than the bound (at most BATCH groups reach it per step),
+        # so no call is more than threshold - 1 updates behind.
+        assert row["training/off_policy/trained_staleness/max"] <= threshold
+        assert row["training/async/staleness_max_steps"] <= threshold - 1
+        if strategy == "drop":
+            assert row["training/off_policy/n_evicted_rollouts"] == N * row["training/off_policy/evicted_samples"]
+            if row["training/off_policy/evicted_samples"]:
+                assert row["training/off_policy/evicted_samples_staleness/min"] > threshold
+        else:
+            assert "training/off_policy/evicted_samples" not in row  # wait never drops
+    if strategy == "wait":
+        # Step 1 leaves two groups in flight; at step 2 they span 2 versions, the threshold: the step
+        # waits for them if they still run, and trains them first (oldest first) whenever they finished.
+        assert rows[1]["training/off_policy/trained_staleness/max"] == 2
+    if strategy == "drop":
+        # The two groups step 1 leaves in flight can never be trained (span 2 > 1 at any later step);
+        # the controller runs rollouts in creation order, so they finish before step 3's and are evicted.
+        assert sum(row["training/off_policy/evicted_samples"] for row in rows) >= 2
+
+
 def _hammer(url: str, key: str, rollout_ids: list[str], stop: threading.Event, statuses: Counter) -> None:
     body = {"messages": [{"role": "user", "content": "junction 1 : the sign points left"}], "max_tokens": 2}
     with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:

@@ -13,8 +13,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.gateway]
 
 
 def test_a_short_soak_survives_its_faults_stays_flat_and_accounts_for_every_sample(tmp_path):
-    report = soak(steps=60, every=10, out=tmp_path, faults=Faults(restart_every=20, hook_raise_every=10))
+    faults = Faults(restart_every=20, hook_raise_every=10)
+    report = soak(steps=60, every=10, out=tmp_path, faults=faults)
     print_report(report)
     assert report["accounting"]["gateway_restarts_injected"] == 3 and report["accounting"]["hook_raises_scheduled"] > 0
     assert report["accounting"]["rollouts_by_outcome"].get("failed", 0) > 0  # the crashing agents
-    assert problems(report, rss_tolerance=0.6) == []
+    assert problems(report, rss_tolerance=0.6, faults=faults) == []

@@ -10,12 +10,13 @@ import pickle
 import subprocess
 import sys
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_core.data import RolloutRequest
+from agl_core.data import DataValidationError, RolloutRequest
 from agl_core.rollouts.events import (
     METRICS,
     completed_rollout,
@@ -331,7 +332,8 @@ def test_decoding_only_the_parsed_fields_skips_the_rest(gateway_traces):
     body = json.dumps(gateway_traces["multiturn_4"]["events"]).encode()
     full, parsed = decode_events(body), decode_events(body, only_parsed_fields=True)
     call = parsed[0]["data"]
-    assert "request" in full[0]["data"] and "request" not in call and "rollout_id" not in parsed[0]
+    assert "rollout_id" not in parsed[0] and set(call["request"]) == {"messages"}  # the rest of the request skipped
+    assert bytes(call["request"]["messages"]) and not isinstance(call["request"]["messages"], list)  # undecoded
     assert set(call["response"]["choices"][0]["logprobs"]["content"][0]) == {"logprob"}
     assert parse_events(parsed) == parse_events(full)
     # What msgspec refuses and the standard library accepts is decoded by the latter.
@@ -342,3 +344,44 @@ def test_decoding_only_the_parsed_fields_skips_the_rest(gateway_traces):
     )
     with pytest.raises(ValueError):
         decode_events(b'[{"event_type": ')
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+def _with_messages(gateway_traces, messages):
+    events = _events(gateway_traces)
+    _model_request(events)["data"]["request"] = {"model": "m", "messages": messages}
+    return events
+
+
+@pytest.mark.parametrize("decode", ["full", "parsed_fields"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        [{"type": "text", "text": "what is shown?"}, IMAGE],
+        json.dumps([IMAGE, IMAGE]),  # some clients send the parts as JSON text
+    ],
+    ids=["parts", "json-text"],
+)
+def test_a_training_call_with_images_is_refused_naming_the_rollout(gateway_traces, decode, content):
+    events = _with_messages(gateway_traces, [{"role": "user", "content": content}])
+    body = json.dumps(events).encode()
+    decoded = decode_events(body, only_parsed_fields=decode == "parsed_fields")
+    request = RolloutRequest(rollout_id="vl-1", group_id="g", input={}, is_train=True)
+    with pytest.raises(DataValidationError, match="vision-language chat") as info:
+        completed_rollout(request, decoded, state="succeeded", reward_fillna_value=0.0)
+    assert info.value.rollout_id == "vl-1" and info.value.field == "calls[0].request.messages"
+    validation = attrs.evolve(request, is_train=False)  # a validation reward is measured as it is
+    rollout, _ = completed_rollout(validation, decoded, state="succeeded", reward_fillna_value=0.0)
+    assert len(rollout.triplets) == 1
+
+
+@pytest.mark.parametrize("decode", ["full", "parsed_fields"])
+def test_text_that_mentions_image_url_is_not_an_image(gateway_traces, decode):
+    events = _with_messages(
+        gateway_traces,
+        [{"role": "user", "content": 'set "type": "image_url" in the request'}, {"role": "assistant", "content": None}],
+    )
+    decoded = decode_events(json.dumps(events).encode(), only_parsed_fields=decode == "parsed_fields")
+    assert len(parse_events(decoded).triplets) == 1

@@ -70,7 +70,11 @@ def test_the_tiny_cpu_run_passes_and_reports_every_section(tmp_path):
     assert sections["estimators"]["unchecked"] == []
     if HAS_VERL:  # installed with this project: its loss runs, agl's losses through it equal the direct call
         assert sections["verl"]["status"] == "passed"
-        assert sections["verl"]["registered"]["policy_losses"] == ["per_rollout_mean", "token_mean"]
+        assert sections["verl"]["registered"]["policy_losses"] == [
+            "cispo_per_rollout_mean",
+            "per_rollout_mean",
+            "token_mean",
+        ]
     else:  # Python 3.13 and later, which verl 0.9 does not support: reported, not failed
         assert sections["verl"]["status"] == "unavailable"
         assert "No module named 'verl'" in sections["verl"]["import_error"]

@@ -169,6 +169,24 @@ def test_a_budget_that_holds_the_longest_row_is_accepted():
     load_config(overrides=["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"])
 
 
+def test_the_total_length_cap_bounds_the_longest_row_below_the_trajectory_limits():
+    capped = [
+        "agentlightning.trace_aggregator.trajectory_max_total_length=4096",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    ]
+    load_config(overrides=[*capped, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"])
+    with pytest.raises(ConfigError, match="less than the longest row.*trajectory_max_total_length = 4096"):
+        load_config(overrides=[*capped, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4095"])
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length \+ data.max_response_length = 1024"):
+        load_config(
+            overrides=[
+                *capped,
+                "agentlightning.trace_aggregator.level=transition",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000",
+            ]
+        )
+
+
 def test_the_log_prob_keys_follow_the_actor_unless_set_as_in_verl():
     default = load_config().actor_rollout_ref
     assert default.actor.use_dynamic_bsz is False and default.actor.ppo_max_token_len_per_gpu == 16384

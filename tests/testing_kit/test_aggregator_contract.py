@@ -72,6 +72,10 @@ def _metric(name, value):
     return aggregate
 
 
+def _ignores_the_total_length_cap(rollouts, agg_settings):
+    return trajectory(rollouts, attrs.evolve(agg_settings, max_total_length=None))
+
+
 def _sorts_in_place(rollouts, agg_settings):
     rollouts.sort(key=lambda r: r.rollout_id)
     return trajectory(rollouts, agg_settings)
@@ -102,7 +106,9 @@ BROKEN = {
             for r in rows
         ]
     ),
+    "ignores max_total_length": _ignores_the_total_length_cap,
     "does not count truncation": _metric("training/n_truncated_sample", 0.0),
+    "does not count the total-length cuts": _metric("training/n_truncated_sample/total_length", 0.0),
     "does not count skipped rows": _metric("training/n_skipped_empty_rows", 0.0),
     "miscounts breaks": _metric("training/n_trace_merge_mismatch_rows", 0.0),
     "leaves calls out without declaring it": _unmarked_left_out,

@@ -3,6 +3,8 @@ realistic loss bugs, each by the property named beside it."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 import torch
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
 from agl_core import PluginManager, PolicyLossSpec, masked_sum, policy_loss_spec
-from agl_core.builtins.losses import per_rollout_mean, token_mean
+from agl_core.builtins.losses import cispo_per_rollout_mean, per_rollout_mean, token_mean
 from agl_core.testing.contracts import PolicyLossContract
 from agl_core.testing.loss_contract import (
     check_clip_bounds,
@@ -30,6 +32,25 @@ class TestTokenMeanContract(PolicyLossContract):
 
 class TestPerRolloutMeanContract(PolicyLossContract):
     loss_name = "per_rollout_mean"
+
+
+def cispo_reference(old_log_prob, log_prob, advantages, response_mask, settings, rollout_is_weights=None):
+    """CISPO token by token: each trained token adds ``-w * A * log_prob``, ``w`` the ratio clipped
+    to ``[1 - low, 1 + high]`` taken as a plain number (no gradient), times the importance weight;
+    the sum is scaled by ``dp_size``."""
+    total = log_prob.new_zeros(())
+    for i, j in zip(*(index.tolist() for index in torch.nonzero(response_mask.bool(), as_tuple=True))):
+        ratio = math.exp(min(max(float(log_prob[i, j].detach() - old_log_prob[i, j]), -20.0), 20.0))
+        weight = min(max(ratio, 1 - settings.low), 1 + settings.high)
+        term = -weight * advantages[i, j] * log_prob[i, j]
+        total = total + (term if rollout_is_weights is None else term * rollout_is_weights[i, j])
+    return total * settings.dp_size, {}
+
+
+class TestCispoPerRolloutMeanContract(PolicyLossContract):
+    loss_name = "cispo_per_rollout_mean"
+    clips_ratio = False  # a clipped token keeps its gradient, weighted by the clipped ratio
+    reference = cispo_reference
 
 
 def test_every_built_in_loss_has_a_contract_test():
@@ -139,5 +160,8 @@ def test_the_built_ins_declare_their_normalisation():
     registered = PluginManager(load_entrypoints=False).policy_losses
     assert policy_loss_spec(registered.get("per_rollout_mean")) == PolicyLossSpec(
         per_rollout_mean, scale_advantages_per_rollout=True
+    )
+    assert policy_loss_spec(registered.get("cispo_per_rollout_mean")) == PolicyLossSpec(
+        cispo_per_rollout_mean, scale_advantages_per_rollout=True
     )
     assert policy_loss_spec(registered.get("token_mean")) == PolicyLossSpec(token_mean)

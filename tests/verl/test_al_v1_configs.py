@@ -10,7 +10,7 @@ import json
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from agl_backend_verl.config import load_verl_config, verl_base
+from agl_backend_verl.config import load_verl_config, load_verl_config_mapping, verl_base
 from agl_backend_verl.moved_keys import MOVED, REMOVED
 from agl_core.config import ConfigError, default_config
 from agl_core.run_config import resolve_config
@@ -132,3 +132,69 @@ def test_a_moved_key_under_torch_gets_where_it_went_and_the_hint():
         "unknown key (in overrides); moved to actor_rollout_ref.nccl_timeout (where verl reads the process-group "
         "timeout): set it there, under backend 'verl': run with backend=verl"
     )
+
+
+# -- configs held in memory (agentlightning.verl.entrypoint.run_ppo's argument) ---------------------
+
+# A v1.0 script's verl config, composed with Hydra over verl's ppo_trainer as v1.0's config is.
+V1_HYDRA_CONFIG = """\
+hydra:
+  searchpath:
+    - pkg://verl/trainer/config
+defaults:
+  - ppo_trainer
+  - _self_
+algorithm:
+  adv_estimator: grpo
+  enable_rollout_level_advantage: true
+agentlightning:
+  agl_base_url: http://localhost:8080
+  trace_aggregator:
+    level: trajectory
+actor_rollout_ref:
+  actor:
+    policy_loss:
+      loss_mode: per_rollout_mean
+"""
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if e != "swe_smith"])
+@pytest.mark.parametrize("as_dictconfig", [False, True], ids=["dict", "DictConfig"])
+def test_a_v1_scripts_config_in_memory_loads_with_agls_own_keys_filled(example, as_dictconfig):
+    recorded = json.loads((AL_V1_CONFIGS / f"{example}.json").read_text())
+    given = OmegaConf.create(recorded) if as_dictconfig else recorded
+    cfg = load_verl_config_mapping(given)
+    assert cfg == load_verl_config(AL_V1_CONFIGS / f"{example}.json")
+    # the key whose absence stopped v1.0's run_ppo inside Ray ("Missing key replay")
+    assert cfg.agentlightning.replay is None and cfg.agentlightning.backend == "verl"
+    assert given == (OmegaConf.create(recorded) if as_dictconfig else recorded)  # the caller's object is unchanged
+
+
+def test_a_v1_scripts_hydra_composed_config_loads(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    (tmp_path / "v1.yaml").write_text(V1_HYDRA_CONFIG)
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        composed = compose("v1", overrides=["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct"])
+    assert composed.model_engine == "dp"  # Hydra's engine choice, which the flattened defaults leave out
+    cfg = load_verl_config_mapping(
+        composed, ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    )
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.data.train_batch_size == 8
+    assert cfg.agentlightning.replay is None and cfg.agentlightning.gateway.max_retries == 5
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "message"),
+    [
+        ({"agentlightning": {"replay_dir": "x"}}, "agentlightning.replay_dir", "did you mean 'replay'?"),
+        ({"trainer": {"nccl_timeout": 60}}, "trainer.nccl_timeout", "moved to actor_rollout_ref.nccl_timeout"),
+        ({"model_engine": "megatron"}, "model_engine", "composed with model_engine 'dp'"),
+        ({"data": {"train_batch_size": "eight"}}, "data.train_batch_size", "got str 'eight'"),
+    ],
+)
+def test_a_bad_key_in_memory_is_refused_by_name(change, key, message):
+    recorded = json.loads((AL_V1_CONFIGS / "gsm8k.json").read_text())
+    with pytest.raises(ConfigError) as info:
+        load_verl_config_mapping(OmegaConf.merge(recorded, change))
+    assert info.value.key == key and message in info.value.message

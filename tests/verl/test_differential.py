@@ -5,7 +5,8 @@ Advantages: with one row per rollout, rollout-level ``grpo`` (with and without s
 policy-loss registry through :func:`agl_backend_verl.policy_loss.as_verl_policy_loss`, equals verl's ``vanilla``
 loss with ``token-mean`` aggregation, metrics included. ``per_rollout_mean`` over normalised
 advantages of single-row rollouts reduces to verl's ``vanilla`` with ``seq-mean-token-mean``
-aggregation (``upstream`` mode), times the mini-batch count (``rollouts`` mode).
+aggregation (``upstream`` mode), times the mini-batch count (``rollouts`` mode); so does
+``cispo_per_rollout_mean`` to verl's own ``cispo`` loss with that aggregation.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from verl.workers.config import ActorConfig
 
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core.builtins.estimators import grpo, rloo
-from agl_core.builtins.losses import per_rollout_mean, token_mean
+from agl_core.builtins.losses import cispo_per_rollout_mean, per_rollout_mean, token_mean
 from agl_core.data import TrainingRow
 from agl_core.stages.advantage import AdvantageSettings
 from agl_core.stages.normalization import rollout_scales
@@ -32,7 +33,9 @@ pytestmark = pytest.mark.verl
 AGL_TOKEN_MEAN = "agl_test_token_mean"
 AGL_PER_ROLLOUT_MEAN = "agl_test_per_rollout_mean"
 register_policy_loss(AGL_TOKEN_MEAN)(as_verl_policy_loss(token_mean))
+AGL_CISPO_PER_ROLLOUT_MEAN = "agl_test_cispo_per_rollout_mean"
 register_policy_loss(AGL_PER_ROLLOUT_MEAN)(as_verl_policy_loss(per_rollout_mean))
+register_policy_loss(AGL_CISPO_PER_ROLLOUT_MEAN)(as_verl_policy_loss(cispo_per_rollout_mean))
 
 
 @st.composite
@@ -145,7 +148,8 @@ def test_token_mean_equals_verl_vanilla_token_mean(seed, weighted, global_info):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), weighted=st.booleans(), n_mini_batches=st.integers(1, 4))
-def test_per_rollout_mean_of_single_row_rollouts_is_a_mean_over_rollouts(seed, weighted, n_mini_batches):
+@pytest.mark.parametrize(("ours", "verls"), [(AGL_PER_ROLLOUT_MEAN, "vanilla"), (AGL_CISPO_PER_ROLLOUT_MEAN, "cispo")])
+def test_per_rollout_mean_of_single_row_rollouts_is_a_mean_over_rollouts(ours, verls, seed, weighted, n_mini_batches):
     """Closed form: with one row per rollout, normalising by ``T_r × N`` (upstream) makes the summed loss
     ``(1/N) sum_rows mean_tokens l`` — verl's vanilla loss with ``seq-mean-token-mean`` aggregation; the
     ``rollouts`` mode is the same times the mini-batch count M."""
@@ -154,11 +158,9 @@ def test_per_rollout_mean_of_single_row_rollouts_is_a_mean_over_rollouts(seed, w
     ids = [f"r{i}" for i in range(len(adv))]
     config = _actor_config(seed)
     is_weights = weights if weighted else None
-    reference = get_policy_loss_fn("vanilla")(old, new, adv, mask, "seq-mean-token-mean", config, is_weights)
+    reference = get_policy_loss_fn(verls)(old, new, adv, mask, "seq-mean-token-mean", config, is_weights)
     for mode, factor in (("upstream", 1.0), ("rollouts", float(n_mini_batches))):
         scales = rollout_scales(ids, mask.bool().sum(dim=-1).numpy(), mode=mode, n_mini_batches=n_mini_batches)
         scaled = adv * torch.as_tensor(scales, dtype=adv.dtype)[:, None]
-        loss, metrics = get_policy_loss_fn(AGL_PER_ROLLOUT_MEAN)(
-            old, new, scaled, mask, "token-mean", config, is_weights
-        )
+        loss, metrics = get_policy_loss_fn(ours)(old, new, scaled, mask, "token-mean", config, is_weights)
         _assert_same((loss / factor, metrics), reference)

@@ -42,12 +42,15 @@ RTOL = 1e-5
 # the mini-batch at once); the loss terms are sums over micro-batches, equal either way.
 MICRO_BATCH_MEANS = {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
 
-# Both losses, both normalisations of per_rollout_mean, each without and with the entropy and KL terms.
+# Every built-in loss, both normalisations of the per-rollout ones, each without and with the entropy
+# and KL terms.
 CASES = [
     pytest.param(loss, normalization, entropy, kl, id=f"{loss}-{normalization}-{'entropy-kl' if kl else 'pg-only'}")
     for loss, normalization in (
         ("per_rollout_mean", "rollouts"),
         ("per_rollout_mean", "upstream"),
+        ("cispo_per_rollout_mean", "rollouts"),
+        ("cispo_per_rollout_mean", "upstream"),
         ("token_mean", "rollouts"),
     )
     for entropy, kl in ((0.0, False), (0.1, True))

@@ -116,7 +116,10 @@ def test_marked_rows_are_dropped_whole_and_counted(running):
     ("override", "names"),
     [
         ("algorithm.adv_estimator=nope", ["grpo", "rloo", "reinforce", "reinforce_baseline", "turn_grpo"]),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", ["per_rollout_mean", "token_mean"]),
+        (
+            "actor_rollout_ref.actor.policy_loss.loss_mode=nope",
+            ["cispo_per_rollout_mean", "per_rollout_mean", "token_mean"],
+        ),
     ],
 )
 def test_unknown_names_fail_listing_what_is_registered(policy, tmp_path, override, names):
