@@ -94,6 +94,7 @@ if TYPE_CHECKING:
         policy_loss_spec,
         ppo_token_losses,
     )
+    from agl_core.stages.prefix_sharing import PromptGroups, prompt_groups
     from agl_core.stages.tensorize import PaddedBatch, tensorize
 
     # metric sinks

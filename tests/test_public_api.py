@@ -65,6 +65,8 @@ PUBLIC_NAMES = [
     "PolicyLoss",
     "PolicyLossSpec",
     "ppo_token_losses",
+    "prompt_groups",
+    "PromptGroups",
     "Register",
     "RegistryError",
     "require_group_size",
