@@ -129,7 +129,8 @@ def packed_forward(
         input_ids[b, :n] = pack.tokens
         if mask is not None:
             positions[b, :n] = pack.positions
-            mask[b, 0] = np.eye(width, dtype=bool)  # padding attends to itself, so its values stay finite
+            padding = np.arange(n, width)
+            mask[b, 0, padding, padding] = True  # padding attends to itself, so its values stay finite
             if pack.is_chain:
                 mask[b, 0, :n, :n] = np.tri(n, dtype=bool)
             else:
