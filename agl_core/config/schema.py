@@ -146,6 +146,10 @@ class TorchBackendConfig:
     # After the last step, write the policy here as a Hugging Face model folder (weights, config,
     # tokenizer); a LoRA run's adapters are merged into the base weights. null: no export.
     merged_model_dir: str | None = None
+    # Compute each prefix that rows share (a group's prompt, a rollout's earlier turns) once in the
+    # log-prob passes and the update (agl_core.backends.torch.prefix_packing); never slower on
+    # benchmarks/bench_prefix.py's workloads, so on by default.
+    share_prefixes: bool = True
 
 
 @dataclass

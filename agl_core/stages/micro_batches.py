@@ -27,7 +27,7 @@ import numpy as np
 from agl_core.errors import UsageError
 from agl_core.fields import is_int
 
-__all__ = ["micro_batches", "padded_elements"]
+__all__ = ["check_budget", "micro_batches", "padded_elements"]
 
 
 def _lengths(
@@ -55,15 +55,8 @@ def micro_batches(
     in the message.
     """
     prompts, responses = _lengths(prompt_lengths, response_lengths)
-    if not is_int(max_tokens, minimum=1):
-        raise UsageError(f"{key} must be a positive integer, got {max_tokens!r}")
+    check_budget(prompts, responses, max_tokens, key=key)
     totals = prompts + responses
-    too_long = np.flatnonzero(totals > max_tokens)
-    if len(too_long):
-        i = int(too_long[0])
-        raise UsageError(
-            f"row {i} has {int(totals[i])} tokens (prompt + response), more than {key} = {max_tokens}; raise {key}"
-        )
     left = np.argsort(-totals, kind="stable")  # rows not grouped yet, longest first
     groups: list[list[int]] = []
     while len(left):
@@ -82,6 +75,27 @@ def micro_batches(
             left = np.delete(left, best)
         groups.append(sorted(members))
     return groups
+
+
+def check_budget(
+    prompt_lengths: Sequence[int] | np.ndarray,
+    response_lengths: Sequence[int] | np.ndarray,
+    max_tokens: int,
+    *,
+    key: str = "max_tokens",
+) -> None:
+    """Raise :class:`~agl_core.errors.UsageError` naming ``key`` unless ``max_tokens`` is a positive int
+    that holds every row."""
+    prompts, responses = _lengths(prompt_lengths, response_lengths)
+    if not is_int(max_tokens, minimum=1):
+        raise UsageError(f"{key} must be a positive integer, got {max_tokens!r}")
+    totals = prompts + responses
+    too_long = np.flatnonzero(totals > max_tokens)
+    if len(too_long):
+        i = int(too_long[0])
+        raise UsageError(
+            f"row {i} has {int(totals[i])} tokens (prompt + response), more than {key} = {max_tokens}; raise {key}"
+        )
 
 
 def padded_elements(

@@ -45,12 +45,13 @@ VERL_ONLY = {
 }
 VERL_ONLY_PREFIXES = ("global_seqlen/",)
 # Only the torch backend has: the count of its optimizer steps (verl logs none), the tokens it
-# updated on, its micro-batches and their padding, and the restarts of its own serving engine.
+# updated on, its micro-batches, their padding and prefix sharing, and the restarts of its own serving engine.
 TORCH_ONLY = {
     "actor/n_updates",
     "actor/n_micro_batches",
     "perf/total_num_tokens",
     "perf/padded_per_real_tokens",
+    "perf/computed_per_row_tokens",
     "training/engine/n_restarts",
 }
 

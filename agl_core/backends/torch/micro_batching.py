@@ -5,6 +5,12 @@
 longest prompt and response reach. In :func:`agl_core.stages.tensorize.tensorize`'s layout prompts are
 left-padded and responses right-padded, so the columns cut away hold only padding, and the result
 equals tensorising the group's rows with those widths.
+
+With prefix sharing (:func:`split_shared`) the unit is a pack of rows
+(:mod:`agl_core.backends.torch.prefix_packing`) instead of a row: the batch's rows are packed, each
+pack within the budget, and the packs grouped by the same rule (a pack's length as its size), chains
+apart from trees so that only the trees' passes pay for a mask. A micro-batch is then its packs'
+rows, with the :class:`~agl_core.backends.torch.prefix_packing.PackedForward` that computes them.
 """
 
 from __future__ import annotations
@@ -12,11 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
+import numpy as np
 import torch
 
-from agl_core.stages.micro_batches import micro_batches
+from agl_core.backends.torch.prefix_packing import PackedForward, RowLengths, packed_forward, row_packs
+from agl_core.stages.micro_batches import check_budget, micro_batches
+from agl_core.stages.prefix_sharing import PackCost
 
-__all__ = ["MicroBatch", "split"]
+__all__ = ["MicroBatch", "split", "split_shared"]
 
 # The tensors holding prompt and response side by side; ``prompts`` holds the prompt alone, every other
 # tensor is aligned with the responses.
@@ -30,14 +39,19 @@ class MicroBatch:
     rows: torch.Tensor
     prompt_length: int
     response_length: int
+    packed: PackedForward | None = None
+    """The prefix-shared forward pass computing these rows (:func:`split_shared`), else ``None``."""
 
     def cut(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """These rows of ``tensors`` (a tensorised batch), padded only to this micro-batch's widths."""
+        """These rows of ``tensors`` (a tensorised batch), padded only to this micro-batch's widths;
+        without the sequence tensors when :attr:`packed` computes the rows."""
         prompt_width = tensors["prompts"].shape[1]
         start, end = prompt_width - self.prompt_length, prompt_width + self.response_length
         out = {}
         for name, value in tensors.items():
             # Columns first (a view), then rows: only the micro-batch's own widths are copied.
+            if self.packed is not None and (name == "prompts" or name in SEQUENCE_TENSORS):
+                continue
             if name == "prompts":
                 out[name] = value[:, start:][self.rows]
             elif name in SEQUENCE_TENSORS:
@@ -55,13 +69,41 @@ class MicroBatch:
 def split(tensors: Mapping[str, torch.Tensor], max_tokens: int, key: str) -> list[MicroBatch]:
     """The batch's rows in micro-batches of at most ``max_tokens`` padded elements; ``key`` names the
     budget in the error for a row longer than it."""
-    prompt_width = tensors["prompts"].shape[1]
-    attention = tensors["attention_mask"]
-    prompts = attention[:, :prompt_width].sum(1).cpu().numpy()
-    responses = attention[:, prompt_width:].sum(1).cpu().numpy()
+    lengths = RowLengths.of(tensors)
+    device = tensors["attention_mask"].device
     return [
-        MicroBatch(
-            torch.as_tensor(group, device=attention.device), int(prompts[group].max()), int(responses[group].max())
-        )
-        for group in micro_batches(prompts, responses, max_tokens, key=key)
+        _micro_batch(np.asarray(group), None, lengths, device)
+        for group in micro_batches(lengths.prompts, lengths.responses, max_tokens, key=key)
     ]
+
+
+def split_shared(
+    tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str, cost: PackCost
+) -> list[MicroBatch]:
+    """The batch's rows packed with their shared prefixes computed once, in micro-batches of at most
+    ``max_tokens`` padded elements (``None``: all in one pass, masked if a pack is a tree); ``key``
+    names the budget in the error for a row longer than it."""
+    lengths = RowLengths.of(tensors)
+    if max_tokens is not None:
+        check_budget(lengths.prompts, lengths.responses, max_tokens, key=key)
+    layout = row_packs(tensors, lengths, cost, max_tokens)
+    groups = [list(range(len(layout.packs)))]
+    if max_tokens is not None:
+        groups = []
+        for chains in (True, False):
+            members = [i for i, p in enumerate(layout.packs) if p.is_chain == chains]
+            sizes = np.array([len(layout.packs[i]) for i in members], np.int64)
+            groups += [[members[j] for j in g] for g in micro_batches(0 * sizes, sizes, max_tokens, key=key)]
+    device = tensors["attention_mask"].device
+    return [_micro_batch(*packed_forward(layout, group, lengths, device), lengths, device) for group in groups]
+
+
+def _micro_batch(
+    rows: np.ndarray, packed: PackedForward | None, lengths: RowLengths, device: torch.device
+) -> MicroBatch:
+    return MicroBatch(
+        torch.as_tensor(rows, device=device),
+        int(lengths.prompts[rows].max()),
+        int(lengths.responses[rows].max()),
+        packed,
+    )

@@ -1,5 +1,12 @@
 """What the torch backend computes from its policy's logits: response log-probs, entropy, and the KL
-estimate to the reference policy."""
+estimate to the reference policy.
+
+Logits are computed only where a response token is predicted (``logits_to_keep``): for padded rows
+the last ``response_len + 1`` columns (:func:`response_distributions`), for rows packed with their
+shared prefixes computed once the columns their
+:class:`~agl_core.backends.torch.prefix_packing.PackedForward` keeps (:func:`packed_distributions`),
+which each row then reads through the pass's ``index``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,17 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["chosen_log_probs", "low_var_kl", "response_distributions", "response_log_probs", "token_entropy"]
+from agl_core.backends.torch.prefix_packing import PackedForward
+
+__all__ = [
+    "chosen_log_probs",
+    "low_var_kl",
+    "packed_distributions",
+    "per_row",
+    "response_distributions",
+    "response_log_probs",
+    "token_entropy",
+]
 
 
 def response_distributions(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -19,18 +36,48 @@ def response_distributions(model: torch.nn.Module, tensors: Mapping[str, torch.T
         attention_mask=tensors["attention_mask"],
         position_ids=tensors["position_ids"],
         use_cache=False,
-    ).logits[:, -width - 1 : -1, :]
+        logits_to_keep=width + 1,
+    ).logits[:, :-1, :]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def chosen_log_probs(distributions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """The log-probs of the ``responses`` tokens, ``[rows, response_len]``, from :func:`response_distributions`."""
-    return distributions.gather(-1, responses[..., None]).squeeze(-1)
+def packed_distributions(model: torch.nn.Module, packed: PackedForward) -> torch.Tensor:
+    """Log-softmax over the vocabulary at the columns ``packed`` keeps of each of its packs,
+    ``[packs × kept columns, vocab]`` (what ``packed.index`` points into), in float32."""
+    logits = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        logits_to_keep=packed.keep,
+    ).logits
+    return torch.log_softmax(logits.flatten(0, 1).float(), dim=-1)
 
 
-def response_log_probs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``."""
-    return chosen_log_probs(response_distributions(model, tensors), tensors["responses"])
+def per_row(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Per-position ``values`` as ``[rows, response_len]``: as they are (``index`` ``None``: already
+    per row), or read through a packed pass's ``index``."""
+    return values if index is None else values[index]
+
+
+def chosen_log_probs(
+    distributions: torch.Tensor, responses: torch.Tensor, index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The log-probs of the ``responses`` tokens, ``[rows, response_len]``, from
+    :func:`response_distributions` (or :func:`packed_distributions` read through its ``index``)."""
+    if index is None:
+        return distributions.gather(-1, responses[..., None]).squeeze(-1)
+    return distributions[index, responses]
+
+
+def response_log_probs(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], packed: PackedForward | None = None
+) -> torch.Tensor:
+    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``: from the padded
+    rows, or from ``packed`` (the same rows with their shared prefixes computed once)."""
+    if packed is None:
+        return chosen_log_probs(response_distributions(model, tensors), tensors["responses"])
+    return chosen_log_probs(packed_distributions(model, packed), tensors["responses"], packed.index)
 
 
 def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,12 @@ the KL) divide by the mini-batch's trained tokens (``LossSettings.batch_num_toke
 ``per_rollout_mean`` sums advantages scaled over the whole batch, so the step equals the one-pass step
 up to float rounding (a loss that declares ``additive_over_micro_batches=False`` is refused).
 
+Prefix sharing (``agentlightning.torch.share_prefixes``, :mod:`agl_core.backends.torch.prefix_packing`):
+the rows of every pass (the old and reference log-probs over the batch, each mini-batch's update) are
+packed so that a prefix several rows share is computed once, the packs grouped under the same
+budgets (one pass without one); a row's log-probs, entropy, and so the loss and its gradient, are
+those of the padded rows up to float rounding.
+
 Only the model's trainable parameters are optimised and clipped (:func:`trainable_parameters`: all of
 them, or a LoRA model's adapter). Forward passes autocast as ``actor.fsdp_config.mixed_precision``
 says (:mod:`agl_core.backends.torch.precision`); log-probs, ratios, advantages and the loss are float32.
@@ -25,8 +31,9 @@ Metrics, with verl's names: ``actor/pg_loss`` (the policy-loss term alone), ``ac
 ``actor/kl_loss`` and ``actor/kl_coef`` (with the KL term), ``actor/loss`` (the total that is
 minimised), the policy loss's own metrics, ``actor/grad_norm``; and ``actor/n_micro_batches`` (the
 forward-backward passes of all the step's updates), ``perf/padded_per_real_tokens`` (tensor elements
-per real token over those passes), ``timing/log_prob_s`` (tensors and old/reference log-probs) and
-``timing/actor_update_s`` (the PPO epochs).
+per token computed over those passes: the padding), ``perf/computed_per_row_tokens`` (tokens computed
+per token of the rows trained: below 1 as far as prefixes are shared, 1 without sharing),
+``timing/log_prob_s`` (tensors and old/reference log-probs) and ``timing/actor_update_s`` (the PPO epochs).
 """
 
 from __future__ import annotations
@@ -41,15 +48,18 @@ import attrs
 import torch
 
 from agl_core.backends.torch.lora import base_policy
-from agl_core.backends.torch.micro_batching import MicroBatch, split
+from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
 from agl_core.backends.torch.model_ops import (
     chosen_log_probs,
     low_var_kl,
+    packed_distributions,
+    per_row,
     response_distributions,
     response_log_probs,
     token_entropy,
 )
 from agl_core.backends.torch.precision import Precision
+from agl_core.backends.torch.prefix_packing import PackedForward, check_packable, pack_cost
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
 from agl_core.serving.weights import is_adapted
@@ -122,9 +132,11 @@ class ActorSettings:
     old_log_prob_max_tokens: int | None = None
     ref_log_prob_max_tokens: int | None = None
     precision: Precision = Precision()
+    share_prefixes: bool = False
+    """Compute each prefix that rows share once (``agentlightning.torch.share_prefixes``)."""
 
     @classmethod
-    def from_config(cls, actor_rollout_ref: DictConfig) -> ActorSettings:
+    def from_config(cls, actor_rollout_ref: DictConfig, share_prefixes: bool = False) -> ActorSettings:
         actor, rollout, ref = actor_rollout_ref.actor, actor_rollout_ref.rollout, actor_rollout_ref.ref
         return cls(
             ppo_epochs=int(actor.ppo_epochs),
@@ -138,6 +150,7 @@ class ActorSettings:
             else None,
             ref_log_prob_max_tokens=int(ref.log_prob_max_token_len_per_gpu) if ref.log_prob_use_dynamic_bsz else None,
             precision=Precision.from_config(actor.fsdp_config),
+            share_prefixes=bool(share_prefixes),
         )
 
 
@@ -149,10 +162,19 @@ class UpdateBatch:
     advantages: torch.Tensor
     old_log_prob: torch.Tensor
     ref_log_prob: torch.Tensor | None
+    packed: PackedForward | None = None
+    """The pass computing these rows with their shared prefixes once (a micro-batch's), else ``None``."""
 
     @property
     def mask(self) -> torch.Tensor:
         return self.tensors["response_mask"]
+
+    @property
+    def computed(self) -> tuple[int, int]:
+        """Tensor elements of this batch's forward pass, and the tokens among them that are not padding."""
+        if self.packed is not None:
+            return self.packed.n_elements, self.packed.n_tokens
+        return self.tensors["input_ids"].numel(), int(self.tensors["attention_mask"].sum())
 
     def rows(self, part: slice) -> UpdateBatch:
         return UpdateBatch(
@@ -169,6 +191,7 @@ class UpdateBatch:
             micro.cut_responses(self.advantages),
             micro.cut_responses(self.old_log_prob),
             None if self.ref_log_prob is None else micro.cut_responses(self.ref_log_prob),
+            micro.packed,
         )
 
 
@@ -196,7 +219,10 @@ class ActorUpdate:
             )
         if ref_model is model and not is_adapted(model):
             raise UsageError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
+        if settings.share_prefixes:
+            check_packable(model)
         self.model, self.ref_model, self.optimizer = model, ref_model, optimizer
+        self.pack_cost = pack_cost(model) if settings.share_prefixes else None
         self.parameters = trainable_parameters(model)
         self.loss_fn, self.settings = loss_fn, settings
         self.device, self.pad_token_id = device, pad_token_id
@@ -218,10 +244,12 @@ class ActorUpdate:
                     sums[name] = sums.get(name, 0.0) + float(value)
                 n_updates += 1
         padded, real = sums.pop("perf/n_padded_tokens"), sums.pop("perf/n_real_tokens")
+        row_tokens = sums.pop("perf/n_row_tokens")
         metrics = {k: v if k.startswith("actor/n_") else v / n_updates for k, v in sums.items()}
         metrics["actor/n_updates"] = float(n_updates)
         metrics["perf/total_num_tokens"] = float(int(batch.tensors["attention_mask"].sum()))
         metrics["perf/padded_per_real_tokens"] = padded / real
+        metrics["perf/computed_per_row_tokens"] = real / row_tokens
         metrics["timing/log_prob_s"] = log_prob_s
         metrics["timing/actor_update_s"] = time.perf_counter() - started - log_prob_s
         return metrics
@@ -262,26 +290,40 @@ class ActorUpdate:
         """``model``'s response log-probs of a batch, ``[rows, response_len]`` (0 past each micro-batch's
         widths): in one pass, or in micro-batches of at most ``max_tokens`` padded elements (``key``'s)."""
         with self.settings.precision.autocast(self.device):
-            if max_tokens is None:
+            if max_tokens is None and not self.settings.share_prefixes:
                 return response_log_probs(model, tensors)
             out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=tensors["responses"].device)
-            for micro in split(tensors, max_tokens, key):
-                out[micro.rows, : micro.response_length] = response_log_probs(model, micro.cut(tensors))
+            for micro in self.split(tensors, max_tokens, key):
+                out[micro.rows, : micro.response_length] = response_log_probs(model, micro.cut(tensors), micro.packed)
             return out
+
+    def split(self, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str) -> list[MicroBatch]:
+        """The passes over a batch: its rows packed with their shared prefixes (``share_prefixes``), or
+        in micro-batches of at most ``max_tokens`` padded elements."""
+        if self.pack_cost is not None:
+            return split_shared(tensors, max_tokens, key, self.pack_cost)
+        assert max_tokens is not None
+        return split(tensors, max_tokens, key)
 
     def mini_batch_step(self, mini: UpdateBatch) -> dict[str, float]:
         """One optimizer step on ``mini``, its gradients accumulated over token-budget micro-batches
         when ``update_max_tokens`` is set; its metrics (the loss terms summed over the micro-batches,
         the other metrics weighted by their share of the trained tokens, as one pass would give them)."""
         loss_settings, parts = self.settings.loss, [mini]
-        if self.settings.update_max_tokens is not None:
+        if self.settings.update_max_tokens is not None or self.settings.share_prefixes:
             parts = [
-                mini.cut(micro) for micro in split(mini.tensors, self.settings.update_max_tokens, UPDATE_BUDGET_KEY)
+                mini.cut(micro)
+                for micro in self.split(mini.tensors, self.settings.update_max_tokens, UPDATE_BUDGET_KEY)
             ]
             if loss_settings.batch_num_tokens is None:
                 loss_settings = attrs.evolve(loss_settings, batch_num_tokens=int(mini.mask.sum()))
         n_tokens = float(mini.mask.sum())
-        metrics = {"actor/n_micro_batches": float(len(parts)), "perf/n_padded_tokens": 0.0, "perf/n_real_tokens": 0.0}
+        metrics = {
+            "actor/n_micro_batches": float(len(parts)),
+            "perf/n_padded_tokens": 0.0,
+            "perf/n_real_tokens": 0.0,
+            "perf/n_row_tokens": float(mini.tensors["attention_mask"].sum()),
+        }
         self.optimizer.zero_grad(set_to_none=True)
         for part in parts:
             loss, part_metrics = self.loss(part, loss_settings)
@@ -289,8 +331,9 @@ class ActorUpdate:
             share = float(part.mask.sum()) / n_tokens
             for name, value in part_metrics.items():
                 metrics[name] = metrics.get(name, 0.0) + (value if name in ADDITIVE_METRICS else value * share)
-            metrics["perf/n_padded_tokens"] += part.tensors["input_ids"].numel()
-            metrics["perf/n_real_tokens"] += float(part.tensors["attention_mask"].sum())
+            elements, computed = part.computed
+            metrics["perf/n_padded_tokens"] += elements
+            metrics["perf/n_real_tokens"] += computed
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
@@ -302,11 +345,15 @@ class ActorUpdate:
         """The policy loss on ``mini`` − the entropy bonus + the KL term (see the module docstring), and
         the metrics of every term; ``settings`` (a micro-batch's) replaces the configured loss settings."""
         settings = self.settings.loss if settings is None else settings
+        index = None if mini.packed is None else mini.packed.index
         with self.settings.precision.autocast(self.device):
-            distributions = response_distributions(self.model, mini.tensors)
-        log_prob = chosen_log_probs(distributions, mini.tensors["responses"])
+            if mini.packed is None:
+                distributions = response_distributions(self.model, mini.tensors)
+            else:
+                distributions = packed_distributions(self.model, mini.packed)
+        log_prob = chosen_log_probs(distributions, mini.tensors["responses"], index)
         pg_loss, pg_metrics = self.loss_fn(mini.old_log_prob, log_prob, mini.advantages, mini.mask, settings)
-        entropy = self.entropy_loss(distributions, mini.mask, settings)
+        entropy = self.entropy_loss(distributions, index, mini.mask, settings)
         loss = pg_loss - self.settings.entropy_coeff * entropy
         metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy_loss": entropy.item()}
         if mini.ref_log_prob is not None:
@@ -316,7 +363,10 @@ class ActorUpdate:
         metrics["actor/loss"] = loss.item()
         return loss, metrics
 
-    def entropy_loss(self, distributions: torch.Tensor, mask: torch.Tensor, settings: LossSettings) -> torch.Tensor:
-        """The token-mean entropy, without a gradient when ``entropy_coeff`` is 0 (it is only reported)."""
+    def entropy_loss(
+        self, distributions: torch.Tensor, index: torch.Tensor | None, mask: torch.Tensor, settings: LossSettings
+    ) -> torch.Tensor:
+        """The token-mean entropy, without a gradient when ``entropy_coeff`` is 0 (it is only reported);
+        ``index``: a packed pass's, which ``distributions`` are read through."""
         with torch.set_grad_enabled(self.settings.entropy_coeff > 0):
-            return batch_token_mean(token_entropy(distributions), mask, settings)
+            return batch_token_mean(per_row(token_entropy(distributions), index), mask, settings)

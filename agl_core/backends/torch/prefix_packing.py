@@ -1,0 +1,155 @@
+"""The torch backend's prefix-shared forward: packs of rows (:mod:`agl_core.stages.prefix_sharing`)
+as one model call.
+
+A micro-batch of packs is one forward pass over the packs right-padded to the longest. A micro-batch
+of chains needs no mask: causal attention is a chain's attention, and a real token never attends to
+the padding after it, so the attention runs its causal kernel. A micro-batch with a tree gets the
+tree mask as a 4-D boolean ``[packs, 1, L, L]`` mask (transformers hands a 4-D mask to the attention
+as it is; ``sdpa`` and ``eager`` apply it), padding attending only to itself, and each token's depth
+as its position id. Logits are computed only at the columns that predict some row's response token
+(``logits_to_keep``), and a row's response token ``t`` reads its log-prob from the token before it in
+its pack.
+
+Models whose attention is not plain causal attention over every layer (sliding-window layers, other
+attention implementations) are refused: the mask would not mean what they compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from agl_core.config import ConfigError
+from agl_core.errors import UsageError
+from agl_core.stages.prefix_sharing import PackCost, PrefixPacks, prefix_packs
+
+__all__ = ["PackedForward", "RowLengths", "check_packable", "pack_cost", "packed_forward", "row_packs"]
+
+SHARE_KEY = "agentlightning.torch.share_prefixes"
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@attrs.frozen
+class PackedForward:
+    """One forward pass over packs, and where each of its rows reads its response log-probs."""
+
+    input_ids: torch.Tensor
+    """``[packs, L]``, right-padded."""
+    position_ids: torch.Tensor | None
+    """``[packs, L]``; ``None`` for chains (positions 0, 1, 2...)."""
+    attention_mask: torch.Tensor | None
+    """``[packs, 1, L, L]`` boolean (True: attend); ``None`` for chains (causal)."""
+    keep: torch.Tensor
+    """The columns whose logits are computed (``logits_to_keep``), ascending."""
+    index: torch.Tensor
+    """``[rows, response_len]``: for each row's response token, its row in the flattened
+    ``[packs × len(keep)]`` logits (0 past the row's response)."""
+    n_tokens: int
+    """Tokens computed (the packs' lengths, no padding)."""
+
+    @property
+    def n_elements(self) -> int:
+        """Tensor elements of the pass, padding included."""
+        return self.input_ids.numel()
+
+
+@attrs.frozen
+class RowLengths:
+    """Each row's prompt and response lengths in a tensorised batch."""
+
+    prompts: np.ndarray
+    responses: np.ndarray
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> RowLengths:
+        prompt_width = tensors["prompts"].shape[1]
+        attention = tensors["attention_mask"]
+        return cls(attention[:, :prompt_width].sum(1).cpu().numpy(), attention[:, prompt_width:].sum(1).cpu().numpy())
+
+
+def check_packable(model: torch.nn.Module) -> None:
+    """Refuse, naming :data:`SHARE_KEY`, a model whose attention a tree mask does not describe."""
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(
+            SHARE_KEY,
+            f"needs the model's attention to be one of {', '.join(ATTENTION_IMPLEMENTATIONS)},"
+            f" not {implementation!r}; turn it off",
+        )
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if windowed or any(kind != "full_attention" for kind in layer_types):
+        raise ConfigError(SHARE_KEY, "needs full causal attention in every layer (this model has sliding windows)")
+
+
+def pack_cost(model: torch.nn.Module) -> PackCost:
+    """The cost of a pack in floating-point operations of its forward pass (the backward's are about
+    twice both terms): 2 per weight of every linear layer per token, and 4 per attention head
+    dimension per layer for each (query, key) pair (the scores and the weighted sum)."""
+    config = model.config
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return PackCost(per_token=2.0 * weights, per_pair=4.0 * heads * head_dim * int(config.num_hidden_layers))
+
+
+def row_packs(
+    tensors: Mapping[str, torch.Tensor], lengths: RowLengths, cost: PackCost, max_tokens: int | None
+) -> PrefixPacks:
+    """The packs of a tensorised batch's rows, each within ``max_tokens``; each row's path from the
+    token before its response on."""
+    if (lengths.prompts < 1).any():
+        row = int(np.flatnonzero(lengths.prompts < 1)[0])
+        raise UsageError(f"row {row} has an empty prompt: no token predicts its first response token")
+    prompt_width = tensors["prompts"].shape[1]
+    input_ids = tensors["input_ids"].cpu().numpy()
+    sequences = [
+        input_ids[i, prompt_width - p : prompt_width + r]
+        for i, (p, r) in enumerate(zip(lengths.prompts.tolist(), lengths.responses.tolist()))
+    ]
+    return prefix_packs(sequences, cost, max_length=max_tokens, path_start=lengths.prompts - 1)
+
+
+def packed_forward(
+    layout: PrefixPacks, members: Sequence[int], lengths: RowLengths, device: torch.device
+) -> tuple[np.ndarray, PackedForward]:
+    """The forward pass over the packs ``members`` of ``layout``: its rows (ascending) and its inputs."""
+    packs = [layout.packs[m] for m in members]
+    rows = np.sort(np.concatenate([p.rows for p in packs]))
+    width = max(len(p) for p in packs)
+    chains = all(p.is_chain for p in packs)
+    input_ids = np.zeros((len(packs), width), np.int64)
+    positions = None if chains else np.zeros((len(packs), width), np.int64)
+    mask = None if chains else np.zeros((len(packs), 1, width, width), bool)
+    for b, pack in enumerate(packs):
+        n = len(pack)
+        input_ids[b, :n] = pack.tokens
+        if mask is not None:
+            positions[b, :n] = pack.positions
+            padding = np.arange(n, width)
+            mask[b, 0, padding, padding] = True  # padding attends to itself, so its values stay finite
+            if pack.is_chain:
+                mask[b, 0, :n, :n] = np.tri(n, dtype=bool)
+            else:
+                query = np.arange(n)[:, None]
+                mask[b, 0, :n, :n] = (np.arange(n)[None, :] <= query) & (query < pack.subtree_end[None, :])
+    # Each row's response token t is predicted at the offset path[t] of its pack.
+    pack_of = {m: b for b, m in enumerate(members)}
+    row_batch = np.array([pack_of[int(layout.row_pack[r])] for r in rows], np.int64)
+    row_paths = [layout.row_paths[r][: lengths.responses[r]] for r in rows]
+    keep = np.unique(np.concatenate(row_paths))
+    index = np.zeros((len(rows), int(lengths.responses[rows].max())), np.int64)
+    for j, (b, path) in enumerate(zip(row_batch.tolist(), row_paths)):
+        index[j, : len(path)] = b * len(keep) + np.searchsorted(keep, path)
+    return rows, PackedForward(
+        input_ids=torch.as_tensor(input_ids, device=device),
+        position_ids=None if positions is None else torch.as_tensor(positions, device=device),
+        attention_mask=None if mask is None else torch.as_tensor(mask, device=device),
+        keep=torch.as_tensor(keep, device=device),
+        index=torch.as_tensor(index, device=device),
+        n_tokens=sum(len(p) for p in packs),
+    )
