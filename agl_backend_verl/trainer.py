@@ -37,6 +37,7 @@ from verl.utils.debug import marked_timer
 
 from agl_backend_verl.advantages import compute_advantages, needs_values
 from agl_backend_verl.agent_loop import RolloutLoopManager
+from agl_backend_verl.config import validate_verl
 from agl_backend_verl.dataset import INPUT_KEY
 from agl_backend_verl.dispatch import dispatch_order
 from agl_backend_verl.transfer import clear, partition, put_rows, read_rollouts, training_rows
@@ -92,6 +93,7 @@ class AglTrainer:
     config: DictConfig
 
     def __init__(self, config: DictConfig, *, plugins: PluginManager):
+        validate_verl(config)  # also a config that did not come through load_verl_config
         super().__init__(config)  # type: ignore[call-arg]
         self.plugins = plugins
         self.reports: queue.Queue[StepReport | None] = queue.Queue()
