@@ -230,6 +230,9 @@ class AglTrainer:
         if needs_values(self.config):  # gae: verl's advantages from the critic's values, then agl's scaling
             batch = self._compute_advantage(batch, metrics=metrics)  # type: ignore[attr-defined]
             scale_advantages(batch, prepared.row_scales, order)
+        # verl's _compute_ref_log_prob and _compute_values hand back the meta they were given, whose
+        # field list (what the workers fetch) predates what they wrote: the updates read every field
+        batch.fields = None
         updated = time.perf_counter()
         metrics["timing/log_prob_s"] = updated - scored
         if self.use_critic:  # type: ignore[attr-defined]
@@ -256,6 +259,7 @@ class AglTrainer:
         from verl.utils import tensordict_utils as tu
 
         rollouts: list[CompletedRollout] = []
+        counts: list[dict[str, float]] = []  # the source's, per batch
         for batch_dict in self.val_dataloader:  # type: ignore[attr-defined]
             uids = [new_uid() for _ in batch_dict[INPUT_KEY]]
             batch = tu.get_tensordict({**batch_dict, "uid": _objects(uids)})
@@ -270,8 +274,9 @@ class AglTrainer:
             )
             found, _keys = read_rollouts(sampled)
             rollouts.extend(found)
+            counts.append(self.agent_loop_manager.pop_counts())
             clear(where, sampled.keys)
-        return validation_metrics(rollouts, [self.agent_loop_manager.pop_counts()])
+        return validation_metrics(rollouts, counts)
 
 
 def scale_advantages(batch: KVBatchMeta, row_scales: Any, order: Sequence[int]) -> None:

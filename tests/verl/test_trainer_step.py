@@ -304,6 +304,38 @@ def test_gae_trains_the_critic_on_advantages_from_its_values(ray_session, tmp_pa
     assert np.isfinite(metrics["critic/vf_loss"]) and metrics["critic/vf_loss"] > 0
 
 
+def test_reference_log_probs_and_the_critics_values_reach_the_updates(ray_session, tmp_path, tiny_model_dir):
+    """With the KL loss and a critic under an outcome estimator (verl's ``_compute_advantage`` does not
+    run), the actor's update gets the reference policy's log-probs and the critic's update its values."""
+    from verl.workers.utils.padding import response_from_nested
+
+    from tests.helpers.verl_local_workers import sequence_outputs
+
+    config = make_config(
+        tmp_path,
+        tiny_model_dir,
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "critic.enable=true",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        f"critic.model.path={tiny_model_dir}",
+        *ONE_STEP,
+    )
+    run = Run(config)
+    names = run.workers.names()
+    order = ["compute_log_prob", "compute_ref_log_prob", "infer_batch", "train_mini_batch", "update_actor"]
+    assert [names.index(name) for name in order] == sorted(names.index(name) for name in order)
+    (given,) = run.updated(0)
+    reference = sequence_outputs(run.workers.actor.ref_model, given.data, entropy=False)["log_probs"]
+    want = response_from_nested(reference, given.data["response_mask"]).to_padded_tensor(0)
+    torch.testing.assert_close(rows_of(given.data, "ref_log_prob")[0], want)
+    (critic,) = run.workers.critic.trained
+    (values,) = rows_of(critic.data, "values")
+    for i, (p, n) in enumerate(zip(critic.data["prompts"].offsets().diff(), critic.data["responses"].offsets().diff())):
+        torch.testing.assert_close(values[i, :n], 0.1 * torch.arange(p, p + n, dtype=torch.float32))
+    metrics = run.metrics(1)
+    assert np.isfinite(metrics["actor/kl_loss"]) and np.isfinite(metrics["critic/vf_loss"])
+
+
 def test_gae_without_the_critic_is_rejected(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="critic.enable"):
         make_config(
