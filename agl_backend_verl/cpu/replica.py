@@ -13,7 +13,8 @@ builds, through which verl's hybrid ``update_weights`` hands it the actor's weig
   to the server with the training step as its version. Every rank drains the stream (FSDP gathers
   each tensor collectively).
 
-Sleep and wake free nothing on CPU (the server keeps its copy of the weights); abort refuses the
+Sleep and wake free nothing on CPU (the server keeps its copy of the weights; its ``stats`` say how
+often verl put it to sleep and whether it sleeps until the next weight push); abort refuses the
 requests queued or arriving until the next resume (a batch already decoding finishes). Only verl's
 hybrid mode (rollout sharing the trainer's ranks) is supported.
 """
@@ -85,6 +86,8 @@ class CpuPolicyServer:
         self.server = AbortablePolicyServer(model, tokenizer, model_name, seed=seed)
         self.server.start()
         self.weight_pushes = 0
+        self.sleeps = 0
+        self.asleep = False
 
     def address(self) -> str:
         return self.server.base_url.removeprefix("http://").removesuffix("/v1")
@@ -95,16 +98,24 @@ class CpuPolicyServer:
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self.server.load_weights(weights, version)
         self.weight_pushes += 1
+        self.asleep = False  # verl's hybrid update_weights wakes a replica by loading its weights
 
-    def stats(self) -> dict[str, int]:
-        return {"version": self.server.version, "weight_pushes": self.weight_pushes}
+    def stats(self) -> dict[str, Any]:
+        """The served weights' version, how many pushes and sleeps verl made, and whether it sleeps now."""
+        return {
+            "version": self.server.version,
+            "weight_pushes": self.weight_pushes,
+            "sleeps": self.sleeps,
+            "asleep": self.asleep,
+        }
 
-    # verl's replica server interface
+    # verl's replica server interface (sleeping frees nothing on CPU; it is recorded)
     def wake_up(self) -> None:
-        pass
+        self.asleep = False
 
     def sleep(self) -> None:
-        pass
+        self.sleeps += 1
+        self.asleep = True
 
     def abort_all_requests(self, reject_request: bool = False) -> None:
         self.server.abort()
