@@ -39,6 +39,7 @@ from verl.utils.debug import marked_timer
 
 from agl_backend_verl.advantages import compute_advantages, needs_values
 from agl_backend_verl.agent_loop import RolloutLoopManager
+from agl_backend_verl.config import validate_verl
 from agl_backend_verl.dataset import INPUT_KEY
 from agl_backend_verl.dispatch import dispatch_order
 from agl_backend_verl.transfer import clear, partition, put_rows, read_rollouts, training_rows
@@ -95,6 +96,7 @@ class AglTrainer:
     config: DictConfig
 
     def __init__(self, config: DictConfig, *, plugins: PluginManager):
+        validate_verl(config)  # also a config that did not come through load_verl_config
         super().__init__(config)  # type: ignore[call-arg]
         self.plugins = plugins
         self.reports: queue.Queue[StepReport | None] = queue.Queue()
@@ -290,6 +292,9 @@ class AglTrainer:
         if needs_values(self.config):  # gae: verl's advantages from the critic's values, then agl's scaling
             batch = self._compute_advantage(batch, metrics=metrics)  # type: ignore[attr-defined]
             scale_advantages(batch, prepared, order)
+        # verl's _compute_ref_log_prob and _compute_values hand back the meta they were given, whose
+        # field list (what the workers fetch) predates what they wrote: the updates read every field
+        batch.fields = None
         updated = time.perf_counter()
         metrics["timing/log_prob_s"] = updated - scored
         if self.use_critic:  # type: ignore[attr-defined]
@@ -316,6 +321,7 @@ class AglTrainer:
         from verl.utils import tensordict_utils as tu
 
         rollouts: list[CompletedRollout] = []
+        counts: list[dict[str, float]] = []  # the source's, per batch
         for batch_dict in self.val_dataloader:  # type: ignore[attr-defined]
             uids = [new_uid() for _ in batch_dict[INPUT_KEY]]
             batch = tu.get_tensordict({**batch_dict, "uid": _objects(uids)})
@@ -330,8 +336,9 @@ class AglTrainer:
             )
             found, _keys = read_rollouts(sampled)
             rollouts.extend(found)
+            counts.append(self.agent_loop_manager.pop_counts())
             clear(where, sampled.keys)
-        return validation_metrics(rollouts, [self.agent_loop_manager.pop_counts()])
+        return validation_metrics(rollouts, counts)
 
 
 def combine_iterations(iterations: Sequence[Mapping[str, float]]) -> dict[str, float]:

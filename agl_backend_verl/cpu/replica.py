@@ -19,7 +19,8 @@ a replica its weights).
   :mod:`agl_backend_verl.cpu.checkpoint_engine`, and the server is placed in that pool. A LoRA run's adapters
   are merged into the served base weights (:mod:`agl_backend_verl.cpu.lora`).
 
-Sleep and wake free nothing on CPU (the server keeps its copy of the weights). Abort and resume are
+Sleep and wake free nothing on CPU (the server keeps its copy of the weights; its ``stats`` say how
+often verl put it to sleep and whether it sleeps until the next weight push). Abort and resume are
 verl's partial-rollout gate: while aborted, new requests wait for the resume (or are refused with
 HTTP 503 when verl rejects them, as when it takes a replica out of generation); a batch already
 decoding finishes with the weights it started with, since weights change between batches only.
@@ -121,6 +122,8 @@ class CpuPolicyServer:
         self.server = AbortablePolicyServer(model, tokenizer, model_name, seed=seed)
         self.server.start()
         self.weight_pushes = 0
+        self.sleeps = 0
+        self.asleep = False
 
     def address(self) -> str:
         return self.server.base_url.removeprefix("http://").removesuffix("/v1")
@@ -131,20 +134,29 @@ class CpuPolicyServer:
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self.server.load_weights(weights, version)
         self.weight_pushes += 1
+        self.asleep = False  # verl's hybrid update_weights wakes a replica by loading its weights
 
     def load_adapters(self, adapters: Mapping[str, torch.Tensor], scale: float, version: int) -> None:
         self.server.load_adapters(adapters, scale, version)
         self.weight_pushes += 1
+        self.asleep = False
 
-    def stats(self) -> dict[str, int]:
-        return {"version": self.server.version, "weight_pushes": self.weight_pushes}
+    def stats(self) -> dict[str, Any]:
+        """The served weights' version, how many pushes and sleeps verl made, and whether it sleeps now."""
+        return {
+            "version": self.server.version,
+            "weight_pushes": self.weight_pushes,
+            "sleeps": self.sleeps,
+            "asleep": self.asleep,
+        }
 
-    # verl's replica server interface
+    # verl's replica server interface (sleeping frees nothing on CPU; it is recorded)
     def wake_up(self) -> None:
-        pass
+        self.asleep = False
 
     def sleep(self) -> None:
-        pass
+        self.sleeps += 1
+        self.asleep = True
 
     def abort_all_requests(self, reject_request: bool = False) -> None:
         self.server.abort(reject=reject_request)

@@ -1,15 +1,19 @@
-"""verl's real workers on CPU for ``tests/verl/test_cpu_workers.py``: every ``VerlWorkerCalls`` method
-on a ``RayPPOTrainer`` whose workers (2 gloo ranks, FSDP2) and CPU replica verl itself started.
+"""verl's real workers on CPU for ``tests/verl/test_cpu_workers.py``: the trainer agl runs for
+``trainer.v1.trainer_mode=sync`` (:func:`agl_backend_verl.trainer.trainer_class`), whose workers
+(2 gloo ranks, FSDP2: actor, reference, critic) and CPU replica verl itself started, trained by
+verl's own ``fit`` with agl's rollout loop.
 
-:class:`WorkerCallsProbe` is a Ray actor (verl's trainer must run inside the Ray cluster, as verl's
-task runner does); :class:`ReplicaSource` makes the rollouts by calling the CPU replica directly
-(real generations and log-probs of the served weights; only the gateway is left out, which the
-end-to-end test adds).
+:class:`WorkerCallsProbe` is a Ray actor (verl's trainer runs inside the Ray cluster, as verl's task
+runner does); :class:`ReplicaSource` makes the rollouts by calling the CPU replica directly (real
+generations and log-probs of the served weights; only the gateway is left out, which the
+end-to-end test adds). The probe wraps a few of the trainer's methods to look at each step from
+outside: the replica's state after verl put it to sleep and after the weight push, and, just before
+the actor's update, every field verl wrote for the step's rows beside what the initial policy (the
+reference's weights), computed here, says of them.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,16 +32,36 @@ from agl_core.rollouts.source import RolloutBatch, make_requests
 N = 2  # rollouts per group
 BATCH = 2  # groups per step
 PROMPT = [1, 5, 7, 9]  # token ids of the tiny corridor policy's vocabulary
+ROW_FIELDS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "position_ids",
+    "response_mask",
+    "loss_mask",
+    "rm_scores",
+    "advantages",
+    "returns",
+    "rollout_log_probs",
+    "old_log_probs",
+    "ref_log_prob",
+    "values",
+    "uid",
+)
 
 
 def cpu_config(model_dir: Path, run_dir: Path, *overrides: str):
     """agl's verl config for a tiny CPU run: :data:`CPU_KEYS` and one mini-batch of ``BATCH x N`` rows."""
+    rows = run_dir.parent / "rows.jsonl"
+    rows.write_text("".join(f'{{"i": {i}}}\n' for i in range(4)))
     return load_verl_config(
         None,
         [
             *CPU_KEYS,
             f"actor_rollout_ref.model.path={model_dir}",
             "agentlightning.agl_base_url=http://127.0.0.1:1",
+            f"data.train_files={rows}",
+            f"data.val_files={rows}",
             f"data.train_batch_size={BATCH}",
             f"data.val_batch_size={BATCH}",
             "data.max_prompt_length=64",
@@ -49,7 +73,9 @@ def cpu_config(model_dir: Path, run_dir: Path, *overrides: str):
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.actor.optim.lr=1e-2",
             "trainer.total_training_steps=2",
-            "trainer.logger=[console]",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=1",
             f"trainer.default_local_dir={run_dir}",
             "trainer.resume_mode=auto",
             *overrides,
@@ -103,6 +129,7 @@ class ReplicaSource:
                         final_reward=float(k),  # rollouts of a group differ: non-zero advantages
                         step=step,
                         is_train=is_train,
+                        sample_index=request.sample_index,
                     )
                 )
         return RolloutBatch(rollouts, {})
@@ -113,125 +140,195 @@ class ReplicaSource:
     def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
         self.registered.append((list(endpoints), version))
 
+    def state(self) -> None:
+        return None
+
     def close(self) -> None:
         pass
 
 
-def _finite(metrics: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(np.mean(v)) for k, v in metrics.items() if isinstance(v, (int, float, list)) and v != []}
+def policy_log_probs(model: torch.nn.Module, rows: Any) -> torch.Tensor:
+    """``model``'s log-probs of each row's response tokens, ``[rows, longest response]`` (one
+    unpadded forward per row)."""
+    prompt_lens = rows["prompts"].offsets().diff().tolist()
+    response_lens = rows["responses"].offsets().diff().tolist()
+    out = torch.zeros(len(prompt_lens), max(response_lens))
+    with torch.no_grad():
+        for i, ids in enumerate(rows["input_ids"].unbind()):
+            p, r = prompt_lens[i], response_lens[i]
+            logits = model(input_ids=ids[None], use_cache=False).logits[0].float()
+            chosen = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+            out[i, :r] = chosen[p - 1 : p - 1 + r]  # position j holds token j + 1's log-prob
+    return out
+
+
+def gaps(rows: Mapping[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+    """The largest difference over trained tokens between each pair of log-probs the step saw."""
+    pairs = {
+        "old_vs_rollout": ("old_log_probs", "rollout_log_probs"),
+        "old_vs_initial": ("old_log_probs", "initial"),
+        "ref_vs_initial": ("ref_log_prob", "initial"),
+        "ref_vs_old": ("ref_log_prob", "old_log_probs"),
+        "values_vs_old": ("values", "old_log_probs"),
+    }
+    return {name: float((rows[a] - rows[b]).abs()[mask].max()) for name, (a, b) in pairs.items()}
 
 
 @ray.remote(num_cpus=1)
 class WorkerCallsProbe:
-    """Builds agl's verl trainer as ``agl train`` does, starts verl's workers, and calls each method."""
+    """Builds agl's V1 trainer as the task runner does (TransferQueue started first), starts verl's
+    workers and replica (``init``), and runs verl's ``fit`` under watch."""
 
     def __init__(self, config):
+        import transfer_queue as tq
         from omegaconf import OmegaConf
+        from transformers import AutoModelForCausalLM
 
-        from agl_backend_verl.run import build_trainer
+        from agl_backend_verl.cpu.mode import use_fp32
+        from agl_backend_verl.run import v1_config
+        from agl_backend_verl.trainer import trainer_class
 
         OmegaConf.resolve(config)
+        config = v1_config(config)
+        use_fp32(config)
+        tq.init(config.transfer_queue)
         self.plugins = PluginManager(load_entrypoints=False)
-        self.trainer = build_trainer(config, [{"i": i} for i in range(4)], [{"i": 0}], self.plugins, source=None)
-        self.trainer.init_workers()
-        self.calls = self.trainer.calls
+        self.trainer = trainer_class("sync")(config, plugins=self.plugins)
+        self.trainer.init()
         self.model = str(config.actor_rollout_ref.model.path)
+        self.initial = AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32, attn_implementation="sdpa")
+        self.steps: list[dict[str, Any]] = []
+        self.rows: Any = None  # the last step's rows, every field verl wrote for them
+        self._watch()
+
+    # -- looking at each step --------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        trainer = self.trainer
+        on_sample_end, on_step_end, update_actor = trainer.on_sample_end, trainer.on_step_end, trainer._update_actor
+
+        def sample_end() -> None:
+            on_sample_end()
+            self.steps.append({"step": trainer.global_steps, "after_sleep": self.server_stats()})
+
+        def step_end() -> None:
+            on_step_end()
+            self.steps[-1]["after_push"] = self.server_stats()
+
+        def watched_update(batch, metrics):
+            self.steps[-1].update(self._look(batch))
+            output = update_actor(batch, metrics)
+            self.steps[-1]["moved_by_update"] = self._updated_gap(batch)
+            return output
+
+        trainer.on_sample_end, trainer.on_step_end, trainer._update_actor = sample_end, step_end, watched_update
+
+    def _fields(self, batch) -> Any:
+        import transfer_queue as tq
+
+        return tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(ROW_FIELDS))
+
+    def _look(self, batch) -> dict[str, Any]:
+        """Every log-prob and value verl wrote for the step's rows before the actor's update (the
+        critic already updated), against the initial policy's log-probs and the critic's values
+        computed again now."""
+        rows = self._fields(batch)
+        self.rows = rows
+        padded = {name: rows[name].to_padded_tensor(0) for name in ROW_FIELDS if name not in ("uid",)}
+        mask = padded["response_mask"].bool()
+        values_before = padded["values"]
+        self.trainer._compute_values(batch, metrics={})  # the critic's values of the same rows, after its update
+        values_after = self._fields(batch)["values"].to_padded_tensor(0)
+        padded["initial"] = policy_log_probs(self.initial, rows)
+        look = {
+            "n_rows": len(rows),
+            "gaps": gaps(padded, mask),
+            "values_distinct": int(values_before[mask].unique().numel()),
+            "values_moved_by_critic_update": float((values_after - values_before).abs()[mask].max()),
+        }
+        self._old = padded["old_log_probs"]
+        self._mask = mask
+        return look
+
+    def _updated_gap(self, batch) -> float:
+        """How far the actor's log-probs of the step's rows moved in its update."""
+        self.trainer._compute_old_log_prob(batch, metrics={})
+        updated = self._fields(batch)["old_log_probs"].to_padded_tensor(0)
+        return float((updated - self._old).abs()[self._mask].max())
+
+    # -- the probe's calls -------------------------------------------------------------------------
 
     def endpoints(self) -> list[str]:
-        return self.calls.rollout_endpoints()
+        return self.trainer.serving_endpoints()
 
-    def server_stats(self) -> list[dict[str, int]]:
-        return [ray.get(r._server_handle.stats.remote()) for r in self.calls._replicas()]
+    def server_stats(self) -> list[dict[str, Any]]:
+        return [ray.get(r._server_handle.stats.remote()) for r in self.trainer.llm_server_manager.get_replicas()]
+
+    def actor_dp_size(self) -> int:
+        return self.trainer.actor_dp_size()
+
+    def served_vs_initial_gap(self) -> float:
+        """A completion's served log-probs against the initial policy's own forward on it."""
+        choice = complete(self.endpoints()[0], self.model, PROMPT, seed=7)["choices"][0]
+        ids = torch.tensor([*PROMPT, *choice["token_ids"]])
+        with torch.no_grad():
+            logits = self.initial(input_ids=ids[None], use_cache=False).logits[0].float()
+        chosen = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)[len(PROMPT) - 1 :]
+        return float((chosen - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max())
 
     def abort_then_resume(self) -> dict[str, Any]:
         """A request while aborted is refused (503); after resume it is served."""
-        endpoint = self.endpoints()[0]
-        self.calls.abort_replicas()
-        refused = httpx.post(
-            f"{endpoint}/completions", json={"model": self.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60.0
-        ).status_code
-        self.calls.resume_replicas()
-        served = httpx.post(
-            f"{endpoint}/completions", json={"model": self.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60.0
-        ).status_code
+        endpoint, manager = self.endpoints()[0], self.trainer.checkpoint_manager
+        request = {"model": self.model, "prompt": PROMPT, "max_tokens": 2}
+        manager.abort_replicas()
+        refused = httpx.post(f"{endpoint}/completions", json=request, timeout=60.0).status_code
+        manager.resume_generation_replicas()
+        served = httpx.post(f"{endpoint}/completions", json=request, timeout=60.0).status_code
         return {"refused": refused, "served": served}
 
-    def step(self, version: int) -> dict[str, Any]:
-        """Rollouts from the replica, then every call of a step by hand, in the trainer's order."""
-        trainer, calls = self.trainer, self.calls
-        trainer.source = ReplicaSource(self.endpoints()[0], self.model, self.plugins)
-        trainer.global_steps = version
-        rollouts = trainer.source.collect([{"i": 0}, {"i": 1}], step=version, is_train=True).rollouts
-        calls.sleep_replicas()
-        prepared = trainer.pipeline.prepare(rollouts, version)
-        from agl_backend_verl.dataproto import to_dataproto
-        from agl_core.stages.tensorize import tensorize
+    def fit(self) -> dict[str, Any]:
+        """verl's ``fit`` with agl's rollout loop over the replica: every step's look, the metrics
+        the steps reported and the versions the source was told of."""
+        from agl_backend_verl.agent_loop import RolloutLoopManager
 
-        padded = tensorize(prepared.shaped.rows, pad_token_id=trainer.pad_token_id)
-        batch = to_dataproto(padded, meta_info={"temperature": 1.0})
-        width = padded.tensors["responses"].shape[1]
-        batch.batch["advantages"] = prepared.advantages(width)
-        batch.batch["returns"] = prepared.returns(width)
-        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-        result: dict[str, Any] = {}
-        before = [int(i) for i in batch.batch["responses"][:, 0]]
-        metrics: dict[str, float] = {}
-        trainer.order_for_workers(batch, prepared.shaped.n_mini_batches, metrics)
-        result["balanced"] = sorted(before) == sorted(int(i) for i in batch.batch["responses"][:, 0])
-        result["balance_metrics"] = sorted(metrics)
-        old, old_metrics = calls.old_log_probs(batch)
-        batch = batch.union(old)
-        mask = batch.batch["response_mask"].bool()
-        gap = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask]
-        result["old_vs_rollout_max_gap"] = float(gap.max())
-        result["old_metrics"] = sorted(old_metrics)
-        if trainer.use_reference_policy:
-            batch = batch.union(calls.ref_log_probs(batch))
-            result["ref_vs_old_max_gap"] = float(
-                (batch.batch["ref_log_prob"] - batch.batch["old_log_probs"]).abs()[mask].max()
-            )
-        if trainer.use_critic:
-            batch = batch.union(calls.values(batch))
-            result["values_finite"] = bool(torch.isfinite(batch.batch["values"]).all())
-            result["critic"] = _finite(calls.update_critic(batch))
-        result["actor"] = _finite(calls.update_actor(batch))
-        calls.push_weights(version)
-        result["stats"] = self.server_stats()
-        after, _ = calls.old_log_probs(batch)
-        result["old_log_probs_moved"] = float(
-            (after.batch["old_log_probs"] - batch.batch["old_log_probs"]).abs()[mask].max()
-        )
-        return result
-
-    def served_vs_actor_gap(self) -> float:
-        """A fresh generation's served log-probs against the actor's, after a weight push."""
         source = ReplicaSource(self.endpoints()[0], self.model, self.plugins)
-        rollouts = source.collect([{"i": 0}, {"i": 1}], step=0, is_train=True).rollouts
-        prepared = self.trainer.pipeline.prepare(rollouts, 0)
-        from agl_backend_verl.dataproto import to_dataproto
-        from agl_core.stages.tensorize import tensorize
+        loop = RolloutLoopManager.create(source=source, n=N)
+        try:
+            self.trainer.fit(loop)
+        finally:
+            loop.close()
+        reports = []
+        while not self.trainer.reports.empty():
+            reports.append(self.trainer.reports.get())
+        return {
+            "steps": self.steps,
+            "metrics": {step: metrics for step, _, metrics, _ in reports},
+            "registered": [version for _, version in source.registered],
+        }
 
-        padded = tensorize(prepared.shaped.rows, pad_token_id=self.trainer.pad_token_id)
-        batch = to_dataproto(padded, meta_info={"temperature": 1.0})
-        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
-        old, _ = self.calls.old_log_probs(batch)
-        mask = batch.batch["response_mask"].bool()
-        return float((old.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask].max())
+    def save_perturb_load(self) -> dict[str, Any]:
+        """The actor's log-probs of the last step's rows: as trained (and checkpointed by ``fit``),
+        after one more update on them, and after verl's ``_load_checkpoint`` (``resume_mode=auto``)."""
+        from agl_backend_verl.transfer import put_rows
 
-    def save_and_load(self) -> dict[str, Any]:
-        """verl's checkpoint of the current step, then verl's resume from it (``resume_mode=auto``)."""
-        trainer = self.trainer
-        self.calls.save_checkpoint()
-        saved_step = trainer.global_steps
+        trainer, rows = self.trainer, self.rows
         folder = Path(trainer.config.trainer.default_local_dir)
+        batch = put_rows(rows, [f"probe_{i}" for i in range(len(rows))])
+
+        def log_probs() -> torch.Tensor:
+            trainer._compute_old_log_prob(batch, metrics={})
+            return self._fields(batch)["old_log_probs"].to_padded_tensor(0)
+
+        trained = log_probs()
+        type(trainer)._update_actor(trainer, batch, {})  # the perturbing update (not watched)
+        perturbed = log_probs()
         trainer.global_steps = 0
-        self.calls.load_checkpoint()
+        trainer._load_checkpoint()
+        loaded = log_probs()
+        mask = rows["response_mask"].to_padded_tensor(0).bool()
         return {
             "saved": sorted(p.name for p in folder.iterdir()),
             "resumed_step": trainer.global_steps,
-            "saved_step": saved_step,
+            "perturbed_vs_trained": float((perturbed - trained).abs()[mask].max()),
+            "loaded_vs_trained": float((loaded - trained).abs()[mask].max()),
         }
-
-
-def all_finite(metrics: Mapping[str, float]) -> bool:
-    return all(math.isfinite(v) for v in metrics.values())

@@ -1,18 +1,22 @@
-"""One recorded training step on the torch backend and through verl's FSDP2 engine on CPU ranks.
+"""One recorded training step on the torch backend and through verl's V1 update path on CPU ranks.
 
 Spawned by ``tests/verl/test_backend_differential.py``: every rank runs :func:`run_cases`; rank 0 also
 runs the torch backend's side and compares. Both sides start from the same weights (the corridor's
-tiny policy, the engine's gathered parameters copied into the torch model) and the same recorded
+tiny policy, the verl actor's gathered parameters copied into the torch model) and the same recorded
 rollouts, each through its backend's own way to the update:
 
 - torch: :class:`~agl_core.stages.pipeline.StepPipeline` → the torch backend's
   :class:`~agl_core.backends.torch.update.ActorUpdate` (old and reference log-probs, then one
   optimizer step per mini-batch, token-budget micro-batches with ``use_dynamic_bsz``);
-- verl: the pipeline as :class:`~agl_backend_verl.trainer.AglRayPPOTrainer` builds it (verl's own
-  estimators where the config names one) → the trainer's ``DataProto`` → split as verl's worker
-  dispatch splits it (``DataProto.chunk``: a contiguous share of the batch per rank, then that
-  share's mini-batches) → verl's FSDP2 engine ``train_batch`` with verl's ``ppo_loss`` per
-  mini-batch (its own micro-batches).
+- verl: the pipeline as agl's V1 trainer builds it (verl's own estimators where the config names
+  one) → the rows as the trainer hands them to verl (:func:`agl_backend_verl.transfer.training_rows`:
+  nested fields, in the dispatch order) with the old and reference log-probs in the layout verl's
+  ``_compute_old_log_prob`` / ``_compute_ref_log_prob`` write (nested over each row's response:
+  ``response_to_nested``) → each rank's contiguous share (as verl's dispatch cuts it) with the extra
+  info verl's V1 ``_update_actor`` puts on the batch (taken from verl's own method) → verl's actor
+  ``TrainingWorker`` built as ``ActorRolloutRefWorker.init_model`` builds it, its
+  ``train_mini_batch`` (mini-batches cut by ``tu.make_iterator``, the FSDP2 engine's
+  ``train_batch`` with verl's ``ppo_loss``) → the metrics as ``_update_actor`` reduces them.
 
 With several ranks and several mini-batches that split alone trains other mini-batches than the
 torch backend (whose mini-batch ``i`` is rows ``i × per_mini`` onwards), so the rows are reordered
@@ -41,7 +45,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers.paths import REPO_ROOT
-from tests.helpers.verl_fsdp_cpu import ENGINE_OVERRIDES, FP32, CpuPlatform, build_engine, full_state
+from tests.helpers.verl_fsdp_cpu import ENGINE_OVERRIDES, FP32, CpuPlatform, full_state
 
 # The metrics both backends report for an update step, compared between them.
 SHARED_METRICS = (
@@ -97,8 +101,8 @@ def case_config(case: dict):
             *micro,
         ],
     )
-    # The precision both sides train in: build_engine gives verl's engine FP32; the torch backend reads
-    # the same key, which verl's config leaves out.
+    # The precision both sides train in: verl's engine takes it from this key (fp32), as the torch
+    # backend does; verl's config leaves it out.
     OmegaConf.update(config, "actor_rollout_ref.actor.fsdp_config.mixed_precision", FP32, force_add=True)
     return config
 
@@ -118,7 +122,7 @@ def case_plugins(case: dict):
 
 
 def run_cases(rank: int, world_size: int, port: int, cases: list[dict], out_dir: str) -> None:
-    """Rank ``rank`` of ``world_size``: every case's step on verl's engine; rank 0 also on the torch
+    """Rank ``rank`` of ``world_size``: every case's step on verl's actor worker; rank 0 also on the torch
     backend, writing ``out_dir/{case id}.json``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
@@ -142,6 +146,66 @@ def run_cases(rank: int, world_size: int, port: int, cases: list[dict], out_dir:
         torch.distributed.destroy_process_group()
 
 
+def actor_worker(config):
+    """verl's actor ``TrainingWorker`` as ``ActorRolloutRefWorker.init_model`` builds it from
+    ``config`` (its engine settings from the actor's), initialised, with verl's ``ppo_loss``."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    section = config.actor_rollout_ref.actor
+    actor = omega_conf_to_dataclass(section)
+    actor.model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model, dataclass_type=HFModelConfig)
+    training = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=actor.model_config,
+        engine_config=actor.engine,
+        optimizer_config=actor.optim,
+        checkpoint_config=actor.checkpoint,
+    )
+    engine = training.engine_config
+    engine.use_dynamic_bsz = section.use_dynamic_bsz
+    engine.max_token_len_per_gpu = section.ppo_max_token_len_per_gpu
+    engine.micro_batch_size_per_gpu = section.ppo_micro_batch_size_per_gpu
+    engine.use_remove_padding = actor.model_config.get("use_remove_padding", False)
+    worker = TrainingWorker(config=training)
+    worker.reset()
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    return worker
+
+
+def update_actor_extra_info(config) -> dict:
+    """The extra info verl's V1 ``_update_actor`` puts on the batch it hands the actor worker group
+    (verl's own method, run with a stand-in worker group that keeps it)."""
+    from types import SimpleNamespace
+
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.utils import tensordict_utils as tu
+
+    seen: dict = {}
+
+    def update_actor(batch):
+        seen.update(batch.extra_info)
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"mfu": [0.0]}})
+
+    group = SimpleNamespace(update_actor=update_actor)
+    PPOTrainer._update_actor(SimpleNamespace(config=config, actor_rollout_wg=group), KVBatchMeta(), {})
+    return seen
+
+
+def actor_metrics(output) -> dict[str, float]:
+    """What verl's V1 ``_update_actor`` logs of the actor worker's ``train_mini_batch`` output: the
+    names prefixed ``actor/``, each averaged over the mini-batches (``reduce_metrics``)."""
+    from verl.utils.metric import reduce_metrics
+    from verl.utils.py_functional import rename_dict
+
+    metrics = rename_dict(dict(output["metrics"]), "actor/")
+    metrics.pop("actor/mfu", None)
+    return {k: float(v) for k, v in reduce_metrics(metrics).items()}
+
+
 def _pipelines(config, plugins, tokenizer, rollouts, step):
     """The step's prepared batch as the torch backend builds it and as the verl trainer does."""
     from agl_backend_verl.advantages import compute_advantages
@@ -159,20 +223,18 @@ def _pipelines(config, plugins, tokenizer, rollouts, step):
 def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     from transformers import AutoTokenizer
     from verl.utils import tensordict_utils as tu
-    from verl.utils.py_functional import rename_dict
-    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import response_to_nested
 
-    from agl_backend_verl.dataproto import to_dataproto
     from agl_backend_verl.dispatch import dispatch_order, mini_batch_major_order
+    from agl_backend_verl.transfer import training_rows
     from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
     from agl_core.recording import read_recording
     from agl_core.stages.tensorize import tensorize
-    from tests.helpers.verl_local_workers import engine_mini_batch
     from tests.helpers.verl_ppo import policy_and_reference
 
     config = case_config(case)
-    engine, actor = build_engine(config)
-    before = full_state(engine)
+    worker = actor_worker(config)
+    before = full_state(worker.engine)
     tokenizer = AutoTokenizer.from_pretrained(case["model_dir"])
     rollouts = read_recording(case["recording"]).rollouts(case["step"])
     torch_prepared, verl_prepared = _pipelines(config, plugins, tokenizer, rollouts, case["step"])
@@ -201,40 +263,26 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     noise = 0.3 * torch.randn(batch.old_log_prob.shape, generator=torch.Generator().manual_seed(1))
     batch = attrs.evolve(batch, old_log_prob=batch.old_log_prob + noise * batch.mask)
 
-    # verl: the trainer's DataProto, each rank's contiguous share, that share's mini-batches.
+    # verl: the rows as agl's V1 trainer writes them, each rank's contiguous share, verl's train_mini_batch.
     padded = tensorize(verl_prepared.shaped.rows, pad_token_id=pad)
-    data = to_dataproto(padded, meta_info={"temperature": 1.0})
-    data.batch["advantages"] = verl_prepared.advantages(padded.tensors["responses"].shape[1])
-    data.batch["old_log_probs"] = batch.old_log_prob
-    data.batch["ref_log_prob"] = batch.ref_log_prob
-    share, per_rank_mini = n_rows // world_size, per_mini // world_size
+    width = padded.tensors["responses"].shape[1]
+    order = list(range(n_rows))
     if case["dispatch"] == "torch_mini_batches":
-        data = data[mini_batch_major_order(n_rows, n_mini, world_size)]
+        order = mini_batch_major_order(n_rows, n_mini, world_size)
     elif case["dispatch"] == "verl":
-        seqlens = data.batch["attention_mask"].sum(-1).tolist()
-        data = data[dispatch_order(seqlens, n_mini, world_size, balance=True)[0]]
-    mine = data[rank * share : (rank + 1) * share]
-    verl_grads, verl_minis = _capture_grads(engine.optimizer, lambda: full_state(engine, grads=True)), []
-    for i in range(n_mini):
-        mini = engine_mini_batch(mine[i * per_rank_mini : (i + 1) * per_rank_mini], actor)
-        tu.assign_non_tensor(
-            mini,
-            global_batch_size=per_mini,
-            use_remove_padding=engine.engine_config.use_remove_padding,
-            use_fused_kernels=False,
-        )
-        with engine.train_mode():
-            output = engine.train_batch(mini, loss_function=partial(ppo_loss, config=actor))
-        metrics = {
-            k: v.aggregate() if hasattr(v, "aggregate") else float(np.mean(v)) for k, v in output["metrics"].items()
-        }
-        metrics = rename_dict({**metrics, "loss": float(sum(output["loss"]))}, "actor/")  # as verl's trainer names them
-        verl_minis.append(metrics)
-    after = full_state(engine)
-    gathered = [None] * world_size
-    torch.distributed.all_gather_object(gathered, verl_minis)
+        order = dispatch_order(padded.tensors["attention_mask"].sum(-1).tolist(), n_mini, world_size, balance=True)[0]
+    rows = training_rows(padded, order, verl_prepared.advantages(width), verl_prepared.returns(width))
+    rows["old_log_probs"] = response_to_nested(batch.old_log_prob[order], rows["response_mask"])
+    rows["ref_log_prob"] = response_to_nested(batch.ref_log_prob[order], rows["response_mask"])
+    share = n_rows // world_size  # verl's dispatch hands each rank its contiguous share (BatchMeta.chunk)
+    mine = tu.index_select_tensor_dict(rows, torch.arange(rank * share, (rank + 1) * share))
+    tu.assign_non_tensor(mine, **update_actor_extra_info(config))  # as verl's tqbridge hands them over
+    verl_grads = _capture_grads(worker.engine.optimizer, lambda: full_state(worker.engine, grads=True))
+    output = worker.train_mini_batch(mine)
+    after = full_state(worker.engine)
     if rank != 0:
         return {}
+    verl_metrics = actor_metrics(output)
 
     torch_grads = _capture_grads(
         update.optimizer, lambda: {n: p.grad.detach().clone() for n, p in update.model.named_parameters()}
@@ -244,11 +292,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     ]
     torch_after = {n: p.detach().clone() for n, p in update.model.named_parameters()}
     names = SHARED_METRICS + ("actor/loss",)
-    # verl's worker: each rank's loss terms are its local sums × dp_size, averaged over the ranks; the
-    # trainer averages each metric over the mini-batches, as the torch backend does.
-    verl_metrics = {
-        n: float(np.mean([np.mean([ranks[i][n] for ranks in gathered]) for i in range(n_mini)])) for n in names
-    }
+    # verl's trainer averages each metric over the mini-batches (reduce_metrics), as the torch backend does
     torch_metrics = {n: float(np.mean([m[n] for m in torch_minis])) for n in names}
     return {
         "dp_size": world_size,
@@ -256,7 +300,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
         "n_mini_batches": n_mini,
         "n_micro_batches": float(np.mean([m["actor/n_micro_batches"] for m in torch_minis])),
         "torch": torch_metrics,
-        "verl": verl_metrics,
+        "verl": {n: verl_metrics[n] for n in names},
         **_parameter_differences(before, after, torch_after, verl_grads, torch_grads),
     }
 

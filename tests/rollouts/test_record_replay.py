@@ -330,53 +330,47 @@ def test_the_real_gateway_traces_run_through_a_plugin(gateway_traces, tiny_model
 
 
 @pytest.mark.verl
+@pytest.mark.ray
 def test_the_verl_trainer_replays_the_recorded_corridor_steps(tmp_path):
-    """The verl backend's trainer (verl's RayPPOTrainer subclass, its GPU-only worker calls faked)
-    with the replay source: each recorded step reaches its update with the pipeline metrics the
-    recording run logged on the torch backend."""
+    """The trainer the verl backend runs (verl's V1 trainer, its worker groups answered in this
+    process, TransferQueue on a local Ray) with the replay source: each recorded step reaches its
+    update with the pipeline metrics the recording run logged on the torch backend."""
     pytest.importorskip("verl")
-    from transformers import AutoTokenizer
-    from verl.trainer.ppo.ray_trainer import Role
 
     from agl_backend_verl.config import load_verl_config
-    from agl_backend_verl.trainer import AglRayPPOTrainer, SampleDataset, collate_samples
-    from agl_core.rollouts.replay import ReplayRolloutSource
+    from agl_backend_verl.run import rollout_source, v1_config, write_rows
     from tests.helpers.corridor_policy import build_corridor_policy
-    from tests.helpers.verl_fake_workers import FakeWorkers
+    from tests.helpers.verl_local_workers import fit_locally, local_trainer_class, transfer_queue_session
 
     policy = build_corridor_policy(tmp_path / "policy")
+    rows = write_rows([{"signs": "x"}] * 12, tmp_path / "rows.jsonl", "train_dataset")
     config = load_verl_config(
         None,
         [
             *CORRIDOR_SETTINGS,
             f"agentlightning.replay={RECORDED_CORRIDOR}",
             f"actor_rollout_ref.model.path={policy}",
+            f"data.train_files={rows}",
+            f"data.val_files={rows}",
             "data.train_batch_size=4",
             "data.dataloader_num_workers=0",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "trainer.total_training_steps=3",
             "trainer.val_before_train=false",
             "trainer.test_freq=-1",
             "trainer.save_freq=-1",
             "trainer.device=cpu",
             "trainer.balance_batch=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
         ],
     )
-    tokenizer = AutoTokenizer.from_pretrained(policy)
+    config = v1_config(config)
     plugins = PluginManager(load_entrypoints=False)
-    trainer = AglRayPPOTrainer(
-        config=config,
-        tokenizer=tokenizer,
-        role_worker_mapping={Role.ActorRollout: object},
-        resource_pool_manager=None,
-        train_dataset=SampleDataset([{"signs": "x"}] * 12, "train_dataset"),
-        val_dataset=SampleDataset([{"signs": "x"}], "val_dataset"),
-        collate_fn=collate_samples,
-        plugins=plugins,
-        rollout_source=ReplayRolloutSource(config, tokenizer),
-        worker_calls=FakeWorkers(config),
-    )
-    seen = {}
-    trainer.fit(on_step=lambda step, total, metrics, samples: seen.setdefault(step, dict(metrics)))
+    with transfer_queue_session(config):
+        trainer = local_trainer_class("sync", ["127.0.0.1:1"])(config, plugins=plugins)
+        trainer.init()
+        reports = fit_locally(trainer, rollout_source(config, plugins, trainer), n=8)
+    seen = {step: metrics for step, _, metrics, _ in reports}
     logged = {
         m["step"]: m
         for m in (json.loads(line) for line in (RECORDED_CORRIDOR / "metrics.jsonl").read_text().splitlines())
@@ -385,6 +379,10 @@ def test_the_verl_trainer_replays_the_recorded_corridor_steps(tmp_path):
     for step, metrics in seen.items():
         assert metrics["training/replay/n_rollouts_replayed"] == 32
         assert {k: metrics[k] for k in PIPELINE_METRICS} == {k: logged[step][k] for k in PIPELINE_METRICS}
+    updated = trainer.local.actor.given["update_actor"]
+    assert [sum(len(rank.keys) for rank in call) for call in updated] == [
+        seen[step]["training/n_sample_trained"] for step in (1, 2, 3)
+    ]
 
 
 def test_agl_replay_reruns_a_shipped_corridor_step_from_the_initial_model(tmp_path, capsys):

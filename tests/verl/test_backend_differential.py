@@ -1,14 +1,17 @@
-"""The same recorded step, one training step on the torch backend and one through verl's FSDP2
-engine on CPU ranks (gloo), from the same weights: the same updated weights and shared metrics.
+"""The same recorded step, one training step on the torch backend and one through verl's V1 update
+path on CPU ranks (gloo), from the same weights: the same updated weights and shared metrics.
 
 The step is step 2 of the recorded corridor run (tests/fixtures/corridor_recording) on the
-corridor's tiny policy; :mod:`tests.helpers.verl_fsdp_step` runs both sides. Cases: both built-in losses ×
+corridor's tiny policy; :mod:`tests.helpers.verl_fsdp_step` runs both sides (verl's: the rows as
+agl's V1 trainer writes them to TransferQueue, each rank's share handed to verl's actor
+``TrainingWorker.train_mini_batch`` with the extra info of verl's ``_update_actor``, its FSDP2
+engine and ``ppo_loss``; the metrics as ``_update_actor`` reduces them). Cases: both built-in losses ×
 both ``agentlightning.loss_normalization`` modes, with the entropy bonus and the KL term on, on one
 and two ranks, with one micro-batch per mini-batch and with token-budget micro-batches
 (``use_dynamic_bsz``), over two mini-batches (two optimizer steps); and a third-party plugin set
 (``examples/retoken_merge``'s aggregator and :class:`~tests.helpers.median_baseline.MedianBaseline`,
-a plugin's estimator). On two ranks the verl side's rows are put in the verl trainer's dispatch order
-first (:mod:`agl_backend_verl.dispatch`), without which verl trains other mini-batches.
+a plugin's estimator). On two ranks the verl side's rows are put in the trainer's dispatch order first
+(:mod:`agl_backend_verl.dispatch`), without which verl trains other mini-batches.
 
 Tolerances, in fp32: the first optimizer step's clipped gradient within 1e-5 of its largest
 element, every shared metric within 1e-5 relative; the second step's gradient and the weights after

@@ -1,10 +1,13 @@
 """One config through both backends: a training step and a validation pass report the same metric names.
 
 The torch backend runs for real on the corridor's tiny policy (embedded rollouts, as
-``test_torch_backend`` does). The verl trainer runs its real step on the same rollout source and
-the same initial weights, with verl's actor workers answered in this process
-(:mod:`tests.helpers.verl_local_workers`: verl's own trainer code and ``ppo_loss`` run, FSDP and the vLLM
-replicas are left out). The names only one backend can have are listed here, each with its reason.
+``test_torch_backend`` does), through its loop: the validation before training, then one step. The
+verl side is the trainer agl runs for verl's V1 ``sync`` mode, with verl's own loop and trainer
+methods, agl's ``learn`` and its embedded rollout source (the agents calling the torch backend's
+serving engine, from the same initial weights), TransferQueue on a local Ray; verl's worker groups
+are answered in this process (:mod:`tests.helpers.verl_local_workers`: verl's ``ppo_loss`` on the
+policy; FSDP and the replicas are left out). The names only one backend can have are listed here,
+each with its reason.
 """
 
 from __future__ import annotations
@@ -12,36 +15,36 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.ray]
 
 pytest.importorskip("verl")
 
-from verl.trainer.ppo.ray_trainer import Role  # noqa: E402
-from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
-
 from agl_backend_verl.config import load_verl_config  # noqa: E402
-from agl_backend_verl.trainer import AglRayPPOTrainer, SampleDataset, collate_samples  # noqa: E402
-from agl_backend_verl.worker_calls import VerlWorkerCalls  # noqa: E402
-from agl_core.backends.torch.backend import load_policy, model_folder  # noqa: E402
-from agl_core.backends.torch.update import make_optimizer  # noqa: E402
+from agl_backend_verl.run import rollout_source, v1_config  # noqa: E402
+from agl_core.backends.loop import LoopSettings, run_steps  # noqa: E402
 from agl_core.config import load_config  # noqa: E402
-from agl_core.datasets import load_dataset  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
 from tests.helpers.corridor_policy import build_corridor_policy  # noqa: E402
-from tests.helpers.torch_runs import CONFIG, SAMPLES, Running  # noqa: E402
-from tests.helpers.verl_local_workers import LocalActorGroup  # noqa: E402
+from tests.helpers.torch_runs import CONFIG, Running  # noqa: E402
+from tests.helpers.verl_local_workers import fit_locally, local_trainer_class, transfer_queue_session  # noqa: E402
 
-# Training-step names only verl's trainer has: its timings of the worker calls, the workers' MFU
-# and memory, and the sequence-length balance of the batch across data-parallel ranks.
+# Training-step names only verl's trainer has: its timing of the weight push, the workers' MFU and
+# memory, the sequence-length balance of the batch across data-parallel ranks, and what verl's
+# _compute_old_log_prob logs: the policy's entropy over the batch before the update, and its check of
+# the rollout's log-probs against the actor's (rollout.calculate_log_probs).
 VERL_ONLY = {
     "timing/update_weights_s",
-    "perf/mfu/actor_infer",
     "perf/mfu/actor",
     "actor/perf/max_memory_allocated_gb",
     "actor/perf/max_memory_reserved_gb",
     "actor/perf/cpu_memory_used_gb",
+    "actor/entropy",
+    "training/rollout_probs_diff_max",
+    "training/rollout_probs_diff_mean",
+    "training/rollout_probs_diff_std",
+    "training/rollout_probs_diff_valid",
+    "training/rollout_actor_probs_pearson_corr",
 }
 VERL_ONLY_PREFIXES = ("global_seqlen/",)
 # Only the torch backend has: the count of its optimizer steps (verl logs none), the tokens it
@@ -54,6 +57,8 @@ TORCH_ONLY = {
     "perf/computed_per_row_tokens",
     "training/engine/n_restarts",
 }
+# Validation names only the torch backend has: verl's loop does not time the validation before training.
+TORCH_ONLY_VALIDATION = {"timing/val_s"}
 
 # The terms of the actor loss, with verl's names, on both backends.
 LOSS_TERMS = {
@@ -89,67 +94,40 @@ def _overrides(policy, tmp_path):
     ]
 
 
-class LocalWorkerCalls(VerlWorkerCalls):
-    """verl's worker calls on a trainer whose actor group is local; the replicas are the torch
-    backend's serving engine, so their calls are no-ops."""
-
-    def __init__(self, trainer, base_url):
-        super().__init__(trainer)
-        self.base_url = base_url
-
-    def rollout_endpoints(self):
-        return [self.base_url]
-
-    def resume_replicas(self):
-        pass
-
-    abort_replicas = sleep_replicas = load_checkpoint = save_checkpoint = resume_replicas
-
-    def push_weights(self, version):
-        pass
-
-
-def verl_trainer(config, plugins, tokenizer, source, base_url):
-    val_rows = load_dataset(config.data.val_files, "data.val_files")
-    trainer = AglRayPPOTrainer(
-        config=config,
-        tokenizer=tokenizer,
-        role_worker_mapping={Role.ActorRollout: object},
-        resource_pool_manager=None,
-        train_dataset=SampleDataset(SAMPLES, "train_dataset"),
-        val_dataset=SampleDataset(val_rows, "val_dataset"),
-        collate_fn=collate_samples,
-        plugins=plugins,
-        rollout_source=source,
-    )
-    folder = model_folder(config)
-    model = load_policy(folder, torch.device("cpu"))
-    optimizer, _ = make_optimizer(model, config.actor_rollout_ref.actor.optim, 1)
-    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    group = LocalActorGroup(model, load_policy(folder, torch.device("cpu"), frozen=True), actor, optimizer)
-    trainer.actor_rollout_wg = trainer.ref_policy_wg = group
-    trainer.calls = LocalWorkerCalls(trainer, base_url)
-    return trainer
+def verl_step_and_validation(config, base_url):
+    """One ``fit`` of the V1 trainer on local workers: the validation before training, then one step;
+    the metrics of each."""
+    plugins = PluginManager.from_config(config, load_entrypoints=False)
+    with transfer_queue_session(config):
+        trainer = local_trainer_class("sync", [base_url])(config, plugins=plugins)
+        trainer.init()
+        reports = fit_locally(
+            trainer, rollout_source(config, plugins, trainer), int(config.actor_rollout_ref.rollout.n)
+        )
+    (val,) = [metrics for step, _, metrics, _ in reports if step == 0]
+    (train,) = [metrics for step, _, metrics, _ in reports if step == 1]
+    return train, val
 
 
 def test_a_step_and_a_validation_report_the_same_names_on_both_backends(policy, tmp_path):
     overrides = _overrides(policy, tmp_path)
     running = Running(load_config(CONFIG, overrides))
     try:
-        backend = running.backend
-        torch_step, torch_val = backend.train_step(SAMPLES), backend.validate()
+        settings = LoopSettings(total_steps=1, test_freq=-1, save_freq=-1, validate_first=True)
+        (_, _, torch_val), (_, _, torch_step) = run_steps(running.backend, settings)
         config = load_verl_config(
             CONFIG,
             [
                 *overrides,
                 "agentlightning.backend=verl",
                 "trainer.device=cpu",
+                "trainer.total_training_steps=1",
+                "trainer.test_freq=-1",
+                "trainer.save_freq=-1",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             ],
         )
-        plugins = PluginManager.from_config(config, load_entrypoints=False)
-        trainer = verl_trainer(config, plugins, backend.tokenizer, backend.source, backend.engine.base_url)
-        verl_step, verl_val = trainer.train_step(SAMPLES), trainer.validate()
+        verl_step, verl_val = verl_step_and_validation(v1_config(config), running.backend.engine.base_url)
     finally:
         running.close()
 
@@ -158,11 +136,12 @@ def test_a_step_and_a_validation_report_the_same_names_on_both_backends(policy, 
     assert verl_names - set(torch_step) == VERL_ONLY
     assert set(torch_step) - verl_names == TORCH_ONLY
     assert LOSS_TERMS <= set(torch_step) and any(name.startswith(VERL_ONLY_PREFIXES) for name in verl_step)
-    assert set(torch_val) == set(verl_val)
+    assert set(torch_val) - set(verl_val) == TORCH_ONLY_VALIDATION and set(verl_val) <= set(torch_val)
     assert {
         "val/n_rollouts_w_trace",
         "val/n_rollouts_w_reward",
         "val/turn_count",
         "val/mean_response_length_per_turn",
     } <= set(verl_val)
-    assert torch_val["val/n_rollouts"] == verl_val["val/n_rollouts"] == 3 and torch_val["val/n_batches"] == 2
+    assert torch_val["val/n_rollouts"] == verl_val["val/n_rollouts"] == 3
+    assert torch_val["val/n_batches"] == verl_val["val/n_batches"] == 2

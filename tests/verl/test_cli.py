@@ -112,11 +112,12 @@ def run_cli(tmp_path, capsys, *overrides):
     return code, capsys.readouterr().err
 
 
-def test_cli_backend_verl_takes_verl_keys_and_asks_for_the_gateway(tmp_path, capsys, monkeypatch):
+def test_cli_backend_verl_takes_verl_keys_and_asks_for_the_agents(tmp_path, capsys, monkeypatch):
+    """Without the gateway's URL the agents run embedded, which needs their class."""
     monkeypatch.chdir(tmp_path)
-    code, err = run_cli(tmp_path, capsys)
+    code, err = run_cli(tmp_path, capsys, "actor_rollout_ref.rollout.name=vllm")
     assert code == 2
-    assert "config key agentlightning.agl_base_url" in err and "gateway" in err
+    assert "config key agentlightning.local.agent_class" in err and "embedded rollout source" in err
 
 
 def test_cli_backend_verl_names_a_misspelt_key(tmp_path, capsys, monkeypatch):
@@ -181,7 +182,7 @@ def test_steps_stream_from_the_ray_actor_to_on_step_as_they_finish(ray_session):
 
     @ray_session.remote
     class Runner:
-        def run(self, config, train, val, plugins):
+        def run(self, config, plugins):
             import time
 
             for step in range(3):
@@ -190,22 +191,23 @@ def test_steps_stream_from_the_ray_actor_to_on_step_as_they_finish(ray_session):
                     while ray_session.get(gate.last_seen.remote()) != step - 1:
                         assert time.monotonic() < deadline, f"step {step - 1} never reached on_step"
                         time.sleep(0.01)
-                yield (
-                    step,
-                    2,
-                    {"training/reward": 0.5 * step, "n_train": float(len(train)), "n_plugins": float(len(plugins))},
-                )
+                metrics = {
+                    "training/reward": 0.5 * step,
+                    "n_keys": float(len(config)),
+                    "n_plugins": float(len(plugins)),
+                }
+                yield (step, 2, metrics, {"trajectories": [{"step": step}]})
             raise RuntimeError("worker lost after step 2")
 
     gate = Gate.remote()
     seen = []
 
-    def on_step(step, total, metrics):
-        seen.append((step, total, dict(metrics)))
+    def on_step(step, total, metrics, samples):
+        seen.append((step, total, dict(metrics), samples))
         ray_session.get(gate.saw.remote(step))
 
     with pytest.raises(Exception, match="worker lost after step 2"):
-        for step, total, metrics in actor_steps(Runner.remote(), {"any": "config"}, [{"a": 1}, {"a": 2}], [], ["p"]):
-            on_step(step, total, metrics)
-    assert [s for s, _, _ in seen] == [0, 1, 2]
-    assert seen[2] == (2, 2, {"training/reward": 1.0, "n_train": 2.0, "n_plugins": 1.0})
+        for step, total, metrics, samples in actor_steps(Runner.remote(), {"any": "config"}, ["p"]):
+            on_step(step, total, metrics, samples)
+    assert [s for s, *_ in seen] == [0, 1, 2]
+    assert seen[2] == (2, 2, {"training/reward": 1.0, "n_keys": 1.0, "n_plugins": 1.0}, {"trajectories": [{"step": 2}]})

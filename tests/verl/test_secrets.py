@@ -1,7 +1,9 @@
-"""``agl train … backend=verl`` end to end on CPU, against the real gateway: only Ray and the GPU-only
-worker calls are faked, and W&B runs offline (the task runner's body runs in this process, on a pickled copy of what Ray
-would send it). ``agl_on_startup`` runs once, in the task runner, with the key redacted; plugins
-given in code reach the task runner; and the gateway key shows up in no output of the run."""
+"""``agl train … backend=verl`` end to end on CPU, against the real gateway: verl's V1 trainer and
+TransferQueue run on a local Ray, the task runner's body in this process (on a pickled copy of what
+Ray would send it), verl's worker groups and replicas are answered in this process
+(:mod:`tests.helpers.verl_local_workers`), and W&B runs offline. ``agl_on_startup`` runs once, in
+the task runner, with the key redacted; plugins given in code reach the task runner; and the gateway
+key shows up in no output of the run."""
 
 from __future__ import annotations
 
@@ -9,23 +11,25 @@ import json
 import logging
 import textwrap
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-pytestmark = [pytest.mark.verl, pytest.mark.gateway]
+pytestmark = [pytest.mark.verl, pytest.mark.gateway, pytest.mark.ray]
 
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 
 from agl_backend_verl import run as verl_run  # noqa: E402
+from agl_backend_verl import trainer as verl_trainer  # noqa: E402
+from agl_backend_verl.config import load_verl_config  # noqa: E402
 from agl_backend_verl.cpu import CPU_KEYS  # noqa: E402
-from agl_backend_verl.trainer import AglRayPPOTrainer  # noqa: E402
 from agl_core import hookimpl  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginError  # noqa: E402
 from agl_core.train import run  # noqa: E402
 from tests.helpers.gateway_fixtures import Plan, SimulatedController, always  # noqa: E402
 from tests.helpers.gateway_server import GatewayServer  # noqa: E402
-from tests.helpers.verl_fake_workers import FakeWorkers  # noqa: E402
+from tests.helpers.verl_local_workers import local_trainer_class  # noqa: E402
 from tests.helpers.wandb_mode import use_wandb_mode  # noqa: E402
 
 KEY = "sk-agl-do-not-show-8c41f0e2"
@@ -90,21 +94,26 @@ def keyed_gateway():
 
 @pytest.fixture
 def in_process_ray(monkeypatch):
-    """Ray replaced by this process: ``ray.init``'s arguments are recorded, the task runner's body
-    runs here on a cloudpickled copy of its arguments, verl's workers are :class:`FakeWorkers`."""
+    """The task runner in this process: ``ray.init``'s arguments are recorded (a local Ray holds
+    TransferQueue), the task runner's body runs here on a cloudpickled copy of its arguments, verl's
+    worker groups and replicas are local (:func:`local_trainer_class`)."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     started = []
     monkeypatch.setattr(verl_run, "init_ray", lambda config: started.append(verl_run.ray_init_kwargs(config)))
     monkeypatch.setattr(verl_run, "check_gpus", lambda config: None)
-    monkeypatch.setattr(verl_run, "RemoteTaskRunner", type("Remote", (), {"remote": staticmethod(lambda: None)}))
+    monkeypatch.setattr(
+        verl_run, "RemoteTaskRunner", SimpleNamespace(options=lambda **_: SimpleNamespace(remote=lambda: None))
+    )
     monkeypatch.setattr(
         verl_run,
         "actor_steps",
         lambda runner, *args: verl_run.TaskRunner().run(*ray.cloudpickle.loads(ray.cloudpickle.dumps(args))),
     )
-    monkeypatch.setattr(AglRayPPOTrainer, "init_workers", lambda self: setattr(self, "calls", FakeWorkers(self.config)))
+    monkeypatch.setattr(verl_trainer, "trainer_class", lambda mode: local_trainer_class(mode, ["10.0.0.1:8000"]))
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
     use_wandb_mode(monkeypatch, "offline")
-    return started
+    yield started
+    ray.shutdown()
 
 
 def write_config(tmp_path, gateway, tiny_model_dir):
@@ -123,7 +132,7 @@ def test_a_verl_run_starts_plugins_once_in_the_task_runner_and_never_shows_the_k
     seen = tmp_path / "seen.jsonl"
     plugin = Startup(seen)
     with SimulatedController(keyed_gateway, always(Plan())):
-        run_dir = run(  # verl's CPU mode, with its workers faked
+        run_dir = run(  # verl's CPU mode, with its workers local
             str(write_config(tmp_path, keyed_gateway, tiny_model_dir)),
             list(CPU_KEYS),
             plugins=[plugin],
@@ -171,11 +180,14 @@ class Locked:
         pass
 
 
-def test_a_plugin_given_in_code_that_cannot_be_pickled_is_refused_before_ray_starts(monkeypatch, tmp_path):
+def test_a_plugin_given_in_code_that_cannot_be_pickled_is_refused_before_ray_starts(
+    monkeypatch, tmp_path, tiny_model_dir
+):
     started = []
     monkeypatch.setattr(verl_run, "init_ray", lambda config: started.append(config))
+    config = load_verl_config(None, [*CPU_KEYS, f"actor_rollout_ref.model.path={tiny_model_dir}"])
     with pytest.raises(
         PluginError, match=r"cannot be pickled.*entry point in group 'agl'.*hook file named in agentlightning\.hooks"
     ):
-        verl_run.run_ppo(None, [{"q": 1}], [{"q": 1}], plugins=[Locked()])
+        verl_run.run_ppo(config, [{"q": 1}], [{"q": 1}], plugins=[Locked()])
     assert started == []
