@@ -49,6 +49,9 @@ COMMON = (
     "trainer.resume_mode=disable",
 )
 TARGET = 0.9
+# The corridor's batch is one mini-batch (ppo_mini_batch_size = train_batch_size = 4): separate_async
+# trains it in one update per step, as the other modes do.
+RUN_KEYS = {"separate_async": ("trainer.v1.separate_async.parameter_sync_step=1",)}
 
 
 def env() -> dict[str, str]:
@@ -86,7 +89,7 @@ def verl_run(policy: Path, work: Path, steps: int, mode: str) -> list[dict]:
             "RUN_DIR": str(run_dir),
             "PYTHON": sys.executable,
         }
-        keys = [*CPU_KEYS, *mode_keys(mode), f"trainer.v1.trainer_mode={mode}", *COMMON]
+        keys = [*CPU_KEYS, *mode_keys(mode), *RUN_KEYS.get(mode, ()), f"trainer.v1.trainer_mode={mode}", *COMMON]
         run(["bash", str(RUN_VERL), *keys], environment, work / f"{mode}.log")
     return metrics(run_dir)
 
