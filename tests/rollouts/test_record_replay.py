@@ -338,12 +338,13 @@ def test_the_verl_trainer_replays_the_recorded_corridor_steps(tmp_path):
     pytest.importorskip("verl")
 
     from agl_backend_verl.config import load_verl_config
-    from agl_backend_verl.run import rollout_source, v1_config, write_rows
+    from agl_backend_verl.run import rollout_source, v1_config
+    from agl_core import write_dataset
     from tests.helpers.corridor_policy import build_corridor_policy
     from tests.helpers.verl_local_workers import fit_locally, local_trainer_class, transfer_queue_session
 
     policy = build_corridor_policy(tmp_path / "policy")
-    rows = write_rows([{"signs": "x"}] * 12, tmp_path / "rows.jsonl", "train_dataset")
+    rows = write_dataset([{"signs": "x"}] * 12, tmp_path / "rows.jsonl", "train_dataset")
     config = load_verl_config(
         None,
         [

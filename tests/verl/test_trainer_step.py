@@ -17,7 +17,8 @@ pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 
 from agl_backend_verl.config import load_verl_config  # noqa: E402
-from agl_backend_verl.run import v1_config, write_rows  # noqa: E402
+from agl_backend_verl.run import v1_config  # noqa: E402
+from agl_core import write_dataset  # noqa: E402
 from agl_core.config import ConfigError  # noqa: E402
 from agl_core.data import CompletedRollout, Triplet  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
@@ -94,8 +95,8 @@ def ray_session():
 def make_config(tmp_path, model_dir, *overrides, train=None):
     train = train or [{"target": t} for t in (1, 2, 3, 4, 5, 6)]
     files = {
-        "train": write_rows(train, tmp_path / "train.jsonl", "train_dataset"),
-        "val": write_rows([{"target": t} for t in (10, 20, 30, 40, 50)], tmp_path / "val.jsonl", "val_dataset"),
+        "train": write_dataset(train, tmp_path / "train.jsonl", "train_dataset"),
+        "val": write_dataset([{"target": t} for t in (10, 20, 30, 40, 50)], tmp_path / "val.jsonl", "val_dataset"),
     }
     config = load_verl_config(
         None,
