@@ -78,8 +78,9 @@ def torch_run(policy: Path, work: Path, steps: int) -> list[dict]:
 
 
 def verl_run(policy: Path, work: Path, steps: int, mode: str) -> list[dict]:
-    run_dir = work / mode
-    with Stack(policy, work / f"{mode}-stack") as stack:
+    run_dir, stack_dir = work / mode, work / f"{mode}-stack"
+    stack_dir.mkdir(parents=True, exist_ok=True)
+    with Stack(policy, stack_dir) as stack:
         environment = {
             **env(),
             "MODEL_PATH": str(policy),
