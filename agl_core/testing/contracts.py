@@ -104,7 +104,8 @@ def check_trained_calls(
     rollouts: Sequence[CompletedRollout], result: Aggregation, agg_settings: AggregationSettings, trained_calls: Any
 ) -> None:
     """Exactly the calls ``trained_calls(rollout, settings)`` declares are in rows (a call with an
-    empty response may be in none: its row had nothing to train)."""
+    empty response may be in none: its row had nothing to train; nor may one whose own prompt fills
+    ``max_total_length``: no row has room for its response)."""
     in_rows: dict[str, set[int]] = {r.rollout_id: set() for r in rollouts}
     for row in result.rows:
         in_rows.setdefault(row.rollout_id, set()).update(range(row.turn_index, row.turn_index + len(row.turn_rewards)))
@@ -112,7 +113,12 @@ def check_trained_calls(
         declared = set(trained_calls(rollout, agg_settings))
         got = in_rows[rollout.rollout_id]
         extra = sorted(got - declared)
-        missing = sorted(j for j in declared - got if len(rollout.triplets[j].response_ids))
+        missing = sorted(
+            j
+            for j in declared - got
+            if len(rollout.triplets[j].response_ids)
+            and agg_settings.response_limit(len(rollout.triplets[j].prompt_ids)) > 0
+        )
         if extra or missing:
             raise AssertionError(
                 f"rollout {rollout.rollout_id!r} ({len(rollout.triplets)} calls): "

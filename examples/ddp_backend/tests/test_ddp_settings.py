@@ -7,8 +7,11 @@ from agl_core import ConfigError, PluginManager, load_config
 from agl_core.testing.harness import tiny_policy
 
 
+AGENT = "agentlightning.local.agent_class=agl_core.testing.tiny_task:TinyWordAgent"
+
+
 def backend(*overrides):
-    config = load_config(overrides=[f"actor_rollout_ref.model.path={tiny_policy()}", *overrides])
+    config = load_config(overrides=[f"actor_rollout_ref.model.path={tiny_policy()}", AGENT, *overrides])
     manager = PluginManager(load_entrypoints=False)
     manager.register(agl_ddp_backend)
     manager.configure(config)
