@@ -209,3 +209,17 @@ def test_the_contract_manager_loads_no_entry_point_and_registers_a_plugin_once(m
     plugin = LastCallOnly()
     manager = contract_manager([plugin, aggregators, plugin])
     assert "last_call_only" in manager.aggregators and "trajectory" in manager.aggregators
+
+
+def test_a_declared_call_whose_prompt_fills_the_total_length_cap_may_go_untrained():
+    """Its response has no room in any row (the cap cuts it to nothing and the row is skipped), so the
+    declared-calls check must not demand it; a call with room is still demanded."""
+    from agl_core.testing.contracts import check_trained_calls
+
+    capped = attrs.evolve(LIMITS, max_total_length=4)
+    full = rollout(call([1, 2, 3, 4], [5, 6]))
+    nothing_trained = Aggregation(rows=())
+    check_trained_calls([full], nothing_trained, capped, lambda r, s: [0])
+    roomy = rollout(call([1, 2], [5, 6]))
+    with pytest.raises(AssertionError, match="calls \\[0\\] should be trained"):
+        check_trained_calls([roomy], nothing_trained, capped, lambda r, s: [0])
