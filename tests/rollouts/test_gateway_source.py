@@ -274,3 +274,17 @@ def test_reads_stay_a_few_rollouts_ahead_of_the_one_being_finished(gateway, monk
     assert max(ahead) <= 1 + READ_WORKERS  # the one being finished and those read ahead of it
     assert max(ahead) > 1  # and they were read concurrently
     source.close()
+
+
+def test_each_batch_reports_the_sources_throughput_and_pickup_latency(gateway):
+    source = gateway_source(gateway_config(gateway), plugin_manager())
+    with SimulatedController(gateway, always(Plan())):
+        first = source.collect([{"q": 1}, {"q": 2}], step=0, is_train=True)
+        second = source.collect([{"q": 3}], step=1, is_train=True)
+    for batch, rollouts in ((first, 4), (second, 2)):
+        m = batch.metrics
+        rate, interval = m["timing/rollout_source/rollouts_per_s"], m["timing/rollout_source/interval_s"]
+        assert interval > 0 and rate * interval == pytest.approx(rollouts)  # every rollout of the step, once
+        summary = [m[f"timing/rollout_source/pickup_s/{s}"] for s in ("p50", "p90", "max")]
+        assert 0 <= summary[0] <= summary[1] <= summary[2]  # one pickup per rollout read
+    source.close()
