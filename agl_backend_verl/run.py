@@ -23,6 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from agl_backend_verl.config import check_verl_requirements
 from agl_backend_verl.cpu import mode as cpu_mode
+from agl_backend_verl.ray_cluster import start_or_join
+from agl_backend_verl.ray_errors import ray_failures_explained
+from agl_backend_verl.shipping import localized_hook_files, shipped_runtime_env
 from agl_backend_verl.trainer import SampleDataset, StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
 from agl_core import ConfigError, OnStep, PluginError, PluginManager
@@ -39,6 +42,7 @@ def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
     runtime_env = {**get_ppo_ray_runtime_env(config), **(ray_init.pop("runtime_env", None) or {})}
     kwargs = {"runtime_env": ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None}}
     kwargs["runtime_env"]["env_vars"].update(plugin_settings_env(config))
+    kwargs["runtime_env"] = shipped_runtime_env(config, kwargs["runtime_env"])
     if cpu_mode.is_cpu(config):
         kwargs["runtime_env"]["env_vars"].update(cpu_mode.runtime_env_vars())
         kwargs = cpu_mode.ray_init_kwargs(config, kwargs)
@@ -49,7 +53,7 @@ def init_ray(config: DictConfig) -> None:
     """Start Ray as verl's ``run_ppo`` does (:func:`ray_init_kwargs`), unless it is running."""
     if ray.is_initialized():
         return  # the verl.plugins entry point registers agl's plugins in workers of any Ray session
-    ray.init(**ray_init_kwargs(config))
+    start_or_join(ray_init_kwargs(config))
 
 
 def shippable(plugins: Sequence[Any]) -> list[Any]:
@@ -106,13 +110,14 @@ def run_ppo(
         from verl.trainer.ppo.utils import need_critic
 
         cpu_mode.check_cpu_config(config, use_critic=need_critic(config))
-    init_ray(config)
-    check_gpus(config)
-    for step, total, metrics, samples in actor_steps(
-        RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins
-    ):
-        if on_step is not None:
-            on_step(step, total, metrics, samples)
+    with ray_failures_explained():
+        init_ray(config)
+        check_gpus(config)
+        for step, total, metrics, samples in actor_steps(
+            RemoteTaskRunner.remote(), config, train.samples, val.samples, plugins
+        ):
+            if on_step is not None:
+                on_step(step, total, metrics, samples)
 
 
 def actor_steps(
@@ -131,7 +136,7 @@ class TaskRunner:
         """Train, yielding ``(step, total_steps, metrics, samples)`` after each step."""
 
         OmegaConf.resolve(config)
-        manager = PluginManager.from_config(config, plugins)
+        manager = PluginManager.from_config(localized_hook_files(config), plugins)
         source = rollout_source(config, manager)
         try:
             trainer = build_trainer(config, train_samples, val_samples, manager, source)
