@@ -63,6 +63,28 @@ ASYNC_KEYS = (
     "agentlightning.gateway.pause_retry_after_seconds=1",
 )
 LOGS = ("sync.log", "async.log", "resumed.log")
+HOLD_ENV = "AGL_TEST_HOLD_AT_STEP"
+# A hook file that holds the run at the first enqueue of step $AGL_TEST_HOLD_AT_STEP, so a run killed
+# "after step N's checkpoint" cannot have got further, however loaded the machine.
+HOLD_HOOK = """
+import os
+import time
+
+from agl_core import hookimpl
+
+
+@hookimpl
+def agl_on_enqueue(request):
+    if str(request.step) == os.environ.get("AGL_TEST_HOLD_AT_STEP"):
+        time.sleep(3600)  # until the test kills the run
+"""
+
+
+def held_at(work: Path, step: int) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The overrides and environment of a run held at the first enqueue of ``step`` (:data:`HOLD_HOOK`)."""
+    hook = work / "hold_hook.py"
+    hook.write_text(HOLD_HOOK)
+    return (f"agentlightning.hooks={hook}", "agentlightning.hook_timeout_seconds=3600"), {HOLD_ENV: str(step)}
 
 
 class Stack:
@@ -88,7 +110,7 @@ class Stack:
 
 
 def train_command(
-    gateway_url: str, key: str, policy: Path, run_dir: Path, steps: int, n_gpus: int, *keys: str
+    gateway_url: str, key: str, policy: Path, run_dir: Path, steps: int, n_gpus: int, *keys: str, **env: str
 ) -> tuple[list[str], dict[str, str]]:
     """``run_verl.sh`` for ``steps`` steps of this check's batch in ``run_dir``, with ``keys`` last (they
     win): the command and its environment."""
@@ -104,6 +126,7 @@ def train_command(
         "PYTHONPATH": str(REPO_ROOT),
         "RAY_AUTH_MODE": "disabled",
         "AGL_DISABLE_PLUGIN_AUTOLOAD": "1",  # agl's built-ins only, whatever else is installed
+        **env,
     }
     return ["bash", str(RUN_VERL), *RUN_KEYS, *keys], env
 
@@ -120,13 +143,15 @@ class Train:
         *overrides: str,
         name: str,
         n_gpus: int = 1,
+        env: dict[str, str] | None = None,
     ):
         self.stack, self.run_dir = stack, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log = run_dir / f"{name}.log"
         command, env = train_command(
-            stack.gateway.url, stack.gateway.key, stack.policy, run_dir, steps, n_gpus, *device_keys, *overrides
-        )
+            stack.gateway.url, stack.gateway.key, stack.policy, run_dir, steps, n_gpus, *device_keys, *overrides,
+            **(env or {}),
+        )  # fmt: skip
         self.started = time.perf_counter()
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
@@ -244,7 +269,9 @@ def scenario(
     if not (run_dir / "global_step_2" / "actor").is_dir():
         problems.append("verl saved no actor checkpoint for step 2")
     started = time.perf_counter()
-    Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="async", n_gpus=n_gpus).kill_after_checkpoint(3, timeout)
+    hold, env = held_at(stack.work, 4)  # the killed run stays in step 4 until killed
+    killed = Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, *hold, name="async", n_gpus=n_gpus, env=env)
+    killed.kill_after_checkpoint(3, timeout)
     if not (run_dir / "global_step_3" / "agl_rollout_source.pt").is_file():
         problems.append("the async source's groups in flight were not checkpointed with step 3")
     Train(stack, run_dir, 4, device_keys, *ASYNC_KEYS, name="resumed", n_gpus=n_gpus).finish(timeout)

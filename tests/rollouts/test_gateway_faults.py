@@ -82,7 +82,7 @@ def test_gateway_killed_and_restarted_mid_wait(policy):
 def test_proxy_delays_resets_and_503s(gateway):
     with FaultProxy(gateway.port) as proxy:
         cfg = gateway_config(
-            gateway, f"agentlightning.agl_base_url={proxy.url}", "agentlightning.gateway.http_timeout_seconds=3"
+            gateway, f"agentlightning.agl_base_url={proxy.url}", "agentlightning.gateway.http_timeout_seconds=10"
         )  # only the stalled request outlasts it
         source = gateway_source(cfg, plugin_manager())
         proxy.inject("503", 1, path_contains="POST /api/rollouts")

@@ -26,6 +26,7 @@ from agl_backend_verl.ray_errors import (  # noqa: E402
 )
 from agl_core.cli import main  # noqa: E402
 from agl_core.serving.processes import free_port  # noqa: E402
+from tests.helpers.ray_cluster import RayCluster  # noqa: E402
 from tests.verl.test_cli import write_config  # noqa: E402
 
 # What Ray 2.60 raises when its node does not come up in time (ray._private.node).
@@ -139,39 +140,49 @@ def test_the_cli_prints_rays_failure_as_one_error_line_and_a_hint(tmp_path, caps
     assert not ray.is_initialized()
 
 
+def runner_killing_its_worker():
+    """A Runner actor whose streaming ``run`` starts a Victim actor, yields its PID, then kills it
+    while waiting on it, as a verl worker dies under the task runner (defined in a function, so Ray
+    ships both classes by value)."""
+
+    @ray.remote(num_cpus=0)
+    class Victim:
+        def pid(self):
+            return os.getpid()
+
+        def wait(self):
+            import time
+
+            time.sleep(600)
+
+    @ray.remote(num_cpus=0)
+    class Runner:
+        def run(self):
+            victim = Victim.remote()
+            pid = ray.get(victim.pid.remote())
+            pending = victim.wait.remote()
+            yield pid
+            os.kill(pid, signal.SIGKILL)
+            yield ray.get(pending)
+
+    return Runner
+
+
 @pytest.mark.ray
 def test_a_killed_actor_inside_the_task_runner_reads_as_a_dead_ray_worker():
     """What the driver gets when a worker the task runner waits on is killed: Ray's error, wrapped
     by the runner's streaming call, explained as a dead worker naming the killed actor."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-
-        @ray.remote(num_cpus=0)
-        class Victim:
-            def pid(self):
-                return os.getpid()
-
-            def wait(self):
-                import time
-
-                time.sleep(600)
-
-        @ray.remote(num_cpus=0)
-        class Runner:
-            def run(self):
-                victim = Victim.remote()
-                pid = ray.get(victim.pid.remote())
-                pending = victim.wait.remote()
-                yield pid
-                os.kill(pid, signal.SIGKILL)
-                yield ray.get(pending)
-
-        with pytest.raises(RayWorkerDied) as died:
-            with ray_failures_explained():
-                for ref in Runner.remote().run.options(num_returns="streaming").remote():
-                    pid = ray.get(ref)
-        assert isinstance(died.value.__cause__, ray_exceptions.RayTaskError)  # the original is kept
-        assert one_line(died.value).startswith(f"a Ray worker process died: actor Victim (pid {pid}, node ")
-    finally:
-        ray.shutdown()
+    # Ray through ``ray start`` and the cluster helper, which starts it again when Ray's own start-up
+    # waits run out on a loaded machine (an in-process ray.init fails there with Ray's start-up timeout).
+    with RayCluster() as cluster:
+        cluster.start_head(num_cpus=2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            with pytest.raises(RayWorkerDied) as died:
+                with ray_failures_explained():
+                    for ref in runner_killing_its_worker().remote().run.options(num_returns="streaming").remote():
+                        pid = ray.get(ref)
+        finally:
+            ray.shutdown()
+    assert isinstance(died.value.__cause__, ray_exceptions.RayTaskError)  # the original is kept
+    assert one_line(died.value).startswith(f"a Ray worker process died: actor Victim (pid {pid}, node ")
