@@ -21,7 +21,7 @@ from pathlib import Path
 
 from agl_backend_verl.cpu.mode import RANK_RESOURCE
 from tests.helpers.ray_cluster import RayCluster
-from tests.helpers.verl_e2e import ASYNC_KEYS, Stack, Train, check_rows, report_lines, rows
+from tests.helpers.verl_e2e import ASYNC_KEYS, SECRET, Stack, Train, check_rows, report_lines, rows
 
 HEAD, WORKER = "agl_test_head_node", "agl_test_worker_node"
 CPUS_PER_NODE = 6  # verl's placement groups take 3 CPUs per rank; the task runner and helpers the rest
@@ -68,8 +68,9 @@ def scenario(
 ) -> tuple[list[str], list[str]]:
     """2 sync steps, then async steps 3 and 4 resumed from the sync run's checkpoint, on the two
     nodes: ``(problems, report lines)``. The checks are the single-node scenario's (every rollout
-    traced, rows trained, finite loss, registered weight versions...), plus a verl rank on each node;
-    where Ray ran every actor is reported (the CPU replica's server is not pinned to its ranks' node)."""
+    traced, rows trained, finite loss, registered weight versions, the key in no log), plus a verl
+    rank on each node; where Ray ran every actor is reported (the CPU replica's server is not pinned
+    to its ranks' node)."""
     run_dir = stack.work / "two-node-run"
     keys = (*device_keys, *two_node_keys(cluster), *overrides)
     lines: list[str] = []
@@ -81,6 +82,9 @@ def scenario(
     problems += check_rows(rows(run_dir)[2:], [3, 4])
     where = placement(cluster)
     lines.append(f"  actors by node, both runs: {dict(sorted(where.items()))}")
+    for name in ("two-node-sync.log", "two-node-async.log", "metrics.jsonl"):
+        if SECRET in (run_dir / name).read_text(errors="replace"):
+            problems.append(f"the gateway key leaked into {name}")
     for node in ("head", "worker"):  # one rank resource on each node: verl's ranks must use both
         if not any(count for (at, name), count in where.items() if at == node and name.endswith(RANK_ACTOR)):
             problems.append(f"no verl rank ({RANK_ACTOR}) ran on the {node} node: {dict(where)}")
