@@ -140,14 +140,14 @@ class Trainer:
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         return [row for row in rows if row["step"] >= 1]
 
-    def wait_until(self, done, what: str, timeout: float = 300.0) -> None:
+    def wait_until(self, done, what: str, timeout: float = 1800.0) -> None:
         deadline = time.monotonic() + timeout
         while not done():
             assert self.process.poll() is None, f"agl train exited while waiting for {what}:\n{self.failure()}"
             assert time.monotonic() < deadline, f"no {what} within {timeout}s:\n{self.failure()}"
             time.sleep(0.2)
 
-    def finish(self, timeout: float = 600.0) -> list[dict]:
+    def finish(self, timeout: float = 3600.0) -> list[dict]:
         """Wait for a clean end; return the per-step metrics."""
         self.process.wait(timeout=timeout)
         assert self.process.returncode == 0, f"agl train failed:\n{self.failure()}"

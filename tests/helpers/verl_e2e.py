@@ -257,7 +257,7 @@ def report_lines(title: str, rows: list[dict], seconds: float) -> list[str]:
 
 
 def scenario(
-    stack: Stack, device_keys: Sequence[str], n_gpus: int = 1, timeout: float = 900.0
+    stack: Stack, device_keys: Sequence[str], n_gpus: int = 1, timeout: float = 3600.0
 ) -> tuple[list[str], list[str]]:
     """Sync, async, kill and resume in one run folder: ``(problems, report lines)``."""
     run_dir = stack.work / "run"

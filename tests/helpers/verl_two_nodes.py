@@ -64,7 +64,7 @@ def placement(cluster: RayCluster) -> Counter[tuple[str, str]]:
 
 
 def scenario(
-    stack: Stack, cluster: RayCluster, device_keys: Sequence[str], *overrides: str, timeout: float = 1800.0
+    stack: Stack, cluster: RayCluster, device_keys: Sequence[str], *overrides: str, timeout: float = 3600.0
 ) -> tuple[list[str], list[str]]:
     """2 sync steps, then async steps 3 and 4 resumed from the sync run's checkpoint, on the two
     nodes: ``(problems, report lines)``. The checks are the single-node scenario's (every rollout

@@ -119,13 +119,13 @@ def test_a_killed_async_run_trains_every_sample_in_flight_once(gateway, tmp_path
                 assert first.poll() is None, first.stderr.read().decode()[-3000:]
                 return marker.is_file() and marker.read_text().strip() == "2"
 
-            wait_until(checkpointed_step_2, "the first run's step-2 checkpoint", timeout=600)
+            wait_until(checkpointed_step_2, "the first run's step-2 checkpoint", timeout=1800)
             first.send_signal(signal.SIGKILL)
         finally:
             first.kill()
             first.wait()
         second = start(tmp_path / "second.jsonl")
-        _, err = second.communicate(timeout=600)
+        _, err = second.communicate(timeout=1800)
         assert second.returncode == 0, err.decode()[-3000:]
     assert latest_checkpoint(run_dir).name == "global_step_5"
 

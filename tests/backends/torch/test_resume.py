@@ -138,7 +138,7 @@ def test_a_killed_agl_train_restarts_from_its_last_checkpoint(policy, tmp_path):
             assert first.poll() is None, first.stderr.read().decode()[-2000:]
             return marker.is_file() and marker.read_text().strip() == "2"
 
-        wait_until(checkpointed_step_2, "the first run's step-2 checkpoint", timeout=600)
+        wait_until(checkpointed_step_2, "the first run's step-2 checkpoint", timeout=1800)
         first.send_signal(signal.SIGKILL)
     finally:
         first.kill()
@@ -146,7 +146,7 @@ def test_a_killed_agl_train_restarts_from_its_last_checkpoint(policy, tmp_path):
     steps_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     second = start(tmp_path / "second.jsonl")
-    _, err = second.communicate(timeout=600)
+    _, err = second.communicate(timeout=1800)
     assert second.returncode == 0, err.decode()[-2000:]
 
     expected = _expected_batches(overrides, 4)
