@@ -59,11 +59,17 @@ AGENT_LIGHTNING_VERL_VALUES: dict[str, Any] = {
 }
 
 
+# ray.init's arguments agl reads from verl's ``ray_kwargs.ray_init`` beyond those verl's defaults
+# list: the cluster to join (HOST:PORT of its head, auto, or null to start a Ray of agl's own).
+RAY_INIT_KEYS: dict[str, Any] = {"ray_kwargs": {"ray_init": {"address": None}}}
+RAY_ADDRESS_KEY = "ray_kwargs.ray_init.address"
+
+
 def overlay() -> DictConfig:
-    """What goes over verl's defaults: :data:`AGENT_LIGHTNING_VERL_VALUES` and the core defaults of
-    :data:`FROM_CORE` (read from the core schema, so they are stated once)."""
+    """What goes over verl's defaults: :data:`AGENT_LIGHTNING_VERL_VALUES`, :data:`RAY_INIT_KEYS` and
+    the core defaults of :data:`FROM_CORE` (read from the core schema, so they are stated once)."""
     core = default_config()
-    values = OmegaConf.create(AGENT_LIGHTNING_VERL_VALUES)
+    values = OmegaConf.merge(AGENT_LIGHTNING_VERL_VALUES, RAY_INIT_KEYS)
     for key in FROM_CORE:
         OmegaConf.update(values, key, OmegaConf.select(core, key), force_add=True)
     return values
@@ -279,6 +285,12 @@ def validate_verl(cfg: DictConfig) -> None:
             "is true, but the routes vLLM records reach an update only through MoE router replay (R3), which "
             "agl does not honour (see actor_rollout_ref.actor.megatron.router_replay): set it to false",
         )
+    address = OmegaConf.select(cfg, RAY_ADDRESS_KEY, default=None)
+    if address is not None and not is_ray_address(address):
+        raise ConfigError(
+            RAY_ADDRESS_KEY,
+            f"must be HOST:PORT (the Ray cluster's head), auto, local, a ray:// URL or null, got {address!r}",
+        )
     actor = cfg.actor_rollout_ref.actor
     clip_grad = OmegaConf.select(actor, "optim.clip_grad", default=None)
     if clip_grad is not None and float(actor.grad_clip) != float(clip_grad):
@@ -481,6 +493,14 @@ def check_with_verl(cfg: DictConfig) -> None:
         keys = re.findall(r"(?:actor_rollout_ref|critic|data|trainer|algorithm)(?:\.\w+)+", str(exc))
         key = max(keys, key=len) if keys else "actor_rollout_ref"
         raise ConfigError(key, f"verl refuses the config: {exc}") from None
+
+
+def is_ray_address(value: Any) -> bool:
+    """Whether ``value`` names a Ray cluster as ``ray.init(address=...)`` takes it."""
+    if not isinstance(value, str):
+        return False
+    host, sep, port = value.rpartition(":")
+    return value in ("auto", "local") or value.startswith("ray://") or (bool(sep and host) and port.isdigit())
 
 
 def check_verl_requirements(cfg: DictConfig) -> None:

@@ -37,6 +37,9 @@ from agl_backend_verl.config import (
 )
 from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
+from agl_backend_verl.ray_cluster import start_or_join
+from agl_backend_verl.ray_errors import ray_failures_explained
+from agl_backend_verl.shipping import localized_hook_files, shipped_runtime_env
 from agl_backend_verl.trainer import StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
 from agl_core import (
@@ -64,6 +67,7 @@ def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
     kwargs = {"runtime_env": ray_runtime_env(runtime_env), **{k: v for k, v in ray_init.items() if v is not None}}
     kwargs["runtime_env"]["env_vars"].update(plugin_settings_env(config))
     kwargs["runtime_env"]["env_vars"]["TRANSFER_QUEUE_ENABLE"] = "1"
+    kwargs["runtime_env"] = shipped_runtime_env(config, kwargs["runtime_env"])
     if cpu_mode.is_cpu(config):
         kwargs["runtime_env"]["env_vars"].update(cpu_mode.runtime_env_vars())
         kwargs = cpu_mode.ray_init_kwargs(config, kwargs)
@@ -74,7 +78,7 @@ def init_ray(config: DictConfig) -> None:
     """Start Ray as verl's ``run_ppo`` does (:func:`ray_init_kwargs`), unless it is running."""
     if ray.is_initialized():
         return  # the verl.plugins entry point registers agl's plugins in workers of any Ray session
-    ray.init(**ray_init_kwargs(config))
+    start_or_join(ray_init_kwargs(config))
 
 
 def shippable(plugins: Sequence[Any]) -> list[Any]:
@@ -151,15 +155,16 @@ def train(config: DictConfig, plugins: Sequence[Any] = (), on_step: OnStep | Non
         from verl.trainer.ppo.utils import need_critic
 
         cpu_mode.check_cpu_config(config, use_critic=need_critic(config))
-    init_ray(config)
-    check_gpus(config)
-    here = ray.get_runtime_context().get_node_id()
-    runner = RemoteTaskRunner.options(
-        scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
-    ).remote()
-    for step, total, metrics, samples in actor_steps(runner, config, plugins):
-        if on_step is not None:
-            on_step(step, total, metrics, samples)
+    with ray_failures_explained():
+        init_ray(config)
+        check_gpus(config)
+        here = ray.get_runtime_context().get_node_id()
+        runner = RemoteTaskRunner.options(
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
+        ).remote()
+        for step, total, metrics, samples in actor_steps(runner, config, plugins):
+            if on_step is not None:
+                on_step(step, total, metrics, samples)
 
 
 def actor_steps(runner: Any, config: DictConfig, plugins: list) -> Iterator[StepReport]:
@@ -203,7 +208,7 @@ class TaskRunner:
         config = v1_config(config)
         if cpu_mode.is_cpu(config):
             cpu_mode.use_fp32(config)
-        manager = PluginManager.from_config(config, plugins)
+        manager = PluginManager.from_config(localized_hook_files(config), plugins)
         tq.init(config.transfer_queue)
         loop = None
         try:

@@ -8,12 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.helpers.gateway_server import GatewayServer
 from tests.helpers.paths import GATEWAY_TRACES
 
 # A third-party package whose tests run against the installed wheel (scripts/wheel_smoke.sh), not here.
 collect_ignore = ["wheel_smoke"]
+
+# Hypothesis's per-example deadline and its too-slow health check time the machine, not the code: on
+# a loaded machine they fail tests that are right. Every property test here runs without them.
+settings.register_profile("agl-tests", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("agl-tests")
 
 
 @pytest.fixture(scope="session")

@@ -73,7 +73,7 @@ def test_the_guides_steps_run_as_written(tmp_path):
                 continue
             for command, shown in console_steps(text):
                 result = subprocess.run(
-                    ["bash", "-c", shell + command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+                    ["bash", "-c", shell + command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
                 )
                 output = result.stdout + result.stderr
                 fails = any(line.startswith("agl: error:") for line in shown)

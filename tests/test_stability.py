@@ -95,7 +95,7 @@ def test_a_plugin_written_against_the_previous_release_still_loads(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr
@@ -216,7 +216,7 @@ def test_a_contract_on_an_unregistered_name_fails_before_any_example(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 1, out.stdout[-2000:]

@@ -6,7 +6,8 @@ table ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the server adapter throug
 a replica its weights).
 
 - :class:`CpuReplica` runs one :class:`CpuPolicyServer` Ray actor per replica: an OpenAI-compatible
-  server on 127.0.0.1 answering as vLLM does (prompt and response token ids, per-token log-probs),
+  server (on the interface and under the address :mod:`agl_backend_verl.replica_address` configures)
+  answering as vLLM does (prompt and response token ids, per-token log-probs),
   :class:`agl_core.serving.policy_server.PolicyServer` serving the policy from the model path.
 - :class:`CpuServerAdapter` receives the actor's full weights and sends them to its replica's
   server with the training step as their version (from the replica's first rank; every rank drains
@@ -42,6 +43,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from agl_backend_verl.cpu.lora import hf_name, is_adapter, lora_scale, merge_adapters
 from agl_backend_verl.cpu.mode import REPLICA as NAME
+from agl_backend_verl.replica_address import advertised_address, bind_host
 from agl_core import Generation, PolicyServer, RequestError, SamplingParams, UsageError
 
 
@@ -119,14 +121,14 @@ class CpuPolicyServer:
         torch.set_num_threads(1)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.server = AbortablePolicyServer(model, tokenizer, model_name, seed=seed)
+        self.server = AbortablePolicyServer(model, tokenizer, model_name, seed=seed, host=bind_host())
         self.server.start()
         self.weight_pushes = 0
         self.sleeps = 0
         self.asleep = False
 
     def address(self) -> str:
-        return self.server.base_url.removeprefix("http://").removesuffix("/v1")
+        return advertised_address(self.server.port)
 
     def version(self) -> int:
         return self.server.version

@@ -6,7 +6,9 @@ span keys), so a key's type, default and range are written in one place.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,19 @@ from omegaconf import OmegaConf
 from agl_core.config.errors import ConfigError
 from agl_core.fields import is_int, is_number
 
-__all__ = ["Rule", "at_least", "boolean", "finite", "http_url", "integer", "number", "one_of", "paths", "port_number"]
+__all__ = [
+    "Rule",
+    "at_least",
+    "boolean",
+    "finite",
+    "host",
+    "http_url",
+    "integer",
+    "number",
+    "one_of",
+    "paths",
+    "port_number",
+]
 
 
 @attrs.frozen
@@ -87,3 +101,23 @@ def paths() -> Rule:
         lambda v: isinstance(v, str) or (OmegaConf.is_list(v) and all(isinstance(p, str) for p in v)),
         "a path or a list of paths",
     )
+
+
+LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+HOST_NAME = re.compile(rf"(?=.{{1,253}}$){LABEL}(\.{LABEL})*")
+
+
+def _is_host(value: Any, ipv6: bool) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        return HOST_NAME.fullmatch(value) is not None
+    return ipv6 or address.version == 4
+
+
+def host(*, ipv6: bool = True) -> Rule:
+    """A host name or an IP address (IPv4 only unless ``ipv6``), with no scheme and no port."""
+    what = f"a host name or an {'IP' if ipv6 else 'IPv4'} address (no scheme, no port)"
+    return Rule(lambda value: _is_host(value, ipv6), what)

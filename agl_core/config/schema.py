@@ -12,7 +12,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agl_core.config.rules import Rule, at_least, boolean, finite, http_url, integer, number, one_of, paths, port_number
+from agl_core.config.rules import (
+    Rule,
+    at_least,
+    boolean,
+    finite,
+    host,
+    http_url,
+    integer,
+    number,
+    one_of,
+    paths,
+    port_number,
+)
 from agl_core.fields import is_number
 
 __all__ = [
@@ -153,6 +165,18 @@ class TorchBackendConfig:
 
 
 @dataclass
+class VerlBackendConfig:
+    """The verl backend (``backend: verl``); verl's own keys keep verl's names in verl's sections."""
+
+    # The interface the CPU rollout replica's server listens on (trainer.device=cpu): 127.0.0.1 (its
+    # node only), 0.0.0.0 (every interface) or one address of the node.
+    replica_bind_host: str = checked("127.0.0.1", host(ipv6=False))
+    # The host registered with the gateway for that server: null is the bind host, or for 0.0.0.0
+    # the node's address as Ray knows it; set it when the gateway reaches the node by another name.
+    replica_advertise_host: str | None = checked(None, host().or_null())
+
+
+@dataclass
 class AgentLightningConfig:
     # No URL means the embedded rollout source (agents run in-process); a URL means the gateway.
     agl_base_url: str | None = checked(None, http_url().or_null())
@@ -179,6 +203,7 @@ class AgentLightningConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
+    verl: VerlBackendConfig = field(default_factory=VerlBackendConfig)
     engine: str = choice("builtin", "vllm")  # what serves the policy: in-process, or a real vLLM server
     vllm: VllmConfig = field(default_factory=VllmConfig)
     # Plugin settings, one section per plugin (agentlightning.plugins.<section>.<key>): each plugin

@@ -73,8 +73,10 @@ __all__ = [
     "completed_rollout_from_record",
     "decode_events",
     "events_by_attempt",
+    "last_event_time",
     "parse_events",
     "rollout_timing_metrics",
+    "source_metrics",
 ]
 
 # Metric name -> what it counts. Every anomaly the parser meets increments one of these.
@@ -503,6 +505,32 @@ def _summary(prefix: str, values: list[float]) -> dict[str, float]:
         f"{prefix}/p90": float(np.percentile(array, 90)),
         f"{prefix}/max": float(array.max()),
     }
+
+
+def last_event_time(events: Sequence[Any]) -> float | None:
+    """The latest usable ``timestamp`` of ``events`` (their agent's last call or reward), if any."""
+    stamps = []
+    for event in events:
+        if isinstance(event, Mapping) and event.get("timestamp") is not None:
+            try:
+                stamps.append(timestamp("timestamp", event["timestamp"]))
+            except DataValidationError:
+                continue  # counted once, by completed_rollout
+    return max(stamps) if stamps else None
+
+
+def source_metrics(n_finished: int, seconds: float, pickups: Sequence[float]) -> dict[str, float]:
+    """A rollout source's throughput over the ``seconds`` since its previous report:
+    ``timing/rollout_source/rollouts_per_s`` (rollouts it finished, whatever their state, per second),
+    ``timing/rollout_source/interval_s``, and ``timing/rollout_source/pickup_s/{mean,p50,p90,max}``:
+    for each rollout read from the gateway, the seconds from its last event to the source reading it
+    (how long a finished rollout waited for the trainer; gateway and trainer clocks)."""
+    metrics = {
+        "timing/rollout_source/interval_s": float(seconds),
+        "timing/rollout_source/rollouts_per_s": n_finished / seconds if seconds > 0 else 0.0,
+    }
+    metrics.update(_summary("timing/rollout_source/pickup_s", list(pickups)))
+    return metrics
 
 
 def rollout_timing_metrics(rollouts: Sequence[CompletedRollout]) -> dict[str, float]:

@@ -23,6 +23,11 @@ a decoded body is dropped once parsed: a step holds a few rollouts' bodies, neve
 Events are decoded with only the fields the parser reads, unless an ``agl_on_succeeded`` hook is
 registered (hooks get the events in full). Each kept rollout is handed to ``on_rollout_done`` (the
 step pipeline's per-rollout work) as it is finished.
+
+Each report (a step's batch) says how fast the source finished rollouts since the previous one and
+how long finished rollouts waited to be read (``timing/rollout_source/*``,
+:func:`~agl_core.rollouts.events.source_metrics`): with many agents against the gateway, the
+trainer's side of the throughput.
 """
 
 from __future__ import annotations
@@ -41,7 +46,13 @@ from omegaconf import DictConfig
 from agl_core.config import ConfigError
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins import EventWriter, PendingEvent, PluginManager
-from agl_core.rollouts.events import FailedRolloutPolicy, apply_failed_policy, rollout_timing_metrics
+from agl_core.rollouts.events import (
+    FailedRolloutPolicy,
+    apply_failed_policy,
+    last_event_time,
+    rollout_timing_metrics,
+    source_metrics,
+)
 from agl_core.rollouts.finish import finish_rollout
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.source import (
@@ -118,6 +129,8 @@ class GatewayRolloutSource(RolloutSource):
         self.serving_since: float | None = None  # wall clock of this source's first registration
         self.counts: Counter[str] = Counter()
         self._requests_at_last_report = Counter(self.client.requests_sent)
+        self._reported_at = time.monotonic()
+        self._pickups: list[float] = []  # seconds from each read rollout's last event to its reading
 
     # -- creating -----------------------------------------------------------------------------
 
@@ -332,6 +345,8 @@ class GatewayRolloutSource(RolloutSource):
         """Finish a terminal rollout; ``held`` is false when the gateway no longer holds it (lost, or
         timed out and about to be deleted), so what its hooks write cannot be stored and is counted."""
         pending = self.pending[rid]
+        if held and (last := last_event_time(events)) is not None:
+            self._pickups.append(max(0.0, time.time() - last))
         rollout = finish_rollout(
             pending.request,
             events,
@@ -436,7 +451,11 @@ class GatewayRolloutSource(RolloutSource):
         """What the source counted since the last call (rollouts by state, retries, restarts, hook
         events...) and the HTTP requests it sent meanwhile (``training/gateway/n_http_requests``)."""
         metrics = {k: float(v) for k, v in self.counts.items()}
+        finished = self.counts["training/rollouts/n_succeeded"] + self.counts["training/rollouts/n_failed"]
         self.counts.clear()
+        now = time.monotonic()
+        metrics.update(source_metrics(finished, now - self._reported_at, self._pickups))
+        self._reported_at, self._pickups = now, []
         sent = Counter(self.client.requests_sent)
         sent.subtract(self._requests_at_last_report)
         self._requests_at_last_report = Counter(self.client.requests_sent)

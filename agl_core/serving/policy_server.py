@@ -40,6 +40,9 @@ __all__ = ["PolicyServer", "RequestError"]
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
+EVERY_INTERFACE = "0.0.0.0"
+
 
 class RequestError(AglError):
     """A request the server refuses; rendered as vLLM's error body with ``status``."""
@@ -76,7 +79,8 @@ class PolicyServer:
     :mod:`agl_core.serving.weights`), so the trainer may keep updating its own module; ``tokenizer``
     renders chat prompts and decodes. ``max_batch_size`` caps how many queued requests one generation
     pass takes; ``batch_wait_s`` is how long the generation thread lingers for more requests once one
-    arrives.
+    arrives. ``host`` is the interface the HTTP server listens on (``0.0.0.0``: every interface, for
+    clients on other machines; IPv4); :attr:`base_url` is how this process reaches it.
     """
 
     __module__ = "agl_core"
@@ -88,6 +92,7 @@ class PolicyServer:
         model_name: str,
         *,
         port: int = 0,
+        host: str = LOOPBACK,
         max_batch_size: int = 256,
         batch_wait_s: float = 0.005,
         seed: int = 0,
@@ -98,6 +103,7 @@ class PolicyServer:
         self._model = served_copy(model)
         self._weights_lock = threading.Lock()
         self._port = port
+        self._host = host
         self._max_batch_size = max_batch_size
         self._batch_wait_s = batch_wait_s
         self._generator = torch.Generator().manual_seed(seed)
@@ -114,12 +120,20 @@ class PolicyServer:
     def base_url(self) -> str:
         if self._httpd is None:
             raise RuntimeError("the policy server is not started")
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}/v1"
+        host = LOOPBACK if self._host == EVERY_INTERFACE else self._host
+        return f"http://{host}:{self.port}/v1"
+
+    @property
+    def port(self) -> int:
+        """The port the HTTP server listens on (chosen by the system when ``port`` was 0)."""
+        if self._httpd is None:
+            raise RuntimeError("the policy server is not started")
+        return int(self._httpd.server_address[1])
 
     def start(self) -> None:
         if self._httpd is not None:
             return
-        self._httpd = LocalHTTPServer(("127.0.0.1", self._port), _handler_for(self))
+        self._httpd = LocalHTTPServer((self._host, self._port), _handler_for(self))
         self._threads = [
             threading.Thread(target=self._httpd.serve_forever, name="policy-server-http", daemon=True),
             threading.Thread(target=self._generation_loop, name="policy-server-generate", daemon=True),

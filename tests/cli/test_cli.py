@@ -15,7 +15,7 @@ import pytest
 def agl(*args, env=None):
     exe = shutil.which("agl", path=str(Path(sys.executable).parent))
     assert exe, "the agl console script is installed with the package"
-    return subprocess.run([exe, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run([exe, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
 
 
 def test_version_is_the_installed_distributions():
@@ -80,7 +80,7 @@ def test_sigusr1_prints_every_threads_stack():
         "os.kill(os.getpid(), signal.SIGUSR1)\n"
         "time.sleep(0.5)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0
     assert "Current thread 0x" in done.stderr and done.stderr.count("hread 0x") == 2  # the main thread and the sleeper
 

@@ -146,6 +146,9 @@ HARMFUL_VALUES = [
     ("trainer.seed=-1", "0 or more"),
     ("data.seed=-3", "0 or more"),
     ("agentlightning.gateway.retry_backoff_seconds=nan", "0 or more"),
+    ("agentlightning.verl.replica_bind_host=http://node7", "a host name or an IPv4 address"),
+    ("agentlightning.verl.replica_bind_host=fd00::1", "a host name or an IPv4 address"),  # it listens on IPv4
+    ("agentlightning.verl.replica_advertise_host=node7:8000", "a host name or an IP address (no scheme, no port)"),
 ]
 
 

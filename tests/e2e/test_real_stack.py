@@ -33,6 +33,7 @@ from examples.corridor.build_policy import build
 from tests.helpers.gateway_server import Controller, GatewayServer
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.realstack_fixtures import vllm_python
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.realstack
 
@@ -139,14 +140,14 @@ class Trainer:
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         return [row for row in rows if row["step"] >= 1]
 
-    def wait_until(self, done, what: str, timeout: float = 300.0) -> None:
+    def wait_until(self, done, what: str, timeout: float = 1800.0) -> None:
         deadline = time.monotonic() + timeout
         while not done():
             assert self.process.poll() is None, f"agl train exited while waiting for {what}:\n{self.failure()}"
             assert time.monotonic() < deadline, f"no {what} within {timeout}s:\n{self.failure()}"
             time.sleep(0.2)
 
-    def finish(self, timeout: float = 600.0) -> list[dict]:
+    def finish(self, timeout: float = 3600.0) -> list[dict]:
         """Wait for a clean end; return the per-step metrics."""
         self.process.wait(timeout=timeout)
         assert self.process.returncode == 0, f"agl train failed:\n{self.failure()}"
@@ -293,41 +294,52 @@ def test_the_staleness_bound_holds_through_the_real_stack(bounded_async_rows):
         assert sum(row["training/off_policy/evicted_samples"] for row in rows) >= 2
 
 
-def _hammer(url: str, key: str, rollout_ids: list[str], stop: threading.Event, statuses: Counter) -> None:
-    body = {"messages": [{"role": "user", "content": "junction 1 : the sign points left"}], "max_tokens": 2}
-    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
-        i = 0
-        while not stop.is_set():
-            rid = rollout_ids[i % len(rollout_ids)]
-            i += 1
-            response = client.post(
-                f"{url}/proxy/rollout/{rid}/attempt/a/mode/train/openai/v1/chat/completions", json=body
-            )
-            statuses[response.status_code] += 1
+class Hammer:
+    """Agents' proxy calls in a loop from three threads, counting the status codes they get.
 
+    :meth:`saw` waits until a status arrives that was not seen before the call, so a test holds a
+    window (paused, no servers...) open until the hammer has hit it, whatever the machine's load."""
 
-def _hammered(gateway: GatewayServer, client: GatewayClient, during) -> Counter:
-    """Status codes agents see while ``during()`` runs, with proxy calls before and after it."""
-    rollout_ids = [f"hammer-{time.monotonic_ns()}-{i}" for i in range(4)]
-    client.create_rollouts([RolloutRequest(rollout_id=rid, group_id="hammer", input={}) for rid in rollout_ids])
-    statuses: Counter = Counter()
-    stop = threading.Event()
-    threads = [
-        threading.Thread(target=_hammer, args=(gateway.url, gateway.key, rollout_ids, stop, statuses)) for _ in range(3)
-    ]
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(1.0)
-        during()
-        time.sleep(1.0)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=60)
-    for rid in rollout_ids:
-        client.delete_rollout(rid)
-    return statuses
+    BODY = {"messages": [{"role": "user", "content": "junction 1 : the sign points left"}], "max_tokens": 2}
+
+    def __init__(self, gateway: GatewayServer, client: GatewayClient):
+        self.gateway = gateway
+        self.client = client
+        self.rollout_ids = [f"hammer-{time.monotonic_ns()}-{i}" for i in range(4)]
+        self.statuses: Counter = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._hammer, args=(i,), daemon=True) for i in range(3)]
+
+    def __enter__(self) -> Hammer:
+        requests = [RolloutRequest(rollout_id=rid, group_id="hammer", input={}) for rid in self.rollout_ids]
+        self.client.create_rollouts(requests)
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+        for rid in self.rollout_ids:
+            self.client.delete_rollout(rid)
+
+    def _hammer(self, offset: int) -> None:
+        url = f"{self.gateway.url}/proxy/rollout/{{}}/attempt/a/mode/train/openai/v1/chat/completions"
+        with httpx.Client(headers={"Authorization": f"Bearer {self.gateway.key}"}, timeout=120) as client:
+            i = offset
+            while not self._stop.is_set():
+                response = client.post(url.format(self.rollout_ids[i % len(self.rollout_ids)]), json=self.BODY)
+                i += 1
+                with self._lock:
+                    self.statuses[response.status_code] += 1
+
+    def saw(self, status: int, what: str) -> None:
+        """Return once a response with ``status`` arrives after this call; fail, naming ``what``, if
+        none does within a generous bound."""
+        before = self.statuses[status]
+        wait_until(lambda: self.statuses[status] > before, f"no {status} from the proxy {what} ({dict(self.statuses)})")
 
 
 def test_weight_push_and_reregistration_leave_no_503_window(stack, policy_dir: Path):
@@ -350,27 +362,27 @@ def test_weight_push_and_reregistration_leave_no_503_window(stack, policy_dir: P
     model = AutoModelForCausalLM.from_pretrained(policy_dir)
     try:
         source.after_weight_update([engine.base_url], 10)
-
-        def update() -> None:
+        with Hammer(gateway, source.client) as hammer:
+            hammer.saw(200, "before the update")
             drain = source.before_weight_update()
             assert drain["training/async/proxy_inflight_after_drain"] == 0.0
+            hammer.saw(429, "while paused")
             engine.push_weights(model, 11)
             source.after_weight_update([engine.base_url], 11)
+            hammer.saw(200, "after the update")
+        print(f"\nstatuses during pause -> drain -> push -> re-register -> resume: {dict(hammer.statuses)}")
+        assert hammer.statuses[503] == 0
+        assert set(hammer.statuses) <= {200, 429}
 
-        statuses = _hammered(gateway, source.client, update)
-        print(f"\nstatuses during pause -> drain -> push -> re-register -> resume: {dict(statuses)}")
-        assert statuses[503] == 0
-        assert statuses[200] > 0 and statuses[429] > 0  # calls ran before/after, and hit the paused window
-        assert set(statuses) <= {200, 429}
-
-        def naive_reregistration() -> None:  # what the protocol avoids: clear, then register, unpaused
+        # The control, what the protocol avoids: clear, then register, unpaused. The window stays
+        # open until the hammer has hit it, so a 503 window is always seen when there is one.
+        with Hammer(gateway, source.client) as control:
+            control.saw(200, "before the naive re-registration")
             source.client.delete_models()
-            time.sleep(0.5)
+            control.saw(503, "with no model registered (the hammer must be able to see a 503 window)")
             source.client.register_models(str(policy_dir), [engine.base_url], 12)
-
-        control = _hammered(gateway, source.client, naive_reregistration)
-        print(f"statuses during a naive clear-then-register: {dict(control)}")
-        assert control[503] > 0, "the hammer must be able to see a 503 window when there is one"
+            control.saw(200, "after the naive re-registration")
+        print(f"statuses during a naive clear-then-register: {dict(control.statuses)}")
     finally:
         source.client.close()
 

@@ -3,7 +3,9 @@
 One HTTP request per connection (``Connection: close`` is forced both ways). Faults are queued with
 :meth:`FaultProxy.inject` and consumed by the next matching requests:
 
-- ``delay``: wait ``seconds`` before forwarding (a slow gateway; exceeds a client timeout);
+- ``stall``: hold the request until the client gives up on it (closes the connection), then forward
+  it: a gateway slower than the client's timeout, however long that is and however loaded the
+  machine (a fixed delay is outlasted by a slow client);
 - ``reset``: reset the connection before forwarding (the request is provably not applied);
 - ``reset_after``: forward, let the gateway apply it, then reset instead of answering (ambiguous);
 - ``503``: answer 503 without forwarding.
@@ -14,12 +16,12 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
 from collections import Counter
 
 import attrs
 
-ACTIONS = ("delay", "reset", "reset_after", "503")
+ACTIONS = ("stall", "reset", "reset_after", "503")
+STALL_LIMIT_S = 300.0  # a client that never gives up is released after this long
 
 
 @attrs.define
@@ -27,7 +29,6 @@ class _Fault:
     action: str
     remaining: int
     path_contains: str | None
-    seconds: float
 
 
 def _read_request(conn: socket.socket) -> bytes:
@@ -57,6 +58,16 @@ def _force_close(message: bytes) -> bytes:
     return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body
 
 
+def _wait_for_close(conn: socket.socket) -> None:
+    """Block until the client closes ``conn`` (it sent its whole request, so reading sees only EOF)."""
+    conn.settimeout(STALL_LIMIT_S)
+    try:
+        while conn.recv(65536):
+            pass
+    except OSError:
+        pass
+
+
 def _reset(conn: socket.socket) -> None:
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     conn.close()
@@ -74,11 +85,11 @@ class FaultProxy:
         self.requests = 0
         self._thread = threading.Thread(target=self._serve, name="fault-proxy", daemon=True)
 
-    def inject(self, action: str, count: int = 1, *, path_contains: str | None = None, seconds: float = 0.0) -> None:
+    def inject(self, action: str, count: int = 1, *, path_contains: str | None = None) -> None:
         if action not in ACTIONS:
             raise ValueError(f"unknown fault {action!r}; known: {ACTIONS}")
         with self._lock:
-            self._faults.append(_Fault(action, count, path_contains, seconds))
+            self._faults.append(_Fault(action, count, path_contains))
 
     def clear(self) -> None:
         with self._lock:
@@ -129,8 +140,8 @@ class FaultProxy:
                 )
                 conn.close()
                 return
-            if action == "delay":
-                time.sleep(fault.seconds)
+            if action == "stall":
+                _wait_for_close(conn)
             with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30) as upstream:
                 upstream.sendall(_force_close(request))
                 response = b""

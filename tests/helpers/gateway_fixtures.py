@@ -60,13 +60,17 @@ def good_call(seed: int = 0) -> tuple[str, dict[str, Any]]:
 
 @attrs.frozen
 class Plan:
-    """What one rollout's agent does: after ``delay`` seconds post ``events``, then move to ``state``
-    (``None``: never finishes)."""
+    """What one rollout's agent does: after ``delay`` seconds, and once ``release`` is set when there
+    is one, post ``events``, then move to ``state`` (``None``: never finishes).
+
+    A test that needs some rollouts to finish after others holds them with ``release`` rather than a
+    longer delay: on a loaded machine a delay can run out before the test has looked."""
 
     delay: float = 0.05
     events: tuple[tuple[str, dict[str, Any]], ...] = (good_call(), ("reward", {"value": 1.0}))
     state: str | None = "succeeded"
     error: str | None = None
+    release: threading.Event | None = attrs.field(default=None, eq=False)
 
 
 def always(plan: Plan) -> Callable[[dict[str, Any]], Plan]:
@@ -80,7 +84,7 @@ class SimulatedController:
         self.server = server
         self.plan = plan
         self.poll_seconds = poll_seconds
-        self.client = GatewayClient(server.url, server.key, timeout_seconds=5.0, retry=RetryPolicy(max_retries=0))
+        self.client = GatewayClient(server.url, server.key, timeout_seconds=30.0, retry=RetryPolicy(max_retries=0))
         self.started: Counter[str] = Counter()  # rollout id -> times it was started (must stay 1)
         self.finished_at: dict[str, float] = {}  # rollout id -> wall time of its terminal PATCH
         self.inputs: dict[str, Any] = {}
@@ -120,9 +124,14 @@ class SimulatedController:
             heapq.heappush(self._queue, (time.monotonic() + plan.delay, next(self._order), rid, plan))
 
     def _run_due(self) -> None:
+        held = []
         while self._queue and self._queue[0][0] <= time.monotonic():
-            _, _, rid, plan = heapq.heappop(self._queue)
+            due = heapq.heappop(self._queue)
+            _, _, rid, plan = due
             if plan.state is None:
+                continue
+            if plan.release is not None and not plan.release.is_set():
+                held.append(due)
                 continue
             try:
                 for event_type, data in plan.events:
@@ -134,10 +143,14 @@ class SimulatedController:
                 self.finished_at[rid] = time.time()
             except GatewayError as exc:
                 self.errors.append(str(exc))
+        for due in held:
+            heapq.heappush(self._queue, due)
 
 
 def gateway_config(server: GatewayServer, *overrides: str):
-    """A validated config pointing at ``server``, with short waits so fault tests stay fast."""
+    """A validated config pointing at ``server``, with short polls and backoffs so fault tests stay
+    fast, and an HTTP timeout no loaded machine reaches (a test that needs one to fire stalls the
+    request: ``tests.helpers.fault_proxy``)."""
     return load_config(
         overrides=[
             f"agentlightning.agl_base_url={server.url}",
@@ -148,7 +161,7 @@ def gateway_config(server: GatewayServer, *overrides: str):
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "agentlightning.rollout_timeout_seconds=30",
             "agentlightning.rollout_timeout_grace_seconds=0",
-            "agentlightning.gateway.http_timeout_seconds=2",
+            "agentlightning.gateway.http_timeout_seconds=30",
             "agentlightning.gateway.max_retries=2",
             "agentlightning.gateway.retry_backoff_seconds=0.05",
             "agentlightning.gateway.retry_backoff_max_seconds=0.2",

@@ -42,7 +42,7 @@ class GatewayServer:
         self.process: subprocess.Popen | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="agl-server-", suffix=".log", delete=False)
 
-    def start(self, timeout: float = 60.0) -> GatewayServer:
+    def start(self, timeout: float = 300.0) -> GatewayServer:
         args = [
             str(gateway_bin()),
             "host=127.0.0.1",

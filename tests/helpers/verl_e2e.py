@@ -278,7 +278,7 @@ def scenario(
     stack: Stack,
     device_keys: Sequence[str],
     n_gpus: int = 1,
-    timeout: float = 900.0,
+    timeout: float = 3600.0,
     separate_async_keys: Sequence[str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Sync (recorded, its step 2 replayed), colocate_async with a kill and a resume in one run folder,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from agl_core.rollouts.agents import ThreadEnviron, load_agent_class
 from agl_core.rollouts.embedded import EmbeddedRolloutSource
 from agl_core.serving.policy_server import PolicyServer
 from tests.helpers.corridor_policy import build_corridor_policy
+from tests.helpers.waiting import wait_until
 
 
 class EnvEchoAgent:
@@ -188,7 +190,7 @@ def slow_engine(engine, request):
     server._model.forward = forward
 
 
-FOREVER_SLOW = __import__("threading").Event()  # never set: waiting on it sleeps for the timeout given
+FOREVER_SLOW = threading.Event()  # never set: waiting on it sleeps for the timeout given
 
 
 def _engine_trouble(caplog):
@@ -213,9 +215,33 @@ def test_a_slow_engine_makes_slow_rollouts_that_complete(slow_engine, caplog):
     assert not _engine_trouble(caplog)
 
 
+class RequestsInFlight:
+    """Counts the requests a :class:`PolicyServer` is handling (each in its own thread), so a test
+    can wait until every one has been answered, or found its client gone."""
+
+    def __init__(self, server: PolicyServer, monkeypatch):
+        self.count = 0
+        self._lock = threading.Lock()
+        handle = server._httpd.process_request_thread
+
+        def counted(*args):
+            with self._lock:
+                self.count += 1
+            try:
+                handle(*args)
+            finally:
+                with self._lock:
+                    self.count -= 1
+
+        monkeypatch.setattr(server._httpd, "process_request_thread", counted)
+
+
 @pytest.mark.parametrize("slow_engine", [1.5], indirect=True)
-def test_an_engine_slower_than_the_timeout_fails_naming_the_key_once_per_cause_and_closes_cleanly(slow_engine, caplog):
+def test_an_engine_slower_than_the_timeout_fails_naming_the_key_once_per_cause_and_closes_cleanly(
+    slow_engine, caplog, monkeypatch
+):
     caplog.set_level("DEBUG", logger="agl_core.local_http")
+    in_flight = RequestsInFlight(slow_engine[0], monkeypatch)
     source = _source(
         slow_engine,
         "examples.corridor.agent:CorridorAgent",
@@ -239,5 +265,5 @@ def test_an_engine_slower_than_the_timeout_fails_naming_the_key_once_per_cause_a
         assert any(
             f"model call(s) got no answer: the engine did not answer within {timeouts} s" in line for line in lines
         )
-    FOREVER_SLOW.wait(4)  # the abandoned generations finish and find their clients gone
+    wait_until(lambda: in_flight.count == 0, "the abandoned generations finishing and finding their clients gone")
     assert not _engine_trouble(caplog)

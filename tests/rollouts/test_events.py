@@ -23,7 +23,9 @@ from agl_core.rollouts.events import (
     completed_rollout_from_record,
     decode_events,
     events_by_attempt,
+    last_event_time,
     parse_events,
+    source_metrics,
 )
 from tests.helpers.paths import REPO_ROOT
 
@@ -385,3 +387,24 @@ def test_text_that_mentions_image_url_is_not_an_image(gateway_traces, decode):
     )
     decoded = decode_events(json.dumps(events).encode(), only_parsed_fields=decode == "parsed_fields")
     assert len(parse_events(decoded).triplets) == 1
+
+
+def test_the_last_event_time_skips_unusable_timestamps():
+    events = [{"timestamp": 1.5}, {"timestamp": 3.25}, {"timestamp": True}, {"timestamp": "soon"}, {}, "junk"]
+    assert last_event_time(events) == 3.25
+    assert last_event_time([{"timestamp": float("nan")}]) is None and last_event_time([]) is None
+
+
+def test_source_metrics_give_the_rate_over_the_interval_and_the_pickup_summary():
+    assert source_metrics(6, 2.0, [0.5, 1.5, 1.0]) == {
+        "timing/rollout_source/interval_s": 2.0,
+        "timing/rollout_source/rollouts_per_s": 3.0,
+        "timing/rollout_source/pickup_s/mean": 1.0,
+        "timing/rollout_source/pickup_s/p50": 1.0,
+        "timing/rollout_source/pickup_s/p90": pytest.approx(1.4),
+        "timing/rollout_source/pickup_s/max": 1.5,
+    }
+    assert source_metrics(0, 0.0, []) == {
+        "timing/rollout_source/interval_s": 0.0,
+        "timing/rollout_source/rollouts_per_s": 0.0,
+    }

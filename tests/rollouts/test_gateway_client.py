@@ -34,9 +34,13 @@ def proxy(gateway):
         yield p
 
 
-def via(proxy, gateway, max_retries: int = 2) -> GatewayClient:
+def via(proxy, gateway, max_retries: int = 2, timeout_seconds: float = 30.0) -> GatewayClient:
+    """A client through the fault proxy: only a ``stall`` outlasts its timeout, never a loaded machine."""
     return GatewayClient(
-        proxy.url, gateway.key, timeout_seconds=0.5, retry=RetryPolicy(max_retries=max_retries, backoff_seconds=0.01)
+        proxy.url,
+        gateway.key,
+        timeout_seconds=timeout_seconds,
+        retry=RetryPolicy(max_retries=max_retries, backoff_seconds=0.01),
     )
 
 
@@ -130,8 +134,8 @@ def test_5xx_and_resets_are_retried_for_idempotent_calls(gateway, proxy):
 
 
 def test_timeouts_are_retried_then_fail_with_no_status(gateway, proxy):
-    c = via(proxy, gateway, max_retries=1)
-    proxy.inject("delay", 2, seconds=1.0)
+    c = via(proxy, gateway, max_retries=1, timeout_seconds=0.5)  # every request it sends stalls
+    proxy.inject("stall", 2)
     with pytest.raises(GatewayError) as err:
         c.terminal_page(0)
     assert err.value.status is None and "Timeout" in err.value.message

@@ -24,22 +24,31 @@ from tests.helpers.gateway_fixtures import (
     plugin_manager,
 )
 from tests.helpers.gateway_server import GatewayServer
+from tests.helpers.waiting import PATIENCE_S, wait_until
 
 pytestmark = pytest.mark.gateway
 
 
-def run_in_background(fn):
-    result: dict = {}
+class InBackground:
+    """``fn()`` running in a thread; :meth:`result` waits for it (bounded) and returns what it returned."""
 
-    def target():
+    def __init__(self, fn):
+        self._outcome: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn):
         try:
-            result["value"] = fn()
-        except BaseException as exc:  # surfaced by the test
-            result["error"] = exc
+            self._outcome["value"] = fn()
+        except BaseException as exc:  # raised again by result()
+            self._outcome["error"] = exc
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, result
+    def result(self):
+        self._thread.join(PATIENCE_S)
+        assert not self._thread.is_alive(), f"the collect did not return within {PATIENCE_S:g} s"
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]
 
 
 @pytest.mark.parametrize("policy", ["reenqueue", "fail"])
@@ -48,13 +57,13 @@ def test_gateway_killed_and_restarted_mid_wait(policy):
         cfg = gateway_config(server, f"agentlightning.gateway.restart_policy={policy}")
         source = gateway_source(cfg, plugin_manager())
         source.after_weight_update(["http://127.0.0.1:7100/v1"], 3)
-        with SimulatedController(server, always(Plan(delay=1.0))) as controller:
-            thread, result = run_in_background(lambda: source.collect([{"q": 1}, {"q": 2}], step=0, is_train=True))
-            time.sleep(0.4)
-            server.restart()  # everything the gateway held is gone
-            thread.join(timeout=30)
-        assert "error" not in result, result.get("error")
-        batch = result["value"]
+        release = threading.Event()
+        with SimulatedController(server, always(Plan(release=release))) as controller:
+            collect = InBackground(lambda: source.collect([{"q": 1}, {"q": 2}], step=0, is_train=True))
+            wait_until(lambda: len(controller.started) == 4, "the controller starting the 4 rollouts")
+            server.restart()  # everything the gateway held is gone, while the source waits for it
+            release.set()
+            batch = collect.result()
         m = batch.metrics
         assert m["training/gateway/n_restarts_detected"] >= 1 and m["training/rollouts/n_lost"] == 4
         assert all(n == 1 for n in controller.started.values())  # nothing was run twice
@@ -73,20 +82,20 @@ def test_gateway_killed_and_restarted_mid_wait(policy):
 def test_proxy_delays_resets_and_503s(gateway):
     with FaultProxy(gateway.port) as proxy:
         cfg = gateway_config(
-            gateway, f"agentlightning.agl_base_url={proxy.url}", "agentlightning.gateway.http_timeout_seconds=0.5"
-        )
+            gateway, f"agentlightning.agl_base_url={proxy.url}", "agentlightning.gateway.http_timeout_seconds=10"
+        )  # only the stalled request outlasts it
         source = gateway_source(cfg, plugin_manager())
         proxy.inject("503", 1, path_contains="POST /api/rollouts")
         proxy.inject("reset_after", 1, path_contains="POST /api/rollouts")  # created, answer lost: retried
         proxy.inject("503", 3, path_contains="/terminal")
-        proxy.inject("delay", 1, path_contains="/terminal", seconds=1.0)
+        proxy.inject("stall", 1, path_contains="/terminal")
         proxy.inject("reset", 2, path_contains="/events")
         proxy.inject("503", 1, path_contains="DELETE")
         with SimulatedController(gateway, always(Plan(delay=0.1))) as controller:
             batch = source.collect([{"q": 1}, {"q": 2}], step=0, is_train=True)
         assert len(batch.rollouts) == 4 and all(r.final_reward == 1.0 for r in batch.rollouts)
         assert len(controller.started) == 4 and all(n == 1 for n in controller.started.values())
-        assert proxy.applied == {"503": 5, "reset_after": 1, "delay": 1, "reset": 2}
+        assert proxy.applied == {"503": 5, "reset_after": 1, "stall": 1, "reset": 2}
         retries = source.client.retries
         assert retries["create"] == 2 and retries["terminal"] == 3 and retries["events"] == 2
         # Three 503s in a row outlast one poll's retries: the poll fails, is counted, and the next succeeds.
@@ -100,14 +109,17 @@ def test_gateway_unreachable_until_the_deadline_fails_the_rollouts_clearly():
             server, "agentlightning.rollout_timeout_seconds=1", "agentlightning.gateway.liveness_check_seconds=30"
         )
         source = gateway_source(cfg, plugin_manager())
-        with SimulatedController(server, always(Plan(state=None))):
-            thread, result = run_in_background(lambda: source.collect([{"q": 1}], step=0, is_train=True))
-            time.sleep(0.3)
-            server.kill()  # and it never comes back
-            thread.join(timeout=15)
-        assert "error" not in result, result.get("error")
-        m = result["value"].metrics
-        assert result["value"].rollouts == ()
+        create = source.client.create_rollouts
+
+        def create_then_crash(requests):
+            created = create(requests)
+            server.kill()  # right after taking the rollouts, before their deadline starts; it never comes back
+            return created
+
+        source.client.create_rollouts = create_then_crash
+        batch = source.collect([{"q": 1}], step=0, is_train=True)
+        m = batch.metrics
+        assert batch.rollouts == ()
         assert m["training/rollouts/n_timed_out"] == 2 and m["training/gateway/n_poll_errors"] >= 1
         assert m["training/gateway/n_delete_errors"] == 2 and m["training/gateway/n_event_read_errors"] == 2
 
@@ -127,8 +139,8 @@ def test_agent_that_never_finishes_is_failed_by_the_trainer(gateway):
     source = gateway_source(cfg, plugin_manager(Watch()))
     with SimulatedController(gateway, always(Plan(state=None))):
         start = time.monotonic()
-        batch = source.collect([{"q": 1}], step=0, is_train=True)
-    assert 1.2 <= time.monotonic() - start < 4
+        batch = InBackground(lambda: source.collect([{"q": 1}], step=0, is_train=True)).result()
+    assert time.monotonic() - start >= 1.3  # not before the deadline (timeout + grace); after it, however late
     assert batch.rollouts == () and batch.metrics["training/rollouts/n_timed_out"] == 2
     assert all(e.startswith("trainer-side timeout") for e in errors) and len(errors) == 2
     assert batch.metrics["training/hooks/n_unflushed_events"] == 2  # deleted rollouts cannot take events

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import http.server
+import itertools
 import threading
-import time
 
 import attrs
 import httpx
@@ -28,6 +28,7 @@ from tests.helpers.gateway_fixtures import (
     plugin_manager,
 )
 from tests.helpers.gateway_server import MODEL_NAME
+from tests.helpers.waiting import PATIENCE_S, wait_until
 
 pytestmark = pytest.mark.gateway
 
@@ -78,8 +79,13 @@ def test_sync_collect_returns_whole_groups_with_the_rollout_config(gateway, tmp_
     m = batch.metrics
     assert m["training/rollouts/n_succeeded"] == 4 and m["training/n_rollouts_w_reward"] == 4
     assert m["timing/rollout_total_s/max"] >= m["timing/rollout_total_s/p50"] > 0
-    # Creating in one batch, polling the cursor, one events read and one delete per rollout.
-    assert m["training/gateway/n_http_requests"] <= 1 + 2 * 4 + 40
+    # Creating in one batch, polling the cursor (as often as the wait lasts), one events read and one
+    # delete per rollout, and no per-rollout polling: a read of one rollout only when none progressed
+    # for liveness_check_seconds (at most one per such pause).
+    sent = source.client.requests_sent
+    assert (sent["create"], sent["events"], sent["delete"]) == (1, 4, 4)
+    assert sent["get"] <= sent["terminal"] and set(sent) <= {"create", "terminal", "events", "delete", "get"}
+    assert m["training/gateway/n_http_requests"] == sum(sent.values())
     source.close()
 
 
@@ -152,19 +158,17 @@ def test_after_weight_update_registers_versioned_endpoints(gateway):
 
 
 def test_async_keeps_groups_in_flight_and_carries_unfinished_ones_over(gateway):
-    slow: set[str] = set()
+    slow_done = threading.Event()
 
     def plan(rollout):
-        # Samples "slow*" take long; the rest finish quickly.
-        if str(rollout["input"]["q"]).startswith("slow"):
-            slow.add(rollout["rollout_id"])
-            return Plan(delay=1.5)
-        return Plan(delay=0.05)
+        # Samples "slow*" finish only once the first step has been collected; the rest at once.
+        return Plan(release=slow_done) if str(rollout["input"]["q"]).startswith("slow") else Plan()
 
     source = gateway_source(async_config(gateway), plugin_manager())
     assert type(source) is AsyncGatewayRolloutSource
     with SimulatedController(gateway, plan) as controller:
         first = source.collect([{"q": "slow0"}, {"q": "slow1"}, {"q": "f0"}, {"q": "f1"}], step=0, is_train=True)
+        slow_done.set()
         assert {r.input["q"] for r in first.rollouts} == {"f0", "f1"}
         m = first.metrics
         assert m["training/async/n_prev_carry_over_rollouts"] == 0
@@ -193,11 +197,13 @@ def test_pause_drain_resume_around_the_weight_update(gateway):
 
 
 def test_drain_is_bounded_while_calls_stay_in_flight(gateway):
-    """A model call that never returns keeps the proxy's in-flight count up: the drain gives up."""
+    """A model call that does not return keeps the proxy's in-flight count up: the drain gives up
+    at its deadline, while the call is still in flight."""
+    answer = threading.Event()  # the upstream answers only once the drain has given up
 
     class Hang(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
-            time.sleep(2)
+            answer.wait(PATIENCE_S)
             self.send_response(500)
             self.end_headers()
 
@@ -214,19 +220,19 @@ def test_drain_is_bounded_while_calls_stay_in_flight(gateway):
 
     def model_call():
         try:
-            httpx.post(url, json={"model": MODEL_NAME, "messages": []}, headers={"x-api-key": gateway.key}, timeout=10)
+            body = {"model": MODEL_NAME, "messages": []}
+            httpx.post(url, json=body, headers={"x-api-key": gateway.key}, timeout=None)
         except httpx.HTTPError:
             pass  # only its time in flight matters here
 
     call = threading.Thread(target=model_call, daemon=True)
     call.start()
-    time.sleep(0.3)
-    start = time.monotonic()
-    metrics = source.before_weight_update()
-    assert time.monotonic() - start < 1.5
+    wait_until(lambda: source.client.proxy_state()["inflight"] == 1, "the model call in flight at the proxy")
+    metrics = source.before_weight_update()  # a drain without a deadline would wait as long as the call
     assert metrics["training/async/proxy_inflight_at_pause"] == 1 and metrics["training/async/drain_timed_out"] == 1
+    answer.set()
     source.after_weight_update([f"http://127.0.0.1:{upstream.server_port}/v1"], 2)
-    call.join(timeout=10)
+    call.join(PATIENCE_S)
     source.client.delete_models()
     source.client.delete_rollout("drain")
     upstream.shutdown()
@@ -237,15 +243,48 @@ def test_reads_stay_a_few_rollouts_ahead_of_the_one_being_finished(gateway, monk
     """Rollouts that finish together are read concurrently, but never more than READ_WORKERS ahead
     of the rollout being parsed, so a step holds a few decoded bodies, not its batch's."""
     log: list[str] = []
-    source = gateway_source(gateway_config(gateway, "actor_rollout_ref.rollout.n=4"), plugin_manager())
-    read, finish = source._read_terminal, source._finish
-    monkeypatch.setattr(source, "_read_terminal", lambda rid, state: (log.append("read"), read(rid, state))[1])
+    reads = itertools.count()
+    second_read = threading.Event()
+    cfg = gateway_config(gateway, "actor_rollout_ref.rollout.n=4", "agentlightning.rollout_timeout_seconds=600")
+    source = gateway_source(cfg, plugin_manager())
+    read, finish, page = source._read_terminal, source._finish, source.client.terminal_page
+
+    def reading(rid, state):
+        n = next(reads)
+        log.append("read")
+        if n == 1:
+            second_read.set()
+        elif n == 0:
+            second_read.wait(PATIENCE_S)  # returns once a second read runs beside it: reads run concurrently
+        return read(rid, state)
+
+    monkeypatch.setattr(source, "_read_terminal", reading)
     monkeypatch.setattr(source, "_finish", lambda *args, **kwargs: (log.append("finish"), finish(*args, **kwargs))[1])
-    with SimulatedController(gateway, always(Plan(delay=0.5))):  # all 32 finish within one poll or two
+    with SimulatedController(gateway, always(Plan())) as controller:
+
+        def after_all_finished(*args, **kwargs):  # the first poll finds all 32 terminal together
+            wait_until(lambda: len(controller.finished_at) == 32, "the controller finishing the 32 rollouts")
+            return page(*args, **kwargs)
+
+        monkeypatch.setattr(source.client, "terminal_page", after_all_finished)
         batch = source.collect([{"q": i} for i in range(8)], step=0, is_train=True)
     assert len(batch.rollouts) == 32 and log.count("read") == 32
     finishes = [at for at, entry in enumerate(log) if entry == "finish"]
     ahead = [log[:at].count("read") - finished for finished, at in enumerate(finishes)]
     assert max(ahead) <= 1 + READ_WORKERS  # the one being finished and those read ahead of it
     assert max(ahead) > 1  # and they were read concurrently
+    source.close()
+
+
+def test_each_batch_reports_the_sources_throughput_and_pickup_latency(gateway):
+    source = gateway_source(gateway_config(gateway), plugin_manager())
+    with SimulatedController(gateway, always(Plan())):
+        first = source.collect([{"q": 1}, {"q": 2}], step=0, is_train=True)
+        second = source.collect([{"q": 3}], step=1, is_train=True)
+    for batch, rollouts in ((first, 4), (second, 2)):
+        m = batch.metrics
+        rate, interval = m["timing/rollout_source/rollouts_per_s"], m["timing/rollout_source/interval_s"]
+        assert interval > 0 and rate * interval == pytest.approx(rollouts)  # every rollout of the step, once
+        summary = [m[f"timing/rollout_source/pickup_s/{s}"] for s in ("p50", "p90", "max")]
+        assert 0 <= summary[0] <= summary[1] <= summary[2]  # one pickup per rollout read
     source.close()

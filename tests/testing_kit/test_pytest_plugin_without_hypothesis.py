@@ -70,7 +70,7 @@ def _run(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str
     # Only the ``-p`` plugin: where the venv can see agl's installed metadata, its pytest11 entry
     # point would load the same module a second time.
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_the_agl_pytest_plugin_loads_without_hypothesis(bare_python: Path, tmp_path: Path):

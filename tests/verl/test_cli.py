@@ -187,7 +187,7 @@ def test_steps_stream_from_the_ray_actor_to_on_step_as_they_finish(ray_session):
 
             for step in range(3):
                 if step:  # wait until the driver has handled the previous step
-                    deadline = time.monotonic() + 30
+                    deadline = time.monotonic() + 120
                     while ray_session.get(gate.last_seen.remote()) != step - 1:
                         assert time.monotonic() < deadline, f"step {step - 1} never reached on_step"
                         time.sleep(0.01)

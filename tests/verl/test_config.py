@@ -88,6 +88,8 @@ def test_verl_defaults_overlay_and_user_values_compose(user_yaml):
         # verl clips at optim.clip_grad and never reads grad_clip: a difference would be ignored silently
         ("actor_rollout_ref.actor.grad_clip=0.5", "actor_rollout_ref.actor.grad_clip", "give both the same value"),
         ("actor_rollout_ref.actor.optim.clip_grad=0.5", "actor_rollout_ref.actor.grad_clip", "verl clips gradients at"),
+        ("ray_kwargs.ray_init.address=head-node", "ray_kwargs.ray_init.address", "must be HOST:PORT"),
+        ("ray_kwargs.ray_init.address=10.0.0.1:gcs", "ray_kwargs.ray_init.address", "must be HOST:PORT"),
     ],
 )
 def test_errors_name_the_key(user_yaml, override, key, fragment):

@@ -6,7 +6,6 @@ import pytest
 from agl_core import ConfigError, PluginManager, load_config
 from agl_core.testing.harness import tiny_policy
 
-
 AGENT = "agentlightning.local.agent_class=agl_core.testing.tiny_task:TinyWordAgent"
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -18,6 +19,7 @@ from agl_core.backends.checkpoints import SOURCE_STATE_FILE, latest_checkpoint
 from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.gateway_fixtures import Plan, SimulatedController
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.gateway
 
@@ -25,14 +27,20 @@ N = 2  # rollouts per group
 RECORDING_HOOK = '''
 import json
 import os
+import time
 
 from agl_core import hookimpl
 from agl_core.builtins.aggregators import trajectory
 
 
 def recorded(rollouts, settings):
-    """The built-in trajectory aggregator, noting which rollouts each training step trains."""
-    with open(os.environ["TRAINED_FILE"], "a") as f:
+    """The built-in trajectory aggregator, noting which rollouts each training step trains; a run
+    with HOLD_AT_STEP stays in that step (past the previous step's checkpoint) until it is killed."""
+    path = os.environ["TRAINED_FILE"]
+    step = 1 + (sum(1 for _ in open(path)) if os.path.exists(path) else 0)
+    if str(step) == os.environ.get("HOLD_AT_STEP"):
+        time.sleep(3600)
+    with open(path, "a") as f:
         f.write(json.dumps([[r.rollout_id, r.group_id, r.input["id"]] for r in rollouts]) + "\\n")
     return trajectory(rollouts, settings)
 
@@ -98,25 +106,26 @@ def test_a_killed_async_run_trains_every_sample_in_flight_once(gateway, tmp_path
         *overrides,
     ]
 
-    def start(trained_file):
-        env = {**os.environ, "TRAINED_FILE": str(trained_file), "AGL_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    def start(trained_file, **env):
+        env = {**os.environ, "TRAINED_FILE": str(trained_file), "AGL_DISABLE_PLUGIN_AUTOLOAD": "1", **env}
         return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO_ROOT)
 
     with SimulatedController(gateway, plan) as controller:
-        first = start(tmp_path / "first.jsonl")
+        first = start(tmp_path / "first.jsonl", HOLD_AT_STEP="3")  # it cannot get past step 2's checkpoint
         try:
-            deadline = time.monotonic() + 180
             marker = run_dir / "latest_checkpointed_iteration.txt"
-            while not (marker.is_file() and marker.read_text().strip() == "2"):
+
+            def checkpointed_step_2():
                 assert first.poll() is None, first.stderr.read().decode()[-3000:]
-                assert time.monotonic() < deadline, "no step-2 checkpoint within 180 s"
-                time.sleep(0.02)
+                return marker.is_file() and marker.read_text().strip() == "2"
+
+            wait_until(checkpointed_step_2, "the first run's step-2 checkpoint", timeout=1800)
             first.send_signal(signal.SIGKILL)
         finally:
             first.kill()
             first.wait()
         second = start(tmp_path / "second.jsonl")
-        _, err = second.communicate(timeout=300)
+        _, err = second.communicate(timeout=1800)
         assert second.returncode == 0, err.decode()[-3000:]
     assert latest_checkpoint(run_dir).name == "global_step_5"
 
@@ -151,8 +160,13 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
     from agl_core.rollouts.gateway_client import GatewayClient
     from tests.helpers.gateway_fixtures import async_config, gateway_config, plugin_manager
 
-    delays = {3: 1.0, 4: 2.5}  # the backlog's sample, started after the restore, finishes last
-    with SimulatedController(gateway, lambda r: Plan(delay=delays.get(r["input"]["id"], 0.05))):
+    release_3 = threading.Event()  # sample 3's agents finish only after the restore
+
+    def plan(rollout):
+        held = {3: Plan(release=release_3), 4: Plan(state=None)}  # the backlog's sample 4 never finishes
+        return held.get(rollout["input"]["id"], Plan())
+
+    with SimulatedController(gateway, plan):
         before = gateway_source(async_config(gateway), plugin_manager())
         first = before.collect([{"id": 0}, {"id": 1}, {"id": 2}, {"id": 3}, {"id": 4}], step=1, is_train=True)
         taken = {r.input["id"] for r in first.rollouts}
@@ -169,6 +183,7 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
 
         after = gateway_source(async_config(gateway), plugin_manager())
         assert after.restore(state) == 3  # two groups in flight and one waiting sample
+        release_3.set()
         second = after.collect([], step=2, is_train=True)
     (left,) = {0, 1, 2} - taken
     assert sorted(r.input["id"] for r in second.rollouts) == sorted([left, left, 3, 3])

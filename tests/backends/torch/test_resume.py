@@ -67,6 +67,7 @@ def test_resume_mode_disable_starts_over(policy, tmp_path):
 SEEN_HOOK = """
 import json
 import os
+import time
 
 from agl_core import hookimpl
 
@@ -75,6 +76,8 @@ from agl_core import hookimpl
 def agl_on_enqueue(request):
     with open(os.environ["SEEN_FILE"], "a") as f:
         f.write(json.dumps({"step": request.step, "id": request.input["id"]}) + "\\n")
+    if str(request.step) == os.environ.get("HOLD_AT_STEP"):
+        time.sleep(3600)  # the run stays in this step, past the previous step's checkpoint, until killed
 """
 
 
@@ -102,32 +105,40 @@ def _seen(path):
 
 
 def test_a_killed_agl_train_restarts_from_its_last_checkpoint(policy, tmp_path):
-    """SIGKILL ``agl train`` once the step-2 checkpoint is on disk; the restart trains steps 3 and 4
-    on the rows a straight run would have used."""
+    """SIGKILL ``agl train`` once the step-2 checkpoint is on disk (the first run is held in step 3,
+    so it cannot get further whatever the machine's load); the restart trains steps 3 and 4 on the
+    rows a straight run would have used."""
     import os
     import signal
     import subprocess
     import sys
-    import time
+
+    from tests.helpers.waiting import wait_until
 
     hook = tmp_path / "seen_hook.py"
     hook.write_text(SEEN_HOOK)
     run_dir = tmp_path / "run"
-    overrides = [*resume_overrides(policy, run_dir, 4), "trainer.test_freq=-1", f"agentlightning.hooks={hook}"]
+    overrides = [
+        *resume_overrides(policy, run_dir, 4),
+        "trainer.test_freq=-1",
+        f"agentlightning.hooks={hook}",
+        "agentlightning.hook_timeout_seconds=3600",  # the held hook call is never abandoned
+    ]
     command = [sys.executable, "-m", "agl_core.cli", "train", CONFIG, *overrides]
 
-    def start(seen_file):
-        env = {**os.environ, "SEEN_FILE": str(seen_file), "AGL_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    def start(seen_file, **env):
+        env = {**os.environ, "SEEN_FILE": str(seen_file), "AGL_DISABLE_PLUGIN_AUTOLOAD": "1", **env}
         return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    first = start(tmp_path / "first.jsonl")
+    first = start(tmp_path / "first.jsonl", HOLD_AT_STEP="3")
     try:
-        deadline = time.monotonic() + 120
         marker = run_dir / "latest_checkpointed_iteration.txt"
-        while not (marker.is_file() and marker.read_text().strip() == "2"):
+
+        def checkpointed_step_2():
             assert first.poll() is None, first.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no step-2 checkpoint within 120 s"
-            time.sleep(0.02)
+            return marker.is_file() and marker.read_text().strip() == "2"
+
+        wait_until(checkpointed_step_2, "the first run's step-2 checkpoint", timeout=1800)
         first.send_signal(signal.SIGKILL)
     finally:
         first.kill()
@@ -135,7 +146,7 @@ def test_a_killed_agl_train_restarts_from_its_last_checkpoint(policy, tmp_path):
     steps_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     second = start(tmp_path / "second.jsonl")
-    _, err = second.communicate(timeout=180)
+    _, err = second.communicate(timeout=1800)
     assert second.returncode == 0, err.decode()[-2000:]
 
     expected = _expected_batches(overrides, 4)

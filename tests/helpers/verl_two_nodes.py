@@ -1,0 +1,91 @@
+"""The verl backend on a Ray cluster of two nodes on this machine (``tests/helpers/ray_cluster.py``).
+
+:func:`two_node_cluster` starts the head and one worker node, each offering one CPU rank
+(``verl_cpu_rank``) and CPUs for verl's placement groups; the worker node runs from its own folder
+with its own ``PYTHONPATH``, so only what the run ships reaches it. :func:`scenario` trains 2 sync
+steps with ``agl train`` (through ``run_verl.sh`` and :class:`tests.helpers.verl_e2e.Train`, so the
+gateway, controller and checks are those of the single-node scenario) joined to the cluster, with
+``trainer.nnodes=2`` and one rank per node (:func:`two_node_keys`), then async steps 3 and 4
+resumed from its checkpoint, and returns what is wrong with the runs
+(:func:`tests.helpers.verl_e2e.check_rows`, plus where Ray placed the ranks and replicas) and
+report lines. ``device_keys`` and ``overrides`` come last, so a backend or device can change
+anything (another trainer, the GPU keys).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from agl_backend_verl.cpu.mode import RANK_RESOURCE
+from tests.helpers.ray_cluster import RayCluster
+from tests.helpers.verl_e2e import ASYNC_KEYS, SECRET, Stack, Train, check_rows, report_lines, rows
+
+HEAD, WORKER = "agl_test_head_node", "agl_test_worker_node"
+CPUS_PER_NODE = 6  # verl's placement groups take 3 CPUs per rank; the task runner and helpers the rest
+RANK_ACTOR = "WorkerDict"  # verl's colocated rank actor
+
+
+@contextmanager
+def two_node_cluster(work: Path):
+    """A head and a worker node, one ``verl_cpu_rank`` each; stopped by PID on exit."""
+    elsewhere = work / "worker-node-cwd"
+    elsewhere.mkdir(parents=True, exist_ok=True)
+    with RayCluster() as cluster:
+        cluster.start_head(CPUS_PER_NODE, {RANK_RESOURCE: 1, HEAD: 1})
+        cluster.add_worker(CPUS_PER_NODE, {RANK_RESOURCE: 1, WORKER: 1}, cwd=elsewhere, env={"PYTHONPATH": ""})
+        yield cluster
+
+
+def two_node_keys(cluster: RayCluster) -> tuple[str, ...]:
+    """Join ``cluster``, one rank on each of its two nodes, the replica reachable from other nodes."""
+    return (
+        f"ray_kwargs.ray_init.address={cluster.address}",
+        "trainer.nnodes=2",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # a replica per rank: one on each node
+        "agentlightning.verl.replica_bind_host=0.0.0.0",
+    )
+
+
+def placement(cluster: RayCluster) -> Counter[tuple[str, str]]:
+    """How many actors of each class ran on each node (``head``/``worker``), from the cluster's GCS."""
+    import ray
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        names = {node["NodeID"]: ("head" if HEAD in node["Resources"] else "worker") for node in ray.nodes()}
+        actors = ray._private.state.actors().values()  # the GCS's actor table, dead actors included
+        return Counter((names.get(a["Address"]["NodeID"], "?"), a["ActorClassName"]) for a in actors)
+    finally:
+        ray.shutdown()
+
+
+def scenario(
+    stack: Stack, cluster: RayCluster, device_keys: Sequence[str], *overrides: str, timeout: float = 3600.0
+) -> tuple[list[str], list[str]]:
+    """2 sync steps, then async steps 3 and 4 resumed from the sync run's checkpoint, on the two
+    nodes: ``(problems, report lines)``. The checks are the single-node scenario's (every rollout
+    traced, rows trained, finite loss, registered weight versions, the key in no log), plus a verl
+    rank on each node; where Ray ran every actor is reported (the CPU replica's server is not pinned
+    to its ranks' node)."""
+    run_dir = stack.work / "two-node-run"
+    keys = (*device_keys, *two_node_keys(cluster), *overrides)
+    lines: list[str] = []
+    seconds = Train(stack, run_dir, 2, keys, name="two-node-sync", n_gpus=1).finish(timeout)
+    lines += report_lines("two nodes, sync", rows(run_dir), seconds)
+    problems = check_rows(rows(run_dir), [1, 2])
+    seconds = Train(stack, run_dir, 4, (*keys, *ASYNC_KEYS), name="two-node-async", n_gpus=1).finish(timeout)
+    lines += report_lines("two nodes, async (resumed from step 2)", rows(run_dir)[2:], seconds)
+    problems += check_rows(rows(run_dir)[2:], [3, 4])
+    where = placement(cluster)
+    lines.append(f"  actors by node, both runs: {dict(sorted(where.items()))}")
+    for name in ("two-node-sync.log", "two-node-async.log", "metrics.jsonl"):
+        if SECRET in (run_dir / name).read_text(errors="replace"):
+            problems.append(f"the gateway key leaked into {name}")
+    for node in ("head", "worker"):  # one rank resource on each node: verl's ranks must use both
+        if not any(count for (at, name), count in where.items() if at == node and name.endswith(RANK_ACTOR)):
+            problems.append(f"no verl rank ({RANK_ACTOR}) ran on the {node} node: {dict(where)}")
+    return problems, lines

@@ -1,0 +1,192 @@
+"""Ray's own failures read as Ray's: a start-up timeout, an unreachable cluster, a dead worker or a
+lost node end ``agl`` with one ``agl: error:`` line naming Ray, and a hint with the setting that
+governs it and what to do; anything else raised in a Ray actor is left as it is."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+pytestmark = pytest.mark.verl
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("verl")
+
+from ray import exceptions as ray_exceptions  # noqa: E402
+
+from agl_backend_verl.ray_errors import (  # noqa: E402
+    RayNodeLost,
+    RayStartTimeout,
+    RayUnreachable,
+    RayWorkerDied,
+    explain_ray_failure,
+    ray_failures_explained,
+)
+from agl_core.cli import main  # noqa: E402
+from agl_core.serving.processes import free_port  # noqa: E402
+from tests.helpers.ray_cluster import RayCluster  # noqa: E402
+from tests.verl.test_cli import write_config  # noqa: E402
+
+# What Ray 2.60 raises when its node does not come up in time (ray._private.node).
+START_TIMEOUT = Exception(
+    "The current node timed out during startup. This could happen because some of the raylet failed to "
+    "startup or the GCS has become overloaded."
+)
+ACTOR_DIED = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: TaskRunner\n\tactor_id: 48b1\n"
+    "\tpid: 6223\n\tnamespace: 4b47\n\tip: 10.0.0.7\nThe actor is dead because its worker process has died. "
+    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2."
+)
+
+
+def actor_died(message: str = ACTOR_DIED) -> ray_exceptions.ActorDiedError:
+    error = ray_exceptions.ActorDiedError()
+    error.error_msg = message
+    return error
+
+
+def one_line(failure) -> str:
+    text = str(failure)
+    assert "\n" not in text, text
+    return text
+
+
+def test_a_start_up_timeout_names_ray_its_waits_and_what_to_do():
+    failure = explain_ray_failure(START_TIMEOUT)
+    assert isinstance(failure, RayStartTimeout)
+    assert one_line(failure) == "Ray did not start: The current node timed out during startup."
+    assert "RAY_raylet_start_wait_time_s" in failure.hint and "ray start --head" in failure.hint
+    assert "ray_kwargs.ray_init.address" in failure.hint
+
+
+def test_a_cluster_ray_cannot_reach_is_unreachable():
+    failure = explain_ray_failure(ConnectionError("Failed to connect to Ray cluster at 10.0.0.9:6379"))
+    assert isinstance(failure, RayUnreachable)
+    assert "Ray" in one_line(failure) and "10.0.0.9:6379" in str(failure)
+    assert "ray_kwargs.ray_init.address" in failure.hint and "RAY_ADDRESS" in failure.hint
+
+
+def test_a_dead_actor_names_the_actor_its_process_and_node_in_one_line():
+    failure = explain_ray_failure(actor_died())
+    assert isinstance(failure, RayWorkerDied)
+    assert one_line(failure) == (
+        "a Ray worker process died: actor TaskRunner (pid 6223, node 10.0.0.7): "
+        "The actor is dead because its worker process has died."
+    )
+    assert "worker-*.err" in failure.hint and "RAY_memory_usage_threshold" in failure.hint
+    assert "trainer.resume_mode=auto" in failure.hint
+
+
+def test_a_lost_node_is_told_apart_from_a_dead_worker():
+    died_with_node = ACTOR_DIED.replace(
+        "The actor is dead because its worker process has died.", "The actor died because its node has died."
+    )
+    for error in (actor_died(died_with_node), ray_exceptions.NodeDiedError("Node 5b18 died: heartbeats missed.")):
+        failure = explain_ray_failure(error)
+        assert isinstance(failure, RayNodeLost), error
+        assert one_line(failure).startswith("Ray lost a node of the cluster: ")
+        assert "RAY_health_check_failure_threshold" in failure.hint and "ray status" in failure.hint
+
+
+def test_an_actor_that_became_unreachable_says_its_process_or_node_is_gone():
+    error = ray_exceptions.ActorUnavailableError("RpcError: Socket closed", None)
+    failure = explain_ray_failure(error)
+    assert isinstance(failure, RayWorkerDied)
+    assert one_line(failure).startswith("a Ray actor became unreachable (its process or its node is gone): ")
+
+
+def test_errors_that_are_not_rays_pass_through_even_from_an_actor():
+    assert explain_ray_failure(ValueError("bad batch")) is None
+    cause = ValueError("bad batch")
+    raised_in_actor = ray_exceptions.RayTaskError("run", "Traceback ...\nValueError: bad batch", cause)
+    assert explain_ray_failure(raised_in_actor) is None
+    with pytest.raises(ValueError, match="bad batch"):
+        with ray_failures_explained():
+            raise ValueError("bad batch")
+
+
+def test_a_ray_error_an_actor_re_raised_as_another_type_is_found_in_its_traceback():
+    traceback = f"Traceback (most recent call last):\n  ...\nray.exceptions.ActorDiedError: {ACTOR_DIED}"
+    wrapped = ray_exceptions.RayTaskError("run", traceback, RuntimeError("step 3 failed"))
+    failure = explain_ray_failure(wrapped)
+    assert isinstance(failure, RayWorkerDied) and "Ray worker process died" in str(failure)
+
+
+def test_the_cli_prints_rays_failure_as_one_error_line_and_a_hint(tmp_path, capsys, monkeypatch):
+    """``agl train backend=verl`` told to join a cluster where nothing listens: no minutes of Ray
+    retrying, no "internal error"."""
+    assert not ray.is_initialized()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    address = f"127.0.0.1:{free_port()}"
+    code = main(
+        [
+            "train",
+            str(write_config(tmp_path, backend="torch")),
+            "backend=verl",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "agentlightning.agl_base_url=http://127.0.0.1:9",  # never contacted: Ray comes first
+            "actor_rollout_ref.rollout.name=vllm",
+            "trainer.n_gpus_per_node=1",  # one rank: the checks before Ray pass
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+            f"ray_kwargs.ray_init.address={address}",
+        ]
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("agl: ")]  # not the progress bar
+    assert code == 2 and len(err) == 2, err
+    assert err[0].startswith(f"agl: error: no Ray cluster answers at {address} (ray_kwargs.ray_init.address")
+    assert "internal error" not in err[0]
+    assert err[1].startswith("agl: hint: start the cluster there (`ray start --head --port=PORT`)")
+    assert not ray.is_initialized()
+
+
+def runner_killing_its_worker():
+    """A Runner actor whose streaming ``run`` starts a Victim actor, yields its PID, then kills it
+    while waiting on it, as a verl worker dies under the task runner (defined in a function, so Ray
+    ships both classes by value)."""
+
+    @ray.remote(num_cpus=0)
+    class Victim:
+        def pid(self):
+            return os.getpid()
+
+        def wait(self):
+            import time
+
+            time.sleep(600)
+
+    @ray.remote(num_cpus=0)
+    class Runner:
+        def run(self):
+            victim = Victim.remote()
+            pid = ray.get(victim.pid.remote())
+            pending = victim.wait.remote()
+            yield pid
+            os.kill(pid, signal.SIGKILL)
+            yield ray.get(pending)
+
+    return Runner
+
+
+@pytest.mark.ray
+def test_a_killed_actor_inside_the_task_runner_reads_as_a_dead_ray_worker():
+    """What the driver gets when a worker the task runner waits on is killed: Ray's error, wrapped
+    by the runner's streaming call, explained as a dead worker naming the killed actor."""
+    # Ray through ``ray start`` and the cluster helper, which starts it again when Ray's own start-up
+    # waits run out on a loaded machine (an in-process ray.init fails there with Ray's start-up timeout).
+    with RayCluster() as cluster:
+        cluster.start_head(num_cpus=2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            with pytest.raises(RayWorkerDied) as died:
+                with ray_failures_explained():
+                    for ref in runner_killing_its_worker().remote().run.options(num_returns="streaming").remote():
+                        pid = ray.get(ref)
+        finally:
+            ray.shutdown()
+    assert isinstance(died.value.__cause__, ray_exceptions.RayTaskError)  # the original is kept
+    assert one_line(died.value).startswith(f"a Ray worker process died: actor Victim (pid {pid}, node ")
