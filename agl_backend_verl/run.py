@@ -39,7 +39,7 @@ from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
 from agl_backend_verl.ray_cluster import start_or_join
 from agl_backend_verl.ray_errors import ray_failures_explained
-from agl_backend_verl.shipping import localized_hook_files, shipped_runtime_env
+from agl_backend_verl.shipping import absolute_paths, localized_hook_files, shipped_runtime_env
 from agl_backend_verl.trainer import StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
 from agl_core import (
@@ -155,6 +155,7 @@ def train(config: DictConfig, plugins: Sequence[Any] = (), on_step: OnStep | Non
         from verl.trainer.ppo.utils import need_critic
 
         cpu_mode.check_cpu_config(config, use_critic=need_critic(config))
+    config = absolute_paths(config)
     with ray_failures_explained():
         init_ray(config)
         check_gpus(config)

@@ -23,6 +23,7 @@ given :func:`shipped_runtime_env` by whoever started it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -44,7 +45,7 @@ ENTRYPOINT_GROUP = "agl"
 AGL_PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 METADATA_FILES = ("METADATA", "entry_points.txt")
 
-__all__ = ["HOOK_FILES_ENV", "localized_hook_files", "shipped_runtime_env"]
+__all__ = ["HOOK_FILES_ENV", "PATH_KEYS", "absolute_paths", "localized_hook_files", "shipped_runtime_env"]
 
 
 def _top_level(module: str) -> str:
@@ -129,6 +130,36 @@ def shipped_runtime_env(config: DictConfig, runtime_env: Mapping[str, Any]) -> d
     env["py_modules"] = [*(env.get("py_modules") or []), *py_modules]
     env["env_vars"] = env_vars
     return env
+
+
+# The config's local paths that Ray processes open: the task runner and verl's workers run in Ray's
+# working directory, which is not the directory of agl train on a cluster started elsewhere.
+PATH_KEYS = (
+    "data.train_files",
+    "data.val_files",
+    "agentlightning.replay",
+    "trainer.default_local_dir",
+    "actor_rollout_ref.model.path",
+)
+
+
+def absolute_paths(config: DictConfig) -> DictConfig:
+    """``config`` with each relative path of :data:`PATH_KEYS` made absolute against this process's
+    working directory (the model path only where it names a local folder: else it is a hub id)."""
+    config = copy.deepcopy(config)
+    for key in PATH_KEYS:
+        value = OmegaConf.select(config, key, default=None)
+        if key == "actor_rollout_ref.model.path" and not (isinstance(value, str) and Path(value).exists()):
+            continue
+        if isinstance(value, str) and value:
+            OmegaConf.update(config, key, _absolute(value), force_add=False)
+        elif OmegaConf.is_list(value):
+            OmegaConf.update(config, key, [_absolute(str(path)) for path in value], force_add=False)
+    return config
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute()) if "://" not in path else path
 
 
 def localized_hook_files(config: DictConfig) -> DictConfig:

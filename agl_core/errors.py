@@ -28,6 +28,18 @@ class AglError(Exception):
     hint: ClassVar[str | None] = None
     """One line on what to try next, printed by ``agl`` after the error (``None``: nothing to add)."""
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its message and attributes, not by calling ``__init__`` again: an error raised
+        # in a Ray worker reaches the driver pickled, whatever arguments its class's ``__init__`` takes.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> AglError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class FileFormatError(AglError, ValueError):
     """A file agl reads does not hold what it must (a dataset, a metrics log, a checkpoint); the

@@ -92,3 +92,21 @@ def test_the_check_finds_a_bare_builtin_raise(tmp_path):
 def test_the_errors_a_caller_may_catch_are_public_agl_errors(name):
     error = getattr(agl_core, name)
     assert name in agl_core.__all__ and issubclass(error, AglError)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError("data.train_files", "dataset file not found: data.jsonl"),
+        agl_core.DataValidationError("triplets[0].reward", "is NaN", rollout_id="r-1"),
+        RegistryError("no estimator 'grpoo'"),
+        UsageError("n must be positive"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_an_error_survives_pickling_with_its_message_and_fields(error):
+    """Errors raised in a Ray worker reach the driver pickled, whatever their ``__init__`` takes."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error) and vars(copy) == vars(error)

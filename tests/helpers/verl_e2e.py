@@ -148,24 +148,33 @@ class Train:
             raise RuntimeError(f"agl train ({self.log.name}) exited with {self.process.returncode}:\n{self.failure()}")
         return time.perf_counter() - self.started
 
-    def kill_after_step(self, step: int, timeout: float) -> None:
-        """SIGKILL the whole process group once ``step`` is reported and verl has checkpointed it (verl's
-        loop checkpoints a step before it reports it)."""
+    def wait_for_step(self, step: int, timeout: float) -> None:
+        """Return once ``step`` is reported and verl has checkpointed it (verl's loop checkpoints a
+        step before it reports it); fail if the run exits first or ``timeout`` passes."""
         marker = self.run_dir / "latest_checkpointed_iteration.txt"
         deadline = time.monotonic() + timeout
+        while not (
+            step in [row.get("step") for row in rows(self.run_dir)]
+            and marker.is_file()
+            and int(marker.read_text().strip() or 0) >= step
+        ):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"agl train exited before reporting step {step}:\n{self.failure()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"step {step} not reported and checkpointed within {timeout:g}s:\n{self.failure()}")
+            time.sleep(0.2)
+
+    def kill_after_step(self, step: int, timeout: float) -> None:
+        """SIGKILL the whole process group once ``step`` is reported and checkpointed."""
         try:
-            while not (
-                step in [row.get("step") for row in rows(self.run_dir)]
-                and marker.is_file()
-                and int(marker.read_text().strip() or 0) >= step
-            ):
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"agl train exited before reporting step {step}:\n{self.failure()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"step {step} not reported and checkpointed within {timeout:g}s:\n{self.failure()}"
-                    )
-                time.sleep(0.2)
+            self.wait_for_step(step, timeout)
+        finally:
+            self.stop()
+
+    def exit_code(self, timeout: float) -> int:
+        """Wait for the run to exit by itself (killed after ``timeout``); its exit code."""
+        try:
+            return self.process.wait(timeout=timeout)
         finally:
             self.stop()
 

@@ -14,6 +14,7 @@ anything (another trainer, the GPU keys).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -35,8 +36,13 @@ def two_node_cluster(work: Path):
     elsewhere.mkdir(parents=True, exist_ok=True)
     with RayCluster() as cluster:
         cluster.start_head(CPUS_PER_NODE, {RANK_RESOURCE: 1, HEAD: 1})
-        cluster.add_worker(CPUS_PER_NODE, {RANK_RESOURCE: 1, WORKER: 1}, cwd=elsewhere, env={"PYTHONPATH": ""})
+        add_worker_node(cluster, elsewhere)
         yield cluster
+
+
+def add_worker_node(cluster: RayCluster, cwd: Path) -> None:
+    """The worker node: one rank, running from ``cwd`` with an empty ``PYTHONPATH``."""
+    cluster.add_worker(CPUS_PER_NODE, {RANK_RESOURCE: 1, WORKER: 1}, cwd=cwd, env={"PYTHONPATH": ""})
 
 
 def two_node_keys(cluster: RayCluster) -> tuple[str, ...]:
@@ -88,4 +94,52 @@ def scenario(
     for node in ("head", "worker"):  # one rank resource on each node: verl's ranks must use both
         if not any(count for (at, name), count in where.items() if at == node and name.endswith(RANK_ACTOR)):
             problems.append(f"no verl rank ({RANK_ACTOR}) ran on the {node} node: {dict(where)}")
+    return problems, lines
+
+
+# A rollout whose agent waits on a lost replica ends within this, so a lost node cannot hang the step.
+NODE_LOST_KEYS = ("agentlightning.rollout_timeout_seconds=300",)
+
+
+def node_lost_scenario(
+    stack: Stack, cluster: RayCluster, device_keys: Sequence[str], *overrides: str, timeout: float = 3600.0
+) -> tuple[list[str], list[str]]:
+    """Async steps on the two nodes; the worker node is killed (by its processes' PIDs) once step 1 is
+    reported and checkpointed, while step 2's groups run. The run must end by itself with one
+    ``agl: error:`` line naming Ray and what was lost; on a cluster made whole again (a new worker
+    node) the run resumed from step 1's checkpoint trains steps 2 and 3, each once, with the groups
+    that were in flight resumed or re-created and counted: ``(problems, report lines)``."""
+    run_dir = stack.work / "node-lost-run"
+    keys = (*device_keys, *two_node_keys(cluster), *ASYNC_KEYS, *NODE_LOST_KEYS, *overrides)
+    lines: list[str] = []
+    problems: list[str] = []
+    started = time.perf_counter()
+    run = Train(stack, run_dir, 3, keys, name="node-lost", n_gpus=1)
+    run.wait_for_step(1, timeout)
+    cluster.workers[-1].kill()
+    code = run.exit_code(timeout)
+    errors = [line for line in run.log.read_text(errors="replace").splitlines() if line.startswith("agl: ")]
+    lines.append(f"the worker node killed after step 1: exit {code} after {time.perf_counter() - started:.0f}s")
+    lines += [f"  {line}" for line in errors]
+    if code == 0:
+        problems.append("the run finished although its worker node was lost")
+    if not any(line.startswith("agl: error:") and "Ray" in line for line in errors):
+        problems.append(f"the run did not end with agl's error naming Ray:\n{run.failure()}")
+    add_worker_node(cluster, stack.work / "worker-node-cwd-again")
+    started = time.perf_counter()
+    Train(stack, run_dir, 3, keys, name="node-lost-resumed", n_gpus=1).finish(timeout)
+    every = rows(run_dir)
+    steps = [row["step"] for row in every]
+    if steps != [1, 2, 3]:
+        problems.append(f"steps reported {steps}: each of 1, 2, 3 once was expected (nothing trained twice)")
+    resumed = [row for row in every if row["step"] >= 2]
+    lines += report_lines("resumed on the restored cluster", resumed, time.perf_counter() - started)
+    problems += check_rows(resumed, [2, 3], after_kill=[2])
+    if (
+        resumed
+        and resumed[0].get("training/async/n_resumed_groups", 0)
+        + resumed[0].get("training/async/n_recreated_groups", 0)
+        <= 0
+    ):
+        problems.append("the resumed step counted no group in flight (resumed or re-created)")
     return problems, lines

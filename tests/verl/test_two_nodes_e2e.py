@@ -1,7 +1,7 @@
 """``agl train … backend=verl`` in verl's CPU mode on a Ray cluster of two nodes on 127.0.0.1
 (``tests/helpers/verl_two_nodes.py``): one rank on each node, a CPU replica per rank listening on every
 interface, the real gateway and controller; 2 sync steps, then 2 async steps resumed from verl's
-checkpoint."""
+checkpoint; and a run that loses its worker node mid-step, resumed on the cluster made whole again."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("verl")
 from agl_backend_verl.cpu import CPU_KEYS  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
 from tests.helpers.verl_e2e import Stack  # noqa: E402
-from tests.helpers.verl_two_nodes import scenario, two_node_cluster  # noqa: E402
+from tests.helpers.verl_two_nodes import node_lost_scenario, scenario, two_node_cluster  # noqa: E402
 
 
 def test_sync_then_async_steps_with_one_rank_on_each_of_two_nodes(tmp_path):
@@ -25,5 +25,14 @@ def test_sync_then_async_steps_with_one_rank_on_each_of_two_nodes(tmp_path):
     started = time.perf_counter()
     with two_node_cluster(tmp_path) as cluster, Stack(policy, tmp_path) as stack:
         problems, lines = scenario(stack, cluster, CPU_KEYS)
+    print("\n".join(["", *lines, f"end to end: {time.perf_counter() - started:.0f}s"]))
+    assert not problems, "\n".join(problems)
+
+
+def test_a_lost_worker_node_ends_the_run_with_rays_error_and_the_run_resumes_on_a_whole_cluster(tmp_path):
+    policy = build(tmp_path / "policy", seed=0)
+    started = time.perf_counter()
+    with two_node_cluster(tmp_path) as cluster, Stack(policy, tmp_path) as stack:
+        problems, lines = node_lost_scenario(stack, cluster, CPU_KEYS)
     print("\n".join(["", *lines, f"end to end: {time.perf_counter() - started:.0f}s"]))
     assert not problems, "\n".join(problems)
