@@ -32,16 +32,15 @@ RANK_ACTOR = "WorkerDict"  # verl's colocated rank actor
 @contextmanager
 def two_node_cluster(work: Path):
     """A head and a worker node, one ``verl_cpu_rank`` each; stopped by PID on exit."""
-    elsewhere = work / "worker-node-cwd"
-    elsewhere.mkdir(parents=True, exist_ok=True)
     with RayCluster() as cluster:
         cluster.start_head(CPUS_PER_NODE, {RANK_RESOURCE: 1, HEAD: 1})
-        add_worker_node(cluster, elsewhere)
+        add_worker_node(cluster, work / "worker-node-cwd")
         yield cluster
 
 
 def add_worker_node(cluster: RayCluster, cwd: Path) -> None:
-    """The worker node: one rank, running from ``cwd`` with an empty ``PYTHONPATH``."""
+    """The worker node: one rank, running from its own folder ``cwd`` with an empty ``PYTHONPATH``."""
+    cwd.mkdir(parents=True, exist_ok=True)
     cluster.add_worker(CPUS_PER_NODE, {RANK_RESOURCE: 1, WORKER: 1}, cwd=cwd, env={"PYTHONPATH": ""})
 
 
