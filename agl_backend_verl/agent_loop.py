@@ -28,11 +28,22 @@ from tensordict import TensorDict
 
 from agl_backend_verl.dataset import INPUT_KEY
 from agl_backend_verl.transfer import partition, put_group
-from agl_core import GroupStream, RolloutSource, group_stream
+from agl_core import AglError, GroupStream, RolloutSource, group_stream
 
-__all__ = ["RolloutLoopManager"]
+__all__ = ["RolloutLoopError", "RolloutLoopManager"]
 
 logger = logging.getLogger(__name__)
+
+
+class RolloutLoopError(AglError, RuntimeError):
+    """The thread that runs the rollouts and stores them in TransferQueue stopped; the message says
+    on what (the gateway, a TransferQueue storage unit that no longer answers...)."""
+
+    hint = (
+        "a TransferQueue storage unit on a lost node never answers again (keep the units on nodes that stay, "
+        "transfer_queue.backend.SimpleStorage.required_node_resource); run agl train again once the cause is "
+        "fixed: trainer.resume_mode=auto continues from the last checkpoint"
+    )
 
 
 class RolloutLoopManager:
@@ -101,9 +112,14 @@ class RolloutLoopManager:
             self._error = exc
 
     def raise_failure(self) -> None:
-        """Raise what ended the polling thread, if anything did."""
+        """Raise what ended the polling thread, if anything did: an agl error as it is, anything else
+        as a :class:`RolloutLoopError` naming it."""
+        if isinstance(self._error, AglError):
+            raise self._error
         if self._error is not None:
-            raise RuntimeError(f"agl's rollout loop failed: {self._error}") from self._error
+            raise RolloutLoopError(
+                f"agl's rollout loop stopped: {type(self._error).__name__}: {self._error}"
+            ) from self._error
 
     def pop_counts(self) -> dict[str, float]:
         """The source's counts since the last call (rollouts by state, retries, hook failures...)."""

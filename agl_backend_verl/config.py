@@ -63,13 +63,19 @@ AGENT_LIGHTNING_VERL_VALUES: dict[str, Any] = {
 # list: the cluster to join (HOST:PORT of its head, auto, or null to start a Ray of agl's own).
 RAY_INIT_KEYS: dict[str, Any] = {"ray_kwargs": {"ray_init": {"address": None}}}
 RAY_ADDRESS_KEY = "ray_kwargs.ray_init.address"
+# TransferQueue's own keys that verl's defaults leave out: the Ray custom resource a node must offer
+# to hold a storage unit (null: any node). A unit lost with its node loses the data it holds.
+TRANSFER_QUEUE_KEYS: dict[str, Any] = {
+    "transfer_queue": {"backend": {"SimpleStorage": {"required_node_resource": None}}}
+}
 
 
 def overlay() -> DictConfig:
-    """What goes over verl's defaults: :data:`AGENT_LIGHTNING_VERL_VALUES`, :data:`RAY_INIT_KEYS` and
-    the core defaults of :data:`FROM_CORE` (read from the core schema, so they are stated once)."""
+    """What goes over verl's defaults: :data:`AGENT_LIGHTNING_VERL_VALUES`, :data:`RAY_INIT_KEYS`,
+    :data:`TRANSFER_QUEUE_KEYS` and the core defaults of :data:`FROM_CORE` (read from the core schema,
+    so they are stated once)."""
     core = default_config()
-    values = OmegaConf.merge(AGENT_LIGHTNING_VERL_VALUES, RAY_INIT_KEYS)
+    values = OmegaConf.merge(AGENT_LIGHTNING_VERL_VALUES, RAY_INIT_KEYS, TRANSFER_QUEUE_KEYS)
     for key in FROM_CORE:
         OmegaConf.update(values, key, OmegaConf.select(core, key), force_add=True)
     return values

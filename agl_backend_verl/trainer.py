@@ -127,6 +127,22 @@ class AglTrainer:
 
             self.resource_pool_manager = CpuResourcePoolManager.like(self.resource_pool_manager)
 
+    def _build_replay_buffer(self) -> Any:
+        """verl's replay buffer, whose wait between polls for finished groups first raises what ended
+        agl's rollout loop: ``sample`` otherwise polls forever for groups a failed loop never stores
+        (a TransferQueue storage unit lost with its node, a gateway that stopped answering)."""
+        buffer = super()._build_replay_buffer()  # type: ignore[misc]
+        wait = buffer._wait_for_next_poll
+
+        def wait_unless_failed(partition_id: str, last_debug_time: float) -> float:
+            loop = getattr(self, "agent_loop_manager", None)
+            if loop is not None:
+                loop.raise_failure()
+            return wait(partition_id, last_debug_time)
+
+        buffer._wait_for_next_poll = wait_unless_failed
+        return buffer
+
     # -- reporting -----------------------------------------------------------------------------
 
     @property

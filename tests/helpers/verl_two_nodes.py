@@ -96,8 +96,13 @@ def scenario(
     return problems, lines
 
 
-# A rollout whose agent waits on a lost replica ends within this, so a lost node cannot hang the step.
-NODE_LOST_KEYS = ("agentlightning.rollout_timeout_seconds=300",)
+NODE_LOST_KEYS = (
+    # A rollout whose agent waits on a lost replica ends within this, so a lost node cannot hang the step.
+    "agentlightning.rollout_timeout_seconds=300",
+    # TransferQueue's storage on the node that stays: a unit lost with its node answers nothing until
+    # TransferQueue's own timeouts run out (200 s, 3 attempts), and the data it held is gone.
+    f"transfer_queue.backend.SimpleStorage.required_node_resource={HEAD}",
+)
 
 
 def node_lost_scenario(

@@ -364,3 +364,26 @@ def test_on_two_ranks_verls_dispatch_gets_the_torch_backends_mini_batches(ray_se
         trained = sorted(ids[tuple(row.tolist())] for mini in minis for row in mini["input_ids"].unbind())
         assert trained == sorted(row.rollout_id for row in shaped.rows[i * per_mini : (i + 1) * per_mini])
     assert "global_seqlen/balanced_max" in run.metrics(1)  # trainer.balance_batch: balanced within each mini-batch
+
+
+class FailingSource(FakeSource):
+    """A source whose training rollouts never come: its collect fails as a lost gateway would."""
+
+    def collect(self, samples, *, step, is_train):
+        raise ConnectionError("the gateway at http://127.0.0.1:1 stopped answering")
+
+
+def test_a_failed_rollout_loop_ends_the_step_that_waits_for_its_groups(ray_session, tmp_path, tiny_model_dir):
+    """verl's replay buffer polls until enough groups finish; when the thread that stores them has
+    failed, the step raises that failure instead of waiting forever."""
+    from agl_backend_verl.agent_loop import RolloutLoopError
+
+    config = make_config(tmp_path, tiny_model_dir, "trainer.val_before_train=false", "trainer.test_freq=-1")
+    plugins = PluginManager(load_entrypoints=False)
+    with transfer_queue_session(config):
+        trainer = local_trainer_class("sync", ENDPOINTS)(config, plugins=plugins)
+        trainer.init()
+        with pytest.raises(RolloutLoopError, match="ConnectionError: the gateway at .* stopped answering") as failed:
+            fit_locally(trainer, FailingSource(plugins), N)
+    assert isinstance(failed.value.__cause__, ConnectionError)
+    assert "required_node_resource" in failed.value.hint
