@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 STEPS = 40
 
 
-def test_forty_steps_on_two_processes_teach_the_policy_to_follow_the_signs(tmp_path):
+def test_forty_steps_on_two_processes_teach_the_policy_to_follow_the_signs(tmp_path, monkeypatch):
+    # The backend given in code only, whether or not its package (and entry point) is installed.
+    monkeypatch.setenv("AGL_DISABLE_PLUGIN_AUTOLOAD", "1")
     lines = corridor_run(tmp_path, STEPS, "agentlightning.backend=ddp", plugins=[agl_ddp_backend])
     rewards = [line["training/reward"] for line in lines if line["step"] > 0]
     assert len(rewards) == STEPS
