@@ -32,10 +32,6 @@ RAY_START_TIMEOUT = "The current node timed out during startup"
 START_ATTEMPTS = 3
 
 
-def _ports(*names: str) -> list[str]:
-    return [f"--{name}={free_port()}" for name in names]
-
-
 class Node:
     """One ``ray start --block`` process (a head or a worker node); stopped by its process group's PID."""
 
@@ -147,6 +143,7 @@ class RayCluster:
         self.head: Node | None = None
         self.workers: list[Node] = []
         self.port = free_port()
+        self.used_ports = {self.port}  # every port given to a node of this cluster: none is given twice
 
     @property
     def address(self) -> str:
@@ -158,12 +155,14 @@ class RayCluster:
             "--head",
             f"--port={self.port}",
             "--include-dashboard=false",
-            *_ports("dashboard-port"),
+            *self._ports("dashboard-port"),
             f"--num-cpus={num_cpus}",
             "--num-gpus=0",
             f"--resources={json.dumps(dict(resources or {}))}",
-            *_ports("ray-client-server-port", "node-manager-port", "object-manager-port", "runtime-env-agent-port"),
-            *_ports("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port"),
+            *self._ports(
+                "ray-client-server-port", "node-manager-port", "object-manager-port", "runtime-env-agent-port"
+            ),
+            *self._ports("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port"),
             *self._worker_ports(),
         ]
         self.head = Node("head", args, cwd=cwd or Path(tempfile.gettempdir()), env=self.env)
@@ -185,8 +184,8 @@ class RayCluster:
             f"--num-cpus={num_cpus}",
             "--num-gpus=0",
             f"--resources={json.dumps(dict(resources or {}))}",
-            *_ports("node-manager-port", "object-manager-port", "runtime-env-agent-port"),
-            *_ports("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port"),
+            *self._ports("node-manager-port", "object-manager-port", "runtime-env-agent-port"),
+            *self._ports("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port"),
             *self._worker_ports(),
         ]
         name, cwd = f"worker{len(self.workers)}", cwd or Path(tempfile.gettempdir())
@@ -195,10 +194,24 @@ class RayCluster:
         node.wait_started()
         return node
 
-    @staticmethod
-    def _worker_ports() -> list[str]:
-        """Ports for the node's worker processes from a free one up (Ray's default range is shared)."""
+    def _ports(self, *names: str) -> list[str]:
+        """``--NAME=PORT`` for each name, each a free port not given to this cluster before."""
+        args = []
+        for name in names:
+            port = free_port()
+            while port in self.used_ports:
+                port = free_port()
+            self.used_ports.add(port)
+            args.append(f"--{name}={port}")
+        return args
+
+    def _worker_ports(self) -> list[str]:
+        """Ports for the node's worker processes, 41 from a free one up (Ray's default range is shared),
+        none of them a port this cluster gave already (Ray refuses a node whose ports collide)."""
         low = free_port()
+        while self.used_ports & set(range(low, low + 41)):
+            low = free_port()
+        self.used_ports.update(range(low, low + 41))
         return [f"--min-worker-port={low}", f"--max-worker-port={low + 40}"]
 
     def stop(self) -> None:
