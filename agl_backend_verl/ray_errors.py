@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
+import ray
 from ray import exceptions as ray_exceptions
 
 from agl_backend_verl.config import RAY_ADDRESS_KEY
@@ -33,6 +35,7 @@ __all__ = [
     "RayUnreachable",
     "RayWorkerDied",
     "explain_ray_failure",
+    "nodes_watched",
     "ray_failures_explained",
 ]
 
@@ -176,3 +179,54 @@ def ray_failures_explained(address: str | None = None) -> Iterator[None]:
         if failure is None or failure is exc:
             raise
         raise failure from exc
+
+
+# What a process says when the peer of a collective or a connection went away with its node (gloo,
+# NCCL, sockets): the node's death may reach Ray's GCS only after its health checks run out.
+LOST_PEER = re.compile(
+    r"closed by peer|reset by peer|connection refused|remote process exited|broken pipe|socket closed", re.I
+)
+LOST_NODE_WAIT_S = 60.0  # beyond Ray's default health checks (5 missed, 3 s apart, 10 s timeout each)
+
+
+def _alive_nodes() -> dict[str, str]:
+    """Node id -> address of the cluster's live nodes."""
+    return {node["NodeID"]: node.get("NodeManagerAddress", "?") for node in ray.nodes() if node.get("Alive")}
+
+
+def lost_nodes(
+    alive_before: dict[str, str], wait_s: float, nodes: Callable[[], dict[str, str]] = _alive_nodes
+) -> list[str]:
+    """``address (id)`` of each node of ``alive_before`` that is no longer alive, asking Ray again for up
+    to ``wait_s`` seconds while none is."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = nodes()
+        lost = [f"{address} ({node_id[:12]})" for node_id, address in alive_before.items() if node_id not in alive]
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def nodes_watched(nodes: Callable[[], dict[str, str]] = _alive_nodes) -> Iterator[None]:
+    """Inside a running Ray session: an error that is not agl's, raised while a node that was alive on
+    entry died, is raised as :class:`RayNodeLost` naming the node and what failed first (a surviving
+    rank's collective, a call to a replica there...), chained to it. Where the error reads as a lost
+    peer (:data:`LOST_PEER`), Ray is asked for up to :data:`LOST_NODE_WAIT_S` seconds, the time its
+    health checks take to declare the node dead."""
+    alive_before = nodes()
+    try:
+        yield
+    except AglError:
+        raise
+    except Exception as exc:
+        first = " ".join(str(_wrapped(exc)).split())[:300]
+        wait_s = LOST_NODE_WAIT_S if LOST_PEER.search(f"{exc}\n{first}") else 0.0
+        lost = lost_nodes(alive_before, wait_s, nodes)
+        if not lost:
+            raise
+        raise RayNodeLost(
+            f"Ray lost a node of the cluster while the run used it: {', '.join(lost)}; what failed first: "
+            f"{type(_wrapped(exc)).__name__}: {first}"
+        ) from exc

@@ -38,7 +38,7 @@ from agl_backend_verl.config import (
 from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
 from agl_backend_verl.ray_cluster import start_or_join
-from agl_backend_verl.ray_errors import ray_failures_explained
+from agl_backend_verl.ray_errors import nodes_watched, ray_failures_explained
 from agl_backend_verl.shipping import absolute_paths, localized_hook_files, shipped_runtime_env
 from agl_backend_verl.trainer import StepReport
 from agl_backend_verl.verl_plugins import plugin_settings_env, ray_runtime_env
@@ -163,9 +163,10 @@ def train(config: DictConfig, plugins: Sequence[Any] = (), on_step: OnStep | Non
         runner = RemoteTaskRunner.options(
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
         ).remote()
-        for step, total, metrics, samples in actor_steps(runner, config, plugins):
-            if on_step is not None:
-                on_step(step, total, metrics, samples)
+        with nodes_watched():
+            for step, total, metrics, samples in actor_steps(runner, config, plugins):
+                if on_step is not None:
+                    on_step(step, total, metrics, samples)
 
 
 def actor_steps(runner: Any, config: DictConfig, plugins: list) -> Iterator[StepReport]:

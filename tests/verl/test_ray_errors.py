@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -22,6 +23,7 @@ from agl_backend_verl.ray_errors import (  # noqa: E402
     RayUnreachable,
     RayWorkerDied,
     explain_ray_failure,
+    nodes_watched,
     ray_failures_explained,
 )
 from agl_core.cli import main  # noqa: E402
@@ -112,6 +114,52 @@ def test_a_ray_error_an_actor_re_raised_as_another_type_is_found_in_its_tracebac
     wrapped = ray_exceptions.RayTaskError("run", traceback, RuntimeError("step 3 failed"))
     failure = explain_ray_failure(wrapped)
     assert isinstance(failure, RayWorkerDied) and "Ray worker process died" in str(failure)
+
+
+class Nodes:
+    """A cluster's live nodes as Ray reports them, one report per call (the last one repeated)."""
+
+    def __init__(self, *reports):
+        self.reports, self.calls = list(reports), 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.reports[min(self.calls - 1, len(self.reports) - 1)]
+
+
+BOTH = {"a1b2c3d4e5f6a7b8": "127.0.0.1", "f0e1d2c3b4a5f6e7": "127.0.0.2"}
+HEAD_ONLY = {"a1b2c3d4e5f6a7b8": "127.0.0.1"}
+GLOO = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.2]:1234")
+
+
+def test_an_error_while_a_node_died_names_the_lost_node_and_what_failed_first(monkeypatch):
+    """A surviving rank's collective fails before Ray declares its peer's node dead: Ray is asked
+    again until it does."""
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    nodes = Nodes(BOTH, BOTH, BOTH, HEAD_ONLY)
+    with pytest.raises(RayNodeLost) as lost:
+        with nodes_watched(nodes):
+            raise ray_exceptions.RayTaskError("run", "Traceback ...", GLOO)
+    message = one_line(lost.value)
+    assert message.startswith("Ray lost a node of the cluster while the run used it: 127.0.0.2 (f0e1d2c3b4a5)")
+    assert "what failed first: RuntimeError: [../third_party/gloo" in message and nodes.calls == 4
+    assert isinstance(lost.value.__cause__, ray_exceptions.RayTaskError)
+
+
+def test_an_error_with_every_node_alive_passes_through_at_once():
+    nodes = Nodes(BOTH)
+    with pytest.raises(ValueError, match="a bug"):
+        with nodes_watched(nodes):
+            raise ValueError("a bug in a plugin")
+    assert nodes.calls == 2  # on entry, then once: the error does not read as a lost peer
+
+
+def test_agls_own_errors_are_not_blamed_on_a_lost_node():
+    from agl_core.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        with nodes_watched(Nodes(BOTH, HEAD_ONLY)):
+            raise ConfigError("data.train_files", "dataset file not found: x.jsonl")
 
 
 def test_the_cli_prints_rays_failure_as_one_error_line_and_a_hint(tmp_path, capsys, monkeypatch):
