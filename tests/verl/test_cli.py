@@ -5,7 +5,6 @@ a clear error instead of a traceback from inside a Ray actor."""
 from __future__ import annotations
 
 import os
-import textwrap
 
 import pytest
 
@@ -17,36 +16,7 @@ from agl_core.cli import main  # noqa: E402
 from agl_core.config import ConfigError  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from agl_core.run_config import resolve_config  # noqa: E402
-
-# A run config as a verl user writes it: core keys plus keys that only verl's config has.
-VERL_YAML = """
-agentlightning:
-  backend: {backend}
-data:
-  train_files: {dataset}
-  val_files: {dataset}
-  train_batch_size: 2
-actor_rollout_ref:
-  model:
-    path: /models/tiny
-  actor:
-    ppo_mini_batch_size: 2
-    ppo_micro_batch_size_per_gpu: 1
-    fsdp_config:
-      {offload_key}: true
-  rollout:
-    gpu_memory_utilization: 0.25
-trainer:
-  logger: [console]
-"""
-
-
-def write_config(tmp_path, backend="verl", offload_key="param_offload"):
-    dataset = tmp_path / "rows.jsonl"
-    dataset.write_text('{"signs": ["left"]}\n{"signs": ["right"]}\n')
-    path = tmp_path / "config.yaml"
-    path.write_text(textwrap.dedent(VERL_YAML.format(backend=backend, dataset=dataset, offload_key=offload_key)))
-    return path
+from tests.helpers.verl_configs import write_config  # noqa: E402
 
 
 @pytest.fixture
@@ -156,6 +126,9 @@ def test_cli_backend_verl_on_cpu_says_it_needs_gpus(ray_session, tmp_path, capsy
         "agentlightning.agl_base_url=http://127.0.0.1:9",  # never contacted: the check comes first
         "actor_rollout_ref.rollout.name=vllm",
         "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # the checks before the GPU count pass
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
     )
     assert code == 2
     assert "config key trainer.n_gpus_per_node" in err

@@ -29,7 +29,7 @@ from agl_backend_verl.ray_errors import (  # noqa: E402
 from agl_core.cli import main  # noqa: E402
 from agl_core.serving.processes import free_port  # noqa: E402
 from tests.helpers.ray_cluster import RayCluster  # noqa: E402
-from tests.verl.test_cli import write_config  # noqa: E402
+from tests.helpers.verl_configs import write_config  # noqa: E402
 
 # What Ray 2.60 raises when its node does not come up in time (ray._private.node).
 START_TIMEOUT = Exception(
