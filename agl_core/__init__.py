@@ -10,10 +10,10 @@ their module (``agl_core.ConfigError`` in a traceback), as pytest's do; attrs cl
 dataclasses keep the module defining them, where ``typing.get_type_hints`` resolves their fields'
 annotations. Test helpers live in :mod:`agl_core.testing`.
 
-A public name is imported from its module on first use (``__getattr__``, from :data:`_MODULES`), so
+A public name is imported from its module on first use (``__getattr__``, from ``_MODULES``), so
 ``import agl_core`` loads nothing but pluggy (the loss toolkit loads torch when a loss runs). The
 imports under ``TYPE_CHECKING`` say the same to type checkers; a test keeps ``__all__``,
-:data:`_MODULES` and those imports equal.
+``_MODULES`` and those imports equal.
 """
 
 from __future__ import annotations

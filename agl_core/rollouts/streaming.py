@@ -102,6 +102,6 @@ class CollectStream:
 
 
 def group_stream(source: RolloutSource, n: int) -> GroupStream:
-    """``source`` itself when it streams groups, else a :class:`CollectStream` over it (``n``:
+    """``source`` itself when it streams groups, else a ``CollectStream`` over it (``n``:
     rollouts per training group)."""
     return source if isinstance(source, GroupStream) else CollectStream(source, n)

@@ -80,7 +80,7 @@ class PolicyServer:
     renders chat prompts and decodes. ``max_batch_size`` caps how many queued requests one generation
     pass takes; ``batch_wait_s`` is how long the generation thread lingers for more requests once one
     arrives. ``host`` is the interface the HTTP server listens on (``0.0.0.0``: every interface, for
-    clients on other machines; IPv4); :attr:`base_url` is how this process reaches it.
+    clients on other machines; IPv4); ``base_url`` is how this process reaches it.
     """
 
     __module__ = "agl_core"
