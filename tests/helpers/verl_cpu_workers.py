@@ -277,10 +277,12 @@ class WorkerCallsProbe:
         return float((chosen - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max())
 
     def abort_then_resume(self) -> dict[str, Any]:
-        """A request while aborted is refused (503); after resume it is served."""
+        """A request while aborted with ``reject_request`` (how verl takes a replica out of generation)
+        is refused (503); after resume it is served. (Aborted without it, requests wait for the resume:
+        ``tests/verl/test_cpu_mode.py``.)"""
         endpoint, manager = self.endpoints()[0], self.trainer.checkpoint_manager
         request = {"model": self.model, "prompt": PROMPT, "max_tokens": 2}
-        manager.abort_replicas()
+        manager.abort_replicas(reject_request=True)
         refused = httpx.post(f"{endpoint}/completions", json=request, timeout=60.0).status_code
         manager.resume_generation_replicas()
         served = httpx.post(f"{endpoint}/completions", json=request, timeout=60.0).status_code

@@ -88,7 +88,7 @@ def test_the_actor_trains_on_two_data_parallel_ranks(probe):
     assert ray.get(probe.actor_dp_size.remote()) == 2
 
 
-def test_abort_replicas_refuses_requests_until_resume_generation(probe):
+def test_abort_replicas_with_reject_refuses_requests_until_resume_generation(probe):
     assert ray.get(probe.abort_then_resume.remote()) == {"refused": 503, "served": 200}
 
 
