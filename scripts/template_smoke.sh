@@ -14,5 +14,7 @@ cleanup() {
 trap cleanup EXIT
 "$python" -m agl_core.cli new-plugin agl-template-smoke --dir "$work"
 "$python" -m pip install -q -e "$work/agl-template-smoke"
-"$python" -m agl_core.cli plugins | grep -q '^agl_template_smoke  \[entry point'
+# Into a file first: grep -q stops reading at its match, and agl would write into a closed pipe.
+"$python" -m agl_core.cli plugins > "$work/plugins.txt"
+grep -q '^agl_template_smoke  \[entry point' "$work/plugins.txt"
 (cd "$work/agl-template-smoke" && "$python" -m pytest -q)
