@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import importlib.metadata
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -223,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # The reader went away (``agl plugins | head``): nothing is wrong with agl. Its output goes
+        # nowhere from here, so the interpreter's last flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:
         if args.traceback:
             raise

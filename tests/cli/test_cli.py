@@ -364,3 +364,10 @@ def test_train_given_a_directory_says_it_expected_a_yaml_file(tmp_path, capsys):
 def test_an_unknown_key_suggests_the_key_holding_its_words_else_the_closest_spelling(capsys, key, meant):
     code, _, err = run_cli(capsys, "check", CONFIG, f"{key}=3")
     assert code == 2 and f"config key {key}: unknown key (in overrides); did you mean '{meant}'?" in err
+
+
+def test_a_reader_that_stops_early_is_not_an_error_of_agl():
+    """``agl plugins | true``: the reader is gone before agl writes; agl stops quietly."""
+    script = f"'{sys.executable}' -m agl_core.cli plugins | true"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "error" not in done.stderr, done.stderr
