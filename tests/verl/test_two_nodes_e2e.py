@@ -20,19 +20,15 @@ from tests.helpers.verl_e2e import Stack  # noqa: E402
 from tests.helpers.verl_two_nodes import node_lost_scenario, scenario, two_node_cluster  # noqa: E402
 
 
-def test_sync_then_async_steps_with_one_rank_on_each_of_two_nodes(tmp_path):
+@pytest.mark.parametrize(
+    "scenario_of",
+    [scenario, node_lost_scenario],
+    ids=["sync-then-async-steps", "a-lost-worker-node-then-resumed-on-a-whole-cluster"],
+)
+def test_two_nodes_one_rank_on_each(tmp_path, scenario_of):
     policy = build(tmp_path / "policy", seed=0)
     started = time.perf_counter()
     with two_node_cluster(tmp_path) as cluster, Stack(policy, tmp_path) as stack:
-        problems, lines = scenario(stack, cluster, CPU_KEYS)
-    print("\n".join(["", *lines, f"end to end: {time.perf_counter() - started:.0f}s"]))
-    assert not problems, "\n".join(problems)
-
-
-def test_a_lost_worker_node_ends_the_run_with_rays_error_and_the_run_resumes_on_a_whole_cluster(tmp_path):
-    policy = build(tmp_path / "policy", seed=0)
-    started = time.perf_counter()
-    with two_node_cluster(tmp_path) as cluster, Stack(policy, tmp_path) as stack:
-        problems, lines = node_lost_scenario(stack, cluster, CPU_KEYS)
+        problems, lines = scenario_of(stack, cluster, CPU_KEYS)
     print("\n".join(["", *lines, f"end to end: {time.perf_counter() - started:.0f}s"]))
     assert not problems, "\n".join(problems)
