@@ -221,12 +221,13 @@ def nodes_watched(nodes: Callable[[], dict[str, str]] = _alive_nodes) -> Iterato
     except AglError:
         raise
     except Exception as exc:
-        first = " ".join(str(_wrapped(exc)).split())[:300]
+        inner = _wrapped(exc)
+        first = " ".join(str(inner).split())[:300]
         wait_s = LOST_NODE_WAIT_S if LOST_PEER.search(f"{exc}\n{first}") else 0.0
         lost = lost_nodes(alive_before, wait_s, nodes)
         if not lost:
             raise
         raise RayNodeLost(
             f"Ray lost a node of the cluster while the run used it: {', '.join(lost)}; what failed first: "
-            f"{type(_wrapped(exc)).__name__}: {first}"
+            f"{type(inner).__name__}: {first}"
         ) from exc
