@@ -303,13 +303,17 @@ def check_metrics(
         if not low <= truncated <= high:
             _fail(f"training/n_truncated_sample is {truncated}, expected between {low} and {high}")
     _check_calls_in_no_row(by_id, views, metrics, leaves_calls_out)
-    # Rows the total cap cut: the kept ones cut at its limit, and at most every skipped row besides.
+    # Rows the total cap cut: at least the kept ones that lost trained tokens at its limit; at most
+    # every kept row that ends at that limit (a cut may remove observation tokens only) and every
+    # skipped row besides.
     by_total = metrics.get(TOTAL_LENGTH_CUT_METRIC, 0.0)
     low = sum(v.total_cut and v.short for v in kept)
-    if not low <= by_total <= low + metrics["training/n_skipped_empty_rows"]:
+    high = sum(v.total_cut and v.at_limit for v in kept) + metrics["training/n_skipped_empty_rows"]
+    if not low <= by_total <= high:
         _fail(
-            f"{TOTAL_LENGTH_CUT_METRIC} is {by_total}, expected at least {low} (the kept rows cut to fit "
-            "max_total_length) and at most that plus training/n_skipped_empty_rows"
+            f"{TOTAL_LENGTH_CUT_METRIC} is {by_total}, expected between {low} (the kept rows that lost trained "
+            f"tokens to max_total_length) and {high} (the kept rows ending at its limit, plus "
+            "training/n_skipped_empty_rows)"
         )
 
     lengths = [len(t.response_ids) for r in rollouts for t in r.triplets]

@@ -223,3 +223,20 @@ def test_a_declared_call_whose_prompt_fills_the_total_length_cap_may_go_untraine
     roomy = rollout(call([1, 2], [5, 6]))
     with pytest.raises(AssertionError, match="calls \\[0\\] should be trained"):
         check_trained_calls([roomy], nothing_trained, capped, lambda r, s: [0])
+
+
+def test_a_total_length_cut_through_observation_tokens_only_is_a_cut():
+    """The cap may cut a merged row after its last trained token (an observation the next call's
+    prompt added): the row is counted in the total-length metric though it lost no trained token."""
+    capped = attrs.evolve(LIMITS, max_prompt_length=2, max_total_length=4)
+    merged = rollout(call([1, 2], [3]), call([1, 2, 3, 7, 7, 7], []))
+    result = trajectory([merged], capped)
+    (row,) = result.rows
+    assert row.response_ids.tolist() == [3, 7]
+    assert result.metrics["training/n_truncated_sample/total_length"] == 1
+    check_metrics([merged], result, capped)
+    with pytest.raises(AssertionError, match="training/n_truncated_sample/total_length is 2.0, expected between 0"):
+        check_metrics([merged], attrs.evolve(result, metrics={**result.metrics, TOTAL_LENGTH: 2.0}), capped)
+
+
+TOTAL_LENGTH = "training/n_truncated_sample/total_length"
