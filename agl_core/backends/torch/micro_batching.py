@@ -4,7 +4,9 @@
 :meth:`MicroBatch.cut` takes a group's rows out of the batch's tensors, keeping only the columns its
 longest prompt and response reach. In :func:`agl_core.stages.tensorize.tensorize`'s layout prompts are
 left-padded and responses right-padded, so the columns cut away hold only padding, and the result
-equals tensorising the group's rows with those widths.
+equals tensorising the group's rows with those widths (a vision-language batch's ``(B, 4, L)``
+position ids are cut along their last dimension; :meth:`MicroBatch.cut_rows` takes the group's rows
+of a non-tensor column such as ``multi_modal_inputs``).
 
 With prefix sharing (:func:`split_shared`) the unit is a pack of rows
 (:mod:`agl_core.backends.torch.prefix_packing`) instead of a row: the batch's rows are packed, each
@@ -54,11 +56,15 @@ class MicroBatch:
                 continue
             if name == "prompts":
                 out[name] = value[:, start:][self.rows]
-            elif name in SEQUENCE_TENSORS:
-                out[name] = value[:, start:end][self.rows]
+            elif name in SEQUENCE_TENSORS:  # the sequence is the last dimension: (B, 4, L) mrope position ids too
+                out[name] = value[..., start:end][self.rows]
             else:
                 out[name] = self.cut_responses(value)
         return out
+
+    def cut_rows(self, column: np.ndarray) -> np.ndarray:
+        """These rows of a per-row non-tensor column (``multi_modal_inputs``, ``rollout_ids``...)."""
+        return column[self.rows.cpu().numpy()]
 
     def cut_responses(self, values: torch.Tensor) -> torch.Tensor:
         """These rows of a response-aligned ``[rows, response_len]`` tensor (advantages, log-probs),
