@@ -12,9 +12,10 @@ pack within the budget, and the packs grouped by the same rule (a pack's length 
 apart from trees so that only the trees' passes pay for a mask. A micro-batch is then its packs'
 rows, with the :class:`~agl_core.backends.torch.prefix_packing.PackedForward` that computes them.
 
-Vision-language rows cut the same way: their ``[rows, 4, L]`` position ids along the last axis, their
-per-row image inputs (:data:`~agl_core.backends.torch.model_ops.MULTI_MODAL_INPUTS`) by row, in the
-micro-batch's row order, which is the order the forward concatenates their images in.
+Vision-language rows cut the same way: their ``(B, 4, L)`` position ids along the last dimension,
+their per-row image inputs (:data:`~agl_core.backends.torch.model_ops.MULTI_MODAL_INPUTS`, or any
+non-tensor column: :meth:`MicroBatch.cut_rows`) by row, in the micro-batch's row order, which is the
+order the forward concatenates their images in.
 """
 
 from __future__ import annotations
@@ -59,14 +60,18 @@ class MicroBatch:
             if self.packed is not None and (name == "prompts" or name in SEQUENCE_TENSORS):
                 continue
             if name == MULTI_MODAL_INPUTS:
-                out[name] = value[self.rows.cpu().numpy()]
+                out[name] = self.cut_rows(value)
             elif name == "prompts":
                 out[name] = value[:, start:][self.rows]
-            elif name in SEQUENCE_TENSORS:
+            elif name in SEQUENCE_TENSORS:  # the sequence is the last dimension: (B, 4, L) mrope position ids too
                 out[name] = value[..., start:end][self.rows]
             else:
                 out[name] = self.cut_responses(value)
         return out
+
+    def cut_rows(self, column: np.ndarray) -> np.ndarray:
+        """These rows of a per-row non-tensor column (``multi_modal_inputs``, ``rollout_ids``...)."""
+        return column[self.rows.cpu().numpy()]
 
     def cut_responses(self, values: torch.Tensor) -> torch.Tensor:
         """These rows of a response-aligned ``[rows, response_len]`` tensor (advantages, log-probs),
