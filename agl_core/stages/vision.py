@@ -110,16 +110,37 @@ class VisionSpec:
     def from_pretrained(cls, model_path: str | os.PathLike[str]) -> VisionSpec | None:
         """The spec of the model folder ``model_path`` (read locally), or ``None`` when the model has
         no image processor (a text-only model)."""
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model_path)
         try:
             processor = AutoProcessor.from_pretrained(model_path)
+        except ImportError:  # Qwen2-VL's processor needs torchvision (its video processor); images do not
+            image_processor = _pil_image_processor(model_path)
+            if image_processor is None:
+                raise
+            return cls.from_processor(image_processor, AutoTokenizer.from_pretrained(model_path), config=config)
         except (OSError, ValueError, KeyError):
             return None
         if getattr(processor, "image_processor", None) is None:
             return None
         return cls.from_processor(processor, config=config)
+
+
+def _pil_image_processor(model_path: str | os.PathLike[str]) -> Any:
+    """The PIL backend of the image processor ``preprocessor_config.json`` names (transformers'
+    ``<Name>Pil``, which needs no torchvision), loaded from ``model_path``; ``None`` if there is none."""
+    import json
+
+    import transformers
+
+    path = os.path.join(os.fspath(model_path), "preprocessor_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        name = json.load(f).get("image_processor_type")
+    pil = getattr(transformers, f"{name}Pil", None) if isinstance(name, str) else None
+    return None if pil is None else pil.from_pretrained(model_path)
 
 
 # -- images -----------------------------------------------------------------------------------------

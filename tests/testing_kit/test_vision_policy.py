@@ -94,3 +94,14 @@ def test_each_turn_expands_its_images_placeholders_and_extends_the_previous_cont
         assert first["prompt_token_ids"].count(start) == 1 and second["prompt_token_ids"].count(start) == 2
         # 56×56 is 2 × 2 merged patches, 28×56 is 1 × 2.
         assert first["prompt_token_ids"].count(image_pad) == 4 and second["prompt_token_ids"].count(image_pad) == 6
+
+
+def test_its_vision_spec_loads_without_torchvision(vision_policy_dir, loaded):
+    """Qwen2-VL's AutoProcessor needs torchvision (its video processor); the spec falls back on the
+    image processor's PIL backend, which gives the same patches."""
+    from agl_core import VisionSpec
+
+    model, _ = loaded
+    spec = VisionSpec.from_pretrained(vision_policy_dir)
+    assert type(spec.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert spec.image_token_id == model.config.image_token_id and spec.spatial_merge_size == 2
