@@ -19,19 +19,11 @@ CPU_PADDING = "actor_rollout_ref.model.use_remove_padding=false"
 
 @pytest.fixture(scope="module")
 def batch_file(vision_policy_dir, tmp_path_factory):
-    from transformers import AutoModelForImageTextToText
+    from tests.helpers.vl_batches import call_rows, vision_batch
 
-    from agl_core.backends.torch.model_ops import MULTI_MODAL_INPUTS
-    from agl_core.stages.tensorize import PaddedBatch, tensorize
-    from tests.helpers.vl_batches import call_rows, vision_tensors
-
-    model = AutoModelForImageTextToText.from_pretrained(vision_policy_dir, dtype=torch.float32)
-    rows, inputs = call_rows()
-    tensors = vision_tensors(model, rows, inputs)
-    images = tensors.pop(MULTI_MODAL_INPUTS)
-    padded = PaddedBatch(tensors, {**tensorize(rows).non_tensors, "multi_modal_inputs": images})
+    rows = call_rows()
     path = tmp_path_factory.mktemp("vl_batch") / "batch.pt"
-    torch.save(padded, path)
+    torch.save(vision_batch(rows, vision_policy_dir), path)
     return path, rows
 
 
@@ -85,3 +77,14 @@ def test_training_rows_and_dataproto_carry_mrope_positions_and_images_in_row_ord
     back = to_padded_batch(to_dataproto(padded))
     assert back.tensors["position_ids"].shape == (len(rows), 4, padded.tensors["input_ids"].shape[1])
     assert list(back.non_tensors["multi_modal_inputs"]) == list(padded.non_tensors["multi_modal_inputs"])
+
+
+def test_the_trainer_reads_a_vision_spec_only_for_a_vision_language_policy(vision_policy_dir, tiny_model_dir):
+    from transformers import AutoConfig
+
+    from agl_backend_verl.trainer import vision_spec
+
+    spec = vision_spec(str(vision_policy_dir))
+    config = AutoConfig.from_pretrained(vision_policy_dir)
+    assert (spec.image_token_id, spec.vision_start_token_id) == (config.image_token_id, config.vision_start_token_id)
+    assert vision_spec(str(tiny_model_dir)) is None
