@@ -10,9 +10,14 @@ patch, ``<|vision_end|>``), the response's token ids and their log-probs.
 Nothing here was recorded from a server: the ids come from the tiny policy's tokenizer
 (:func:`agl_core.testing.vision_policy.build_vision_policy`, seed 0), the replies are drawn from its
 words, and the log-probs are the tiny policy's own (a forward pass with Qwen2-VL's mrope positions),
-so a trainer that computes them again from the rows should find them. Regenerate with
-``python -m tests.helpers.vl_recording``; tests/helpers/test_vl_recording.py checks the committed file
-is what this writes.
+so a trainer that computes them again from the rows should find them.
+
+``rollouts.jsonl`` beside it is the same rollouts, parsed from those events, as agl's rollout
+recording (:mod:`agl_core.recording`) holds one step of a torch run on that policy, so ``agl replay``
+(:func:`agl_core.replay.replay_step`, with ``actor_rollout_ref.model.path`` pointing at the policy)
+trains on it. Its header's paths are placeholders and its time 0, so the file does not change from one
+generation to the next. Regenerate both with ``python -m tests.helpers.vl_recording``;
+tests/testing_kit/test_vision_policy.py checks the committed files are what this writes.
 """
 
 from __future__ import annotations
@@ -31,9 +36,21 @@ import torch
 from agl_core.testing.vision_policy import build_vision_policy, vision_image_processor
 from tests.helpers.paths import VL_RECORDING
 
-__all__ = ["EVENTS_FILE", "SEED", "generate", "load_vl_events", "png_data_url", "write"]
+__all__ = [
+    "EVENTS_FILE",
+    "RECORDING_FILE",
+    "SEED",
+    "generate",
+    "load_vl_events",
+    "parsed_rollouts",
+    "png_data_url",
+    "recording_lines",
+    "write",
+]
 
 EVENTS_FILE = VL_RECORDING / "events.json"
+RECORDING_FILE = VL_RECORDING / "rollouts.jsonl"
+POLICY_PLACEHOLDER = "<agl_core.testing.vision_policy.build_vision_policy(seed=0)>"
 SEED = 0
 GROUP = "vl-task-0"
 N_ROLLOUTS = 4
@@ -180,10 +197,63 @@ def generate(policy_dir: Path | None = None) -> dict[str, Any]:
     }
 
 
-def write(path: Path = EVENTS_FILE) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(generate(), indent=1) + "\n")
-    return path
+def parsed_rollouts(events: dict[str, Any], step: int = 1) -> list[Any]:
+    """The fixture's rollouts, parsed from their gateway events as a rollout source parses them."""
+    from agl_core.data import RolloutRequest
+    from agl_core.rollouts.events import completed_rollout_from_record
+
+    out = []
+    for i, recorded in enumerate(events["rollouts"]):
+        record = recorded["rollout"]
+        request = RolloutRequest(
+            rollout_id=record["rollout_id"],
+            group_id=recorded["group_id"],
+            input=record["input"],
+            step=step,
+            sample_index=i,
+        )
+        rollout, _ = completed_rollout_from_record(request, record, recorded["events"], reward_fillna_value=0.0)
+        out.append(rollout)
+    return out
+
+
+def recording_lines(events: dict[str, Any], policy_dir: Path) -> list[dict[str, Any]]:
+    """The recording's lines: its header (a torch run of the corridor example's config on the policy in
+    ``policy_dir``, one group of ``N_ROLLOUTS`` a step) and step 1, the events' rollouts."""
+    from transformers import AutoTokenizer
+
+    from agl_core.config import load_config
+    from agl_core.recording import RecordingWriter
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(
+            "examples/corridor/config.yaml",
+            [
+                f"actor_rollout_ref.model.path={policy_dir}",
+                f"trainer.default_local_dir={run_dir}",
+                "data.train_batch_size=1",
+                f"actor_rollout_ref.rollout.n={N_ROLLOUTS}",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                "agentlightning.record_rollouts=true",
+            ],
+        )
+        writer = RecordingWriter(config, AutoTokenizer.from_pretrained(policy_dir))
+        writer.write(1, parsed_rollouts(events))
+        header, *steps = (json.loads(line) for line in writer.path.read_text().splitlines())
+    header["model"]["path"] = header["config"]["actor_rollout_ref"]["model"]["path"] = POLICY_PLACEHOLDER
+    header["config"]["trainer"]["default_local_dir"] = "<run directory>"
+    header["created_at"] = 0
+    return [header, *steps]
+
+
+def write(events_path: Path = EVENTS_FILE, recording_path: Path = RECORDING_FILE) -> tuple[Path, Path]:
+    events = generate()
+    events_path.parent.mkdir(parents=True, exist_ok=True)
+    events_path.write_text(json.dumps(events, indent=1) + "\n")
+    with tempfile.TemporaryDirectory() as scratch:
+        lines = recording_lines(events, build_vision_policy(Path(scratch) / "policy", SEED))
+    recording_path.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+    return events_path, recording_path
 
 
 def load_vl_events(path: Path = EVENTS_FILE) -> dict[str, Any]:

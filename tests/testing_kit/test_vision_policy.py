@@ -7,7 +7,14 @@ import json
 import pytest
 import torch
 
-from tests.helpers.vl_recording import EVENTS_FILE, generate, load_vl_events
+from tests.helpers.vl_recording import (
+    EVENTS_FILE,
+    RECORDING_FILE,
+    generate,
+    load_vl_events,
+    parsed_rollouts,
+    recording_lines,
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +89,20 @@ def test_the_committed_fixture_is_what_the_generator_writes(vision_policy_dir):
                 assert a_lp == pytest.approx(b_lp, abs=1e-4)
             assert a == b
     assert EVENTS_FILE.stat().st_size < 64_000
+
+
+def test_the_committed_recording_is_the_events_rollouts_for_this_policy(vision_policy_dir):
+    """``agl replay`` reads the recording: its rollouts are the events' (image URLs included), its
+    header fits the policy the fixture builds (the tokenizer's fingerprint), and it is what the
+    generator writes."""
+    from agl_core.recording import read_recording
+
+    recording = read_recording(RECORDING_FILE)
+    rollouts = parsed_rollouts(load_vl_events())
+    assert list(recording.rollouts(1)) == rollouts
+    assert all(t.image_urls for r in rollouts for t in r.triplets)
+    committed = [json.loads(line) for line in RECORDING_FILE.read_text().splitlines()]
+    assert committed == recording_lines(load_vl_events(), vision_policy_dir)
 
 
 def test_each_turn_expands_its_images_placeholders_and_extends_the_previous_context(loaded):

@@ -166,3 +166,18 @@ def test_the_batch_carries_the_images_and_they_change_the_old_log_probs(trained)
     # The recorded rollout log-probs are the initial policy's: the backend's old log-probs find them.
     assert (batch.old_log_prob[mask] - batch.tensors["rollout_log_probs"][mask]).abs().max() < 1e-5
     assert (unseen[mask] - batch.old_log_prob[mask].to(unseen.device)).abs().max() > 1e-3
+
+
+def test_agl_replay_trains_on_the_recorded_multimodal_step(vision_policy_dir, tmp_path):
+    """The fixture's recording through ``agl replay``'s entry point: the recorded config, the policy
+    given by path, the torch backend's replay_step."""
+    import shutil
+
+    from agl_core.replay import replay_step
+    from tests.helpers.vl_recording import RECORDING_FILE
+
+    shutil.copy(RECORDING_FILE, tmp_path / "rollouts.jsonl")
+    overrides = [f"actor_rollout_ref.model.path={vision_policy_dir}", "agentlightning.torch.num_threads=1"]
+    metrics = replay_step(tmp_path, 1, overrides, scratch=tmp_path)
+    assert np.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    assert metrics["perf/n_rows_unshared_images"] == 4  # the recorded config's trajectory rows
