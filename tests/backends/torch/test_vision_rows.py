@@ -123,6 +123,8 @@ def trained(request, vision_policy_dir, tmp_path_factory):
     steps = [backend.learn(recorded_rollouts(step), step) for step in (1, 2)]
     grads = {n: p.grad for n, p in vision_parameters(backend.model).items()}
     after = {n: p.detach().clone() for n, p in vision_parameters(backend.model).items()}
+    checkpoint = tmp_path_factory.mktemp("checkpoint")
+    backend.save_checkpoint(checkpoint)
     return {
         "level": request.param,
         "prepared": prepared,
@@ -132,6 +134,7 @@ def trained(request, vision_policy_dir, tmp_path_factory):
         "before": before,
         "after": after,
         "grads": grads,
+        "checkpoint": checkpoint,
     }
 
 
@@ -157,6 +160,13 @@ def test_the_vision_tower_gets_gradients_and_changes(trained):
     assert max(float(g.abs().max()) for g in grads.values()) > 0
     moved = [n for n in trained["before"] if not torch.equal(trained["before"][n], trained["after"][n])]
     assert len(moved) == len(trained["before"])
+
+
+def test_a_checkpoint_of_the_policy_loads_as_a_vision_language_model(trained):
+    from agl_core.backends.torch.backend import is_vision_policy
+    from agl_core.backends.torch.checkpoint import MODEL_DIR
+
+    assert is_vision_policy(trained["checkpoint"] / MODEL_DIR)
 
 
 def test_the_batch_carries_the_images_and_they_change_the_old_log_probs(trained):
