@@ -3,7 +3,9 @@
 The tensors keep :mod:`agl_core.stages.tensorize`'s names, which are verl's (``prompts``, ``responses``,
 ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, ``token_level_scores``,
 ``rollout_log_probs``). The per-row columns travel as ``non_tensor_batch`` entries, plus ``uid``
-(the group id), the key verl's group estimators and batch balancing read.
+(the group id), the key verl's group estimators and batch balancing read. A vision-language batch's
+``[rows, 4, L]`` ``position_ids`` and per-row ``multi_modal_inputs`` column are verl's own layout for
+them, and travel as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from agl_core import PaddedBatch
 
 GROUP_KEY = "uid"
 ROW_COLUMNS = ("rollout_ids", "group_ids", "turn_indices")
+OPTIONAL_COLUMNS = ("multi_modal_inputs",)
 
 
 def to_dataproto(batch: PaddedBatch, meta_info: Mapping[str, Any] | None = None) -> DataProto:
@@ -33,4 +36,5 @@ def to_padded_batch(data: DataProto) -> PaddedBatch:
     if missing:
         raise KeyError(f"DataProto lacks the row column(s) {missing}; was it built by to_dataproto?")
     tensors = {key: data.batch[key] for key in data.batch.keys()}
-    return PaddedBatch(tensors, {key: data.non_tensor_batch[key] for key in ROW_COLUMNS})
+    columns = [*ROW_COLUMNS, *(key for key in OPTIONAL_COLUMNS if key in data.non_tensor_batch)]
+    return PaddedBatch(tensors, {key: data.non_tensor_batch[key] for key in columns})

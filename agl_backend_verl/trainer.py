@@ -49,6 +49,7 @@ from agl_core import (
     PreparedBatch,
     StepPipeline,
     StepSamples,
+    VisionSpec,
     rollout_timing_metrics,
     tensorize,
     validation_metrics,
@@ -111,6 +112,7 @@ class AglTrainer:
         super()._init_tokenizer()  # type: ignore[misc]
         tokenizer = self.tokenizer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.vision = vision_spec(self.config.actor_rollout_ref.model.path)
         self.pipeline = StepPipeline(
             self.config,
             self.plugins,
@@ -288,7 +290,10 @@ class AglTrainer:
         if shaped is None:
             return metrics, []
         started = time.perf_counter()
-        padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
+        if self.vision is None:
+            padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id)
+        else:  # mrope position ids and each row's image inputs, as verl's agent loop writes them
+            padded = tensorize(shaped.rows, pad_token_id=self.pad_token_id, vision=self.vision)
         seqlens = padded.tensors["attention_mask"].sum(dim=-1).tolist()
         order, balance = dispatch_order(
             seqlens, shaped.n_mini_batches, self.actor_dp_size(), bool(self.config.trainer.balance_batch)
@@ -402,6 +407,19 @@ def scale_advantages(batch: KVBatchMeta, prepared: PreparedBatch, order: Sequenc
         partition_id=batch.partition_id,
         fields=TensorDict({"advantages": rows}, batch_size=len(lengths)),
     )
+
+
+def vision_spec(model_path: str) -> Any:
+    """The model's ``VisionSpec`` when its folder has an image processor (a vision-language policy),
+    else ``None``: its rows then carry mrope positions and image inputs."""
+    from pathlib import Path
+
+    from verl.utils.fs import copy_to_local
+
+    folder = Path(copy_to_local(str(model_path)))
+    if not (folder / "preprocessor_config.json").is_file():
+        return None
+    return VisionSpec.from_pretrained(folder)
 
 
 def _row_keys(rollout_ids: Sequence[str], record_keys: Mapping[str, str]) -> list[str]:

@@ -17,6 +17,10 @@ buffer hands the trainer once the group is finished. agl uses both levels as the
   ``returns``: verl's own ``_compute_old_log_prob``, ``_compute_ref_log_prob``,
   ``_compute_values``, ``_update_critic`` and ``_update_actor`` read and write them there, and the
   workers fetch their shares from TransferQueue directly.
+
+  Vision-language rows go as verl's agent loop writes them: ``position_ids`` ``[4, length]`` per row
+  (text positions, then mrope's), and ``multi_modal_inputs`` (the row's ``pixel_values`` and
+  ``image_grid_thw``, ``{}`` for a text row), which verl's engine concatenates in row order.
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ def training_rows(
     mask = t["attention_mask"].bool()
     prompt_lens = mask[:, :width].sum(dim=1).tolist()
     response_lens = mask[:, width:].sum(dim=1).tolist()
+    mrope = t["position_ids"].ndim == 3  # [rows, 4, L]: a vision-language batch
     names = ["prompts", "responses", "response_mask", "loss_mask", "input_ids", "position_ids", "rm_scores"]
     names += ["advantages", "returns", *(["rollout_log_probs"] if "rollout_log_probs" in t else [])]
     fields: dict[str, list[torch.Tensor]] = {name: [] for name in names}
@@ -130,7 +135,9 @@ def training_rows(
             "response_mask": t["response_mask"][i, :r],
             "loss_mask": t["response_mask"][i, :r],
             "input_ids": torch.cat([prompt, response]),
-            "position_ids": torch.arange(p + r, dtype=torch.int64),
+            "position_ids": t["position_ids"][i, :, width - p : width + r]
+            if mrope
+            else torch.arange(p + r, dtype=torch.int64),
             "rm_scores": t["token_level_scores"][i, :r].float(),
             "advantages": advantages[i, :r].float(),
             "returns": returns[i, :r].float(),
@@ -143,6 +150,11 @@ def training_rows(
     rows = TensorDict(data, batch_size=len(order))
     uids = np.array([str(padded.non_tensors["group_ids"][i]) for i in order], dtype=object)
     rows["uid"] = tu.get_tensordict({"uid": uids})["uid"]
+    images = padded.non_tensors.get("multi_modal_inputs")
+    if images is not None:
+        per_row = np.empty(len(order), dtype=object)
+        per_row[:] = [images[i] for i in order]
+        rows["multi_modal_inputs"] = tu.get_tensordict({"multi_modal_inputs": per_row})["multi_modal_inputs"]
     return rows
 
 

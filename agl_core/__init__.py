@@ -96,6 +96,7 @@ __all__ = [
     "Triplet",
     "UsageError",
     "UsageTypeError",
+    "VisionSpec",
     "VllmEngineError",
     "__version__",
     "aggregate_trajectories",
@@ -212,6 +213,7 @@ _MODULES: dict[str, str] = {
     "validation_metrics": "agl_core.stages.pipeline",
     "PaddedBatch": "agl_core.stages.tensorize",
     "tensorize": "agl_core.stages.tensorize",
+    "VisionSpec": "agl_core.stages.vision",
     # rollout sources
     "RolloutSource": "agl_core.rollouts.source",
     "FinishedGroup": "agl_core.rollouts.source",
@@ -324,6 +326,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
         ppo_token_losses,
     )
     from agl_core.stages.tensorize import PaddedBatch, tensorize
+    from agl_core.stages.vision import VisionSpec
     from agl_core.tracking import MetricSink, SinkContext, SinkFactory
 
 

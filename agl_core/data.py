@@ -24,6 +24,7 @@ from agl_core.fields import (
     freeze,
     freeze_mapping,
     hardened,
+    image_urls,
     log_probs,
     non_empty_str,
     non_negative_int,
@@ -62,7 +63,10 @@ class Triplet:
 
     ``response_log_probs`` is ``None`` when the server did not return log-probs (or returned the wrong
     number of them, which the events parser counts). ``reward`` is a per-call reward when the agent reported one
-    for this call; the rollout's final reward lives on :class:`CompletedRollout`.
+    for this call; the rollout's final reward lives on :class:`CompletedRollout`. ``image_urls`` are
+    the images of the call's request messages, in order of appearance (their placeholder blocks are in
+    ``prompt_ids``): ``data:image/...;base64,...`` URLs, ``file://`` URLs or absolute paths (the
+    trainer fetches nothing from the network, so an ``http(s)`` URL is refused).
     """
 
     prompt_ids: np.ndarray = array_field(converter=lambda v: token_ids("prompt_ids", v))
@@ -70,6 +74,7 @@ class Triplet:
     response_log_probs: np.ndarray | None = array_field(default=None)
     reward: float | None = attrs.field(default=None, converter=optional_reward("reward"))
     metadata: FrozenDict = attrs.field(factory=FrozenDict, converter=freeze_mapping)
+    image_urls: tuple[str, ...] = attrs.field(default=(), converter=lambda v: image_urls("image_urls", v))
 
     def __attrs_post_init__(self) -> None:
         if self.response_log_probs is not None:
@@ -77,13 +82,16 @@ class Triplet:
             object.__setattr__(self, "response_log_probs", checked)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "prompt_ids": self.prompt_ids.tolist(),
             "response_ids": self.response_ids.tolist(),
             "response_log_probs": None if self.response_log_probs is None else self.response_log_probs.tolist(),
             "reward": self.reward,
             "metadata": thaw(self.metadata),
         }
+        if self.image_urls:  # a text call's dict (and recording) is what it was before images
+            out["image_urls"] = list(self.image_urls)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Triplet:
@@ -232,6 +240,8 @@ class TrainingRow:
     belongs to (observation tokens belong to the call whose prompt introduced them);
     ``turn_rewards`` holds the per-call rewards of the merged calls, in order. ``dropped`` marks a
     row whose prompt exceeded its limit: it is counted, then removed before training.
+    ``image_urls`` are the images whose placeholder blocks are in the row's prompt + response, in
+    order (a row never keeps part of a block); validated as :attr:`Triplet.image_urls`.
     """
 
     prompt_ids: np.ndarray = array_field(converter=lambda v: token_ids("prompt_ids", v))
@@ -245,6 +255,7 @@ class TrainingRow:
     response_turns: np.ndarray | None = array_field(default=None)
     turn_rewards: tuple[float | None, ...] = attrs.field(default=(), converter=tuple)
     dropped: bool = False
+    image_urls: tuple[str, ...] = attrs.field(default=(), converter=lambda v: image_urls("image_urls", v))
 
     def __attrs_post_init__(self) -> None:
         n = len(self.response_ids)
@@ -270,6 +281,10 @@ class TrainingRow:
         for key in ("prompt_ids", "response_ids", "response_mask", "log_probs", "response_turns"):
             out[key] = thaw(out[key])
         out["turn_rewards"] = list(self.turn_rewards)
+        if self.image_urls:
+            out["image_urls"] = list(self.image_urls)
+        else:  # a text row's dict is what it was before images
+            del out["image_urls"]
         return out
 
     @classmethod

@@ -27,6 +27,7 @@ __all__ = [
     "freeze_mapping",
     "from_checked",
     "hardened",
+    "image_urls",
     "is_int",
     "is_number",
     "json_token_ids",
@@ -311,6 +312,41 @@ def timestamp(field: str, value: Any) -> float:
     ):
         raise DataValidationError(field, f"must be a finite timestamp in seconds, got {_brief(value)}")
     return float(value)
+
+
+def _image_url_problem(url: Any) -> str | None:
+    """Why ``url`` is no image the trainer can load, or ``None`` when it is one."""
+    if not isinstance(url, str) or not url:
+        return f"must be a non-empty string, got {_brief(url)}"
+    lower = url[:16].lower()
+    if lower.startswith(("http://", "https://")):
+        return (
+            f"{url[:40]!r} is fetched over the network, which the trainer never does (it trains on what "
+            "the agent sent, offline); have the agent send the image inline, as a data:image/...;base64 URL"
+        )
+    if lower.startswith("data:"):
+        head = url[:100].partition(",")[0].lower()
+        if not head.startswith("data:image/") or not head.endswith(";base64"):
+            return f"{url[:40]!r} is a data URL that is not a base64 image (data:image/<type>;base64,...)"
+        return None
+    if lower.startswith("file://") or url.startswith("/"):
+        return None
+    return f"{url[:40]!r} is not an image URL the trainer loads: data:image/...;base64,..., file:// or an absolute path"
+
+
+def image_urls(field: str, value: Any) -> tuple[str, ...]:
+    """A tuple of image URLs the trainer can load without a network: ``data:image/...;base64,...``,
+    ``file://`` URLs and absolute paths; anything else (an ``http(s)`` URL above all) is refused,
+    naming ``field[i]``."""
+    if isinstance(value, tuple) and not value:
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise DataValidationError(field, f"must be a sequence of image URLs, got {_brief(value)}")
+    for i, url in enumerate(value):
+        problem = _image_url_problem(url)
+        if problem is not None:
+            raise DataValidationError(f"{field}[{i}]", problem)
+    return tuple(value)
 
 
 def optional_reward(field: str):

@@ -34,6 +34,14 @@ def tiny_model_dir() -> Path:
     return GATEWAY_TRACES / "tiny_qwen2"
 
 
+@pytest.fixture(scope="session")
+def vision_policy_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2-VL policy (seed 0) whose ids and log-probs tests/fixtures/vl_recording holds."""
+    from agl_core.testing.vision_policy import build_vision_policy
+
+    return build_vision_policy(tmp_path_factory.mktemp("vision_policy"), seed=0)
+
+
 @pytest.fixture(scope="module")
 def gateway():
     """A real ``agl-server`` on 127.0.0.1 for the module's tests; stopped by PID afterwards."""

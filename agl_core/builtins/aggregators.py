@@ -3,7 +3,9 @@
 ``transition`` makes one row per call. ``trajectory`` merges consecutive calls of a rollout into
 one row while each call's prompt extends the context (the previous call's prompt + response)
 exactly; the prompt's tail is the observation (tool output, user turn, template tokens), appended
-untrained. Any other call starts a new row, and the break is classified (:mod:`agl_core.stages.mismatch`).
+untrained. Any other call starts a new row, and the break is classified (:mod:`agl_core.stages.mismatch`);
+so does a call whose images (``Triplet.image_urls``) do not start with the previous call's, a break
+of kind ``images``. A row's images are its first call's, then each merged call's new ones.
 
 :func:`aggregate_trajectories` takes the merge test as an argument, so an aggregator with its own
 idea of "this call continues the context" keeps everything else — limits, counts, mismatch
@@ -87,9 +89,12 @@ def trajectory_rollout(
     n_rows = 1
     for index in range(1, len(calls)):
         previous, call = calls[index - 1], calls[index]
-        start = align(previous, call.prompt_ids, settings)
+        # The row's images are the previous call's: a call whose images do not start with them
+        # (the history's images edited or removed) cannot continue the row, whatever its ids.
+        same_images = call.image_urls[: len(previous.image_urls)] == previous.image_urls
+        start = align(previous, call.prompt_ids, settings) if same_images else None
         if start is None:
-            log.record(rollout, index, previous, call.prompt_ids)
+            log.record(rollout, index, previous, call.prompt_ids, kind=None if same_images else "images")
             close(segments)
             segments = [Segment(index, call, _NO_OBSERVATION)]
             n_rows += 1

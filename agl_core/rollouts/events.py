@@ -26,10 +26,15 @@ Rules (Agent Lightning v1.0 semantics, with every anomaly counted instead of dro
   ``Triplet.reward`` (last one wins). Booleans, non-numbers and non-finite values are refused and
   counted, never coerced.
 - A rollout without a final reward gets ``reward_fillna_value`` and is counted.
-- A successful training call whose request carries images (``image_url`` parts in its chat
-  messages, as a vision-language agent sends them) is refused with an error naming the rollout:
-  agl builds no vision-language rows (image inputs, mrope position ids), and its prompt's image
-  placeholder tokens trained as text would train the policy on what it never saw.
+- A training call's images are the ``image_url`` parts of its request's chat messages, in order of
+  appearance across messages and parts (``{"type": "image_url", "image_url": {"url": ...}}`` or
+  ``"image_url": "..."``; a message's content may be its parts' JSON text): their URLs become
+  ``Triplet.image_urls`` (the prompt ids hold their placeholder blocks, as the server expanded them).
+  A call with an ``image_url`` part that holds no URL string is not trained on and is counted; an
+  image the trainer cannot load offline (an ``http(s)`` URL: the trainer fetches nothing from the
+  network) is a :class:`DataValidationError` naming the rollout and ``calls[i].image_urls[j]``.
+  Messages are decoded only when they mention ``image_url`` at all. A validation rollout's calls
+  are measured, never trained: their images are not read.
 
 Counts come back as a :class:`collections.Counter` keyed by metric name, so a source can add the
 counters of a batch and report them.
@@ -57,7 +62,16 @@ import attrs
 import numpy as np
 
 from agl_core.data import CompletedRollout, DataValidationError, RolloutRequest, Triplet
-from agl_core.fields import FrozenDict, freeze, from_checked, json_token_ids, log_probs, reward_value, timestamp
+from agl_core.fields import (
+    FrozenDict,
+    freeze,
+    from_checked,
+    image_urls,
+    json_token_ids,
+    log_probs,
+    reward_value,
+    timestamp,
+)
 
 try:
     import msgspec
@@ -88,6 +102,7 @@ METRICS = {
     "training/events/n_calls_missing_token_ids": "successful calls without prompt or response token ids",
     "training/events/n_calls_garbled_token_ids": "calls whose token ids are not lists of non-negative ints",
     "training/events/n_calls_empty_response": "successful calls that generated no token",
+    "training/events/n_calls_bad_images": "calls with an image_url part that holds no URL string (not trained)",
     "training/events/n_calls_wo_log_probs": "Triplets without log-probs because the response had none",
     "training/events/n_calls_bad_log_probs": "Triplets without log-probs because they were unusable",
     "training/events/n_reward_events": "reward events read",
@@ -138,7 +153,7 @@ class _Response(TypedDict, total=False):
 
 
 class _Request(TypedDict, total=False):
-    messages: msgspec.Raw  # kept undecoded: only searched for images (_image_parts)
+    messages: msgspec.Raw  # kept undecoded: decoded only when it mentions images (_image_urls)
 
 
 class _Data(TypedDict, total=False):
@@ -231,34 +246,48 @@ def _model_version(value: Any) -> int | None:
 _IMAGE_URL = re.compile(rb"image_url")
 
 
-def _content_images(content: Any) -> int:
-    """The ``image_url`` parts of one message's content (a list of parts, or its JSON text)."""
+class _BadImagePart(Exception):
+    """An ``image_url`` part without a URL string."""
+
+
+def _part_url(part: Mapping[str, Any]) -> str:
+    """The URL of one ``image_url`` part (``{"url": ...}`` or the URL itself)."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image
+    if not isinstance(url, str):
+        raise _BadImagePart
+    return url
+
+
+def _content_images(content: Any) -> list[str]:
+    """The image URLs of one message's content (a list of parts, or its JSON text), in order."""
     if isinstance(content, str) and "image_url" in content:
         try:
             content = json.loads(content)  # some clients send the parts as JSON text
         except ValueError:
-            return 0
+            return []
     if not isinstance(content, list):
-        return 0
-    return sum(isinstance(part, Mapping) and part.get("type") == "image_url" for part in content)
+        return []
+    return [_part_url(part) for part in content if isinstance(part, Mapping) and part.get("type") == "image_url"]
 
 
-def _image_parts(request: Any) -> int:
-    """How many images a call's request carries in its chat messages (undecoded ones are only
-    decoded when they mention ``image_url`` at all)."""
+def _image_urls(request: Any) -> list[str]:
+    """The image URLs a call's request carries in its chat messages, in order (undecoded messages are
+    only decoded when they mention ``image_url`` at all); :class:`_BadImagePart` for a part without one."""
     messages = request.get("messages") if isinstance(request, Mapping) else None
     if msgspec is not None and isinstance(messages, msgspec.Raw):
         if _IMAGE_URL.search(messages) is None:  # searched in place: the messages are not copied
-            return 0
+            return []
         messages = _decode_any(messages)
     if not isinstance(messages, list):
-        return 0
-    return sum(_content_images(m.get("content")) for m in messages if isinstance(m, Mapping))
+        return []
+    return [url for m in messages if isinstance(m, Mapping) for url in _content_images(m.get("content"))]
 
 
-def _triplet_from_call(data: Any, call_index: int, counts: Counter[str], *, refuse_images: bool) -> Triplet | None:
+def _triplet_from_call(data: Any, call_index: int, counts: Counter[str], *, read_images: bool) -> Triplet | None:
     """One successful model call as a Triplet, or ``None`` (counted) when it cannot be trained on;
-    with ``refuse_images``, a call whose request carries images is a :class:`DataValidationError`."""
+    with ``read_images``, with its request's image URLs (one the trainer cannot load is a
+    :class:`DataValidationError`)."""
     if not isinstance(data, Mapping):
         _count(counts, "training/events/n_malformed_events")
         return None
@@ -285,13 +314,15 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str], *, refu
     if not len(response_ids):
         _count(counts, "training/events/n_calls_empty_response")
         return None
-    if refuse_images and (images := _image_parts(data.get("request"))):
-        raise DataValidationError(
-            f"calls[{call_index}].request.messages",
-            f"carries {images} image(s): a vision-language chat, whose rows need the image inputs and mrope "
-            "position ids agl does not build (Agent Lightning 1.0.2's multimodal rows); trained as text, its "
-            "image placeholder tokens would teach the policy what it never saw. Train a text-only task",
-        )
+    urls: tuple[str, ...] = ()
+    if read_images:
+        try:
+            urls = image_urls("image_urls", _image_urls(data.get("request")))
+        except _BadImagePart:
+            _count(counts, "training/events/n_calls_bad_images")
+            return None
+        except DataValidationError as err:
+            raise err.within(f"calls[{call_index}]") from None
     raw = _raw_log_probs(choice)
     response_log_probs = None
     if raw is None:
@@ -315,6 +346,7 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str], *, refu
         response_log_probs=response_log_probs,
         reward=None,
         metadata=FrozenDict(metadata),
+        image_urls=urls,
     )
 
 
@@ -326,9 +358,10 @@ def _reward(data: Mapping[str, Any], counts: Counter[str]) -> float | None:
         return None
 
 
-def parse_events(events: Sequence[Any], *, refuse_images: bool = True) -> ParsedEvents:
+def parse_events(events: Sequence[Any], *, read_images: bool = True) -> ParsedEvents:
     """Triplets (successful calls, in order), the final reward (``None`` if none) and the counts.
-    ``refuse_images``: a call whose request carries images is an error (training rollouts)."""
+    ``read_images``: read each call's image URLs onto its Triplet (training rollouts; see the
+    module's docstring)."""
     counts: Counter[str] = Counter()
     calls: list[Triplet | None] = []
     call_rewards: dict[int, float] = {}
@@ -340,7 +373,7 @@ def parse_events(events: Sequence[Any], *, refuse_images: bool = True) -> Parsed
         kind, data = event["event_type"], event.get("data")
         if kind == "model_request":
             _count(counts, "training/events/n_calls")
-            calls.append(_triplet_from_call(data, len(calls), counts, refuse_images=refuse_images))
+            calls.append(_triplet_from_call(data, len(calls), counts, read_images=read_images))
         elif kind == "reward":
             _count(counts, "training/events/n_reward_events")
             if not isinstance(data, Mapping):
@@ -371,6 +404,7 @@ def parse_events(events: Sequence[Any], *, refuse_images: bool = True) -> Parsed
                 response_log_probs=triplet.response_log_probs,
                 reward=call_rewards.pop(index),
                 metadata=triplet.metadata,
+                image_urls=triplet.image_urls,
             )
         triplets.append(triplet)
     for index in call_rewards:
@@ -416,8 +450,8 @@ def completed_rollout(
     the trainer can see the agent running. Timestamps that are not finite numbers, there or in
     ``queued_at`` / ``ended_at``, are left out and counted.
     """
-    try:  # a validation rollout's reward is measured as it is: only training refuses images
-        parsed = parse_events(events, refuse_images=request.is_train)
+    try:  # a validation rollout's calls are measured, never trained: their images are not read
+        parsed = parse_events(events, read_images=request.is_train)
     except DataValidationError as exc:
         raise exc.within(rollout_id=request.rollout_id) from None
     counts = parsed.counts

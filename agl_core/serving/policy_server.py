@@ -8,6 +8,8 @@ are rendered with the tokenizer's chat template, then tokenized without extra sp
 vLLM does; generation stops at the model's end-of-sequence tokens (which are kept in ``token_ids``),
 at ``stop`` strings or at ``max_tokens``. A request's ``seed`` gives it its own random stream, as
 in vLLM, so the same prompt and seed sample the same tokens whichever requests share its batch.
+It generates from text only: a chat message with an ``image_url`` part is refused (400, naming it),
+since a vision-language policy's rollouts need an engine that encodes images (vLLM).
 
 Concurrent requests are batched: handler threads queue their prompts and one generation thread
 decodes whatever is waiting as one left-padded batch with a KV cache
@@ -243,6 +245,12 @@ class PolicyServer:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
+            if _has_image(m):
+                raise RequestError(
+                    f"messages[{i}] has an image_url part: the builtin engine generates from text only;"
+                    " serve a vision-language policy with agentlightning.engine: vllm",
+                    param="messages",
+                )
             if (
                 not isinstance(m, Mapping)
                 or not isinstance(m.get("role"), str)
@@ -338,6 +346,13 @@ class PolicyServer:
         if chat and with_ids:
             response["prompt_token_ids"] = prompt_ids
         return response
+
+
+def _has_image(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, Mapping) else None
+    return isinstance(content, list) and any(
+        isinstance(part, Mapping) and part.get("type") == "image_url" for part in content
+    )
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float | None = None) -> float:

@@ -12,6 +12,10 @@ of them and lives here, so a third-party aggregator keeps the same limits and co
 - with ``max_total_length`` set, the response is also cut where prompt + response would pass it
   (Agent Lightning 1.0.2's ``trajectory_max_total_length``); each row it cuts is counted in
   ``training/n_truncated_sample/total_length`` too, and one whose prompt leaves no room is skipped;
+- a row with images (``TrainingRow.image_urls``) keeps only the images whose placeholder blocks it
+  holds whole: a response cut that would go through a block marks the row ``dropped`` instead, kept
+  whole (``training/n_sample_dropped/marked`` and ``training/n_sample_dropped/image_cut``); the
+  images of blocks past a cut are left out of the row;
 - calls an aggregator leaves out on purpose (it trains only some calls of a rollout, e.g. the last)
   are counted, one per call, in ``training/n_calls_left_out`` (:meth:`AggregationCounts.leave_out`).
 
@@ -41,25 +45,62 @@ from agl_core.fields import from_checked, is_int
 
 __all__ = [
     "CALLS_LEFT_OUT_METRIC",
+    "IMAGE_CUT_METRIC",
     "MISMATCH_KINDS",
     "TOTAL_LENGTH_CUT_METRIC",
     "Aggregation",
     "AggregationCounts",
     "AggregationSettings",
     "Aggregator",
+    "ImagePlaceholders",
     "Mismatch",
     "PerRolloutAggregator",
     "RolloutAggregation",
     "Segment",
+    "image_blocks",
     "merged_row",
     "rollout_reward",
     "settings_from_config",
     "write_mismatches_jsonl",
 ]
 
-MISMATCH_KINDS = ("retokenization", "template", "other")
+MISMATCH_KINDS = ("retokenization", "template", "other", "images")
 CALLS_LEFT_OUT_METRIC = "training/n_calls_left_out"
 TOTAL_LENGTH_CUT_METRIC = "training/n_truncated_sample/total_length"
+IMAGE_CUT_METRIC = "training/n_sample_dropped/image_cut"
+
+IMAGE_PLACEHOLDER_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+@attrs.frozen
+class ImagePlaceholders:
+    """The token ids of an image's placeholder block (Qwen2-VL's layout): ``vision_start``, then one
+    ``image_pad`` per image feature the model inserts there, then ``vision_end``."""
+
+    vision_start: int
+    image_pad: int
+    vision_end: int
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ImagePlaceholders | None:
+        """The ids of ``<|vision_start|>``, ``<|image_pad|>`` and ``<|vision_end|>`` in ``tokenizer``'s
+        vocabulary; ``None`` when it has no such tokens (or no ``convert_tokens_to_ids``)."""
+        convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+        if convert is None:
+            return None
+        ids = [convert(token) for token in IMAGE_PLACEHOLDER_TOKENS]
+        unknown = getattr(tokenizer, "unk_token_id", None)
+        if any(not is_int(i, minimum=0) or i == unknown for i in ids):
+            return None
+        return cls(*ids)
+
+
+def image_blocks(ids: np.ndarray, image_pad: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` spans of the image placeholder blocks in ``ids``: each run of ``image_pad``
+    ids with the token before it (``vision_start``) and the one after it (``vision_end``)."""
+    is_pad = np.concatenate([[False], np.asarray(ids) == image_pad, [False]])
+    edges = np.flatnonzero(is_pad[1:] != is_pad[:-1])
+    return [(int(a) - 1, int(b) + 1) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -85,6 +126,8 @@ class AggregationSettings:
     classified (they count as ``other``) and mismatch samples carry ids only. Each mismatch sample
     keeps at most ``mismatch_max_length`` ids and characters per field. ``max_total_length``
     (``None``: no cap) bounds a row's prompt + response (:meth:`response_limit`).
+    ``image_placeholders`` (by default the tokenizer's, :meth:`ImagePlaceholders.of`) tells where a
+    row's image blocks are, which cutting the response of a row with images needs.
     """
 
     max_prompt_length: int = attrs.field(validator=_positive_int)
@@ -93,6 +136,13 @@ class AggregationSettings:
     tokenizer: Any = attrs.field(default=None, validator=_decoder, eq=False)
     mismatch_sample_size: int = attrs.field(default=20, validator=_non_negative_int)
     mismatch_max_length: int = attrs.field(default=2000, validator=_positive_int)
+    image_placeholders: ImagePlaceholders | None = attrs.field(
+        validator=attrs.validators.optional(attrs.validators.instance_of(ImagePlaceholders))
+    )
+
+    @image_placeholders.default
+    def _tokenizer_placeholders(self) -> ImagePlaceholders | None:
+        return ImagePlaceholders.of(self.tokenizer)
 
     def response_limit(self, prompt_length: int) -> int:
         """The most response tokens a row with a ``prompt_length``-token prompt keeps: ``max_response_length``,
@@ -127,8 +177,9 @@ class Mismatch:
     """One trajectory break, kept for inspection.
 
     ``turn_index`` is the call whose prompt did not extend the context (the previous call's prompt +
-    response). ``common_prefix_length`` is how many leading ids they share; ``context_ids`` and
-    ``prompt_ids`` are the ids from there on, and ``context_text`` / ``prompt_text`` the decoded
+    response), or, for kind ``images``, whose images did not start with the previous call's.
+    ``common_prefix_length`` is how many leading ids they share; ``context_ids`` and ``prompt_ids``
+    are the ids from there on, and ``context_text`` / ``prompt_text`` the decoded
     texts from a little before the first differing character (``text_offset``), each cut to the
     settings' ``mismatch_max_length``. Texts are ``None`` without a tokenizer.
     """
@@ -298,7 +349,8 @@ class AggregationCounts:
 
     def merge_break(self, kind: str) -> None:
         """Count a break between two calls of a rollout (``training/n_trace_merge_mismatch_rows`` and
-        ``training/trace_merge_mismatch/<kind>``); ``kind`` is one of :data:`MISMATCH_KINDS`."""
+        ``training/trace_merge_mismatch/<kind>``); ``kind`` is one of :data:`MISMATCH_KINDS`
+        (``images``: the call's images do not start with the row's, the history's images changed)."""
         if kind not in MISMATCH_KINDS:
             raise UsageError(f"merge break kind {kind!r} is not one of {', '.join(MISMATCH_KINDS)}")
         self.counts["training/n_trace_merge_mismatch_rows"] += 1
@@ -341,9 +393,12 @@ def merged_row(
 
     The row's prompt is the first call's prompt; its response is, per call, the observation (mask
     0, log-prob 0) then the model's response (mask 1). Log-probs are kept only when every merged
-    call has one per response token. Returns ``None`` for a row with no trained token.
+    call has one per response token. The row's images are the first call's, then each later call's
+    beyond those (each call's images must start with the row's). Returns ``None`` for a row with no
+    trained token.
     """
     first = segments[0]
+    images = _row_images(rollout, segments)
     have_log_probs = all(call_log_probs(seg.triplet) is not None for seg in segments)
     ids, lengths, masks, turns, lps = [], [], [], [], []
     for seg in segments:
@@ -375,9 +430,16 @@ def merged_row(
         if not mask[:cut].any():
             counts.counts["training/n_skipped_empty_rows"] += 1
             return None
-        counts.counts["training/n_truncated_sample"] += 1
-        response, mask, response_turns = response[:cut], mask[:cut], response_turns[:cut]
-        log_probs = None if log_probs is None else log_probs[:cut]
+        kept = _images_before(rollout, response, cut, images, settings) if images else images
+        if kept is None:  # the cut goes through an image's block: the row is left out whole
+            dropped = True
+            counts.counts["training/n_sample_dropped/marked"] += 1
+            counts.counts[IMAGE_CUT_METRIC] += 1
+        else:
+            counts.counts["training/n_truncated_sample"] += 1
+            response, mask, response_turns = response[:cut], mask[:cut], response_turns[:cut]
+            log_probs = None if log_probs is None else log_probs[:cut]
+            images = kept
     for array in (response, mask, response_turns, log_probs):
         if array is not None:
             array.flags.writeable = False
@@ -395,4 +457,42 @@ def merged_row(
         response_turns=response_turns,
         turn_rewards=tuple(seg.triplet.reward for seg in segments),
         dropped=dropped,
+        image_urls=images,
     )
+
+
+def _row_images(rollout: CompletedRollout, segments: Sequence[Segment]) -> tuple[str, ...]:
+    """The images of a row of ``segments``: the first call's, then each later call's beyond them."""
+    images = segments[0].triplet.image_urls
+    for seg in segments[1:]:
+        urls = seg.triplet.image_urls
+        if urls[: len(images)] != images:
+            raise DataValidationError(
+                f"triplets[{seg.call_index}].image_urls",
+                f"do not start with the {len(images)} image(s) of the calls merged before it into one row: "
+                "a call whose history's images changed cannot continue the row (the trajectory aggregator "
+                "breaks the row there, as kind 'images')",
+                rollout.rollout_id,
+            )
+        images = urls
+    return images
+
+
+def _images_before(
+    rollout: CompletedRollout, response: np.ndarray, cut: int, images: tuple[str, ...], settings: AggregationSettings
+) -> tuple[str, ...] | None:
+    """The images a row keeps when its response is cut at ``cut``: those whose blocks end before it;
+    ``None`` when the cut goes through a block."""
+    placeholders = settings.image_placeholders
+    if placeholders is None:
+        raise UsageError(
+            f"rollout {rollout.rollout_id!r}: a row with images is cut, and the aggregation settings do not know "
+            "the image placeholder tokens; give AggregationSettings a tokenizer that has "
+            f"{', '.join(IMAGE_PLACEHOLDER_TOKENS)} (or image_placeholders)"
+        )
+    cut_off = 0
+    for start, end in image_blocks(response, placeholders.image_pad):
+        if start < cut < end:
+            return None
+        cut_off += start >= cut
+    return images[: max(0, len(images) - cut_off)]

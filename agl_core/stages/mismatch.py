@@ -11,6 +11,9 @@ response). Decoding both with the tokenizer tells three causes apart:
   (stripped reasoning, reformatted a tool call...);
 - ``other``: anything else (history rewritten or truncated, a new conversation), and every break
   when no tokenizer is given.
+
+A break of kind ``images`` (the call's images do not start with the previous call's: an image of
+the history edited or removed) is named by the aggregator, whatever the ids say.
 """
 
 from __future__ import annotations
@@ -68,9 +71,19 @@ class MismatchLog:
         self.counts = counts
         self.sample: list[Mismatch] = []
 
-    def record(self, rollout: CompletedRollout, turn_index: int, previous: Triplet, prompt_ids: np.ndarray) -> str:
-        """Count the break before call ``turn_index`` of ``rollout``; return its kind."""
-        kind, texts = _classify(previous, prompt_ids, self.settings.tokenizer)
+    def record(
+        self,
+        rollout: CompletedRollout,
+        turn_index: int,
+        previous: Triplet,
+        prompt_ids: np.ndarray,
+        *,
+        kind: str | None = None,
+    ) -> str:
+        """Count the break before call ``turn_index`` of ``rollout``; return its kind (``kind`` when
+        given, as ``images`` is, else the ids' classification)."""
+        classified, texts = _classify(previous, prompt_ids, self.settings.tokenizer)
+        kind = kind or classified
         context = np.concatenate([previous.prompt_ids, previous.response_ids])
         self.counts.merge_break(kind)
         if len(self.sample) < self.settings.mismatch_sample_size:

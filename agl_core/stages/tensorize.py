@@ -10,6 +10,13 @@ Tensors: ``prompts``, ``responses``, ``input_ids`` (both side by side), ``attent
 tokens), ``token_level_scores`` (float32, the row's reward on its last trained token) and, only
 when every row has them, ``rollout_log_probs`` (float32). Non-tensor columns: ``rollout_ids``,
 ``group_ids`` (numpy object arrays) and ``turn_indices`` (int64).
+
+A vision-language model's batch (``vision``, a :class:`~agl_core.stages.vision.VisionSpec`) differs in
+two ways, for every row, text rows too: ``position_ids`` is ``(B, 4, L)`` in verl's layout (row 0
+the text positions, rows 1-3 the mrope positions; :func:`~agl_core.stages.vision.batch_position_ids`),
+and the non-tensor column ``multi_modal_inputs`` holds each row's vision inputs (``{}`` for a text
+row, else ``pixel_values`` and ``image_grid_thw``; :func:`~agl_core.stages.vision.vision_inputs`).
+A row with images and no ``vision`` is an error: a text model cannot see them.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from agl_core.data import DataValidationError, TrainingRow
 from agl_core.errors import UsageError
+from agl_core.stages.vision import VisionSpec, batch_position_ids, vision_inputs
 
 __all__ = ["PaddedBatch", "pad_responses", "padded_width", "tensorize"]
 
@@ -112,15 +120,24 @@ def tensorize(
     pad_token_id: int = 0,
     prompt_length: int | None = None,
     response_length: int | None = None,
+    vision: VisionSpec | None = None,
 ) -> PaddedBatch:
     """Pad ``rows`` into a :class:`PaddedBatch`.
 
     Rows must be trainable: not ``dropped`` (batch shaping removes those) and with at least one
     trained token (the reward needs a place). ``prompt_length`` / ``response_length`` fix the
-    widths instead of deriving them from the batch; a longer row is an error.
+    widths instead of deriving them from the batch; a longer row is an error. ``vision``: the
+    model's vision spec, for a vision-language model (see the module's docstring).
     """
     if not rows:
         raise UsageError("tensorize: no rows to pad (rows is empty)")
+    if vision is None:
+        for row in rows:
+            if row.image_urls:
+                raise UsageError(
+                    f"rollout {row.rollout_id!r}: a row has {len(row.image_urls)} image(s), and the model has no "
+                    "image processor: a text model cannot see images; train a vision-language model"
+                )
     # The reward goes on each row's last trained token: after truncation a row may end on
     # observation tokens, which are never trained. Found in each row's own (unpadded) mask:
     # the same search over the padded batch reads every pad column of every row.
@@ -174,4 +191,12 @@ def tensorize(
         "group_ids": np.array([row.group_id for row in rows], dtype=object),
         "turn_indices": np.array([row.turn_index for row in rows], dtype=np.int64),
     }
+    if vision is not None:
+        inputs = vision_inputs(rows, vision)
+        grids = [row_inputs.get("image_grid_thw") for row_inputs in inputs]
+        tensors["position_ids"] = batch_position_ids(tensors["input_ids"], tensors["attention_mask"], grids, vision)
+        column = np.empty(len(rows), dtype=object)
+        for i, row_inputs in enumerate(inputs):
+            column[i] = row_inputs
+        non_tensors["multi_modal_inputs"] = column
     return PaddedBatch(tensors, non_tensors)

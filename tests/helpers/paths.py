@@ -11,3 +11,5 @@ FIXTURES = TESTS / "fixtures"
 GATEWAY_TRACES = FIXTURES / "gateway_traces"
 # Three recorded steps of the corridor example.
 RECORDED_CORRIDOR = FIXTURES / "corridor_recording"
+# Multimodal gateway events of the tiny vision-language policy (tests/helpers/vl_recording.py).
+VL_RECORDING = FIXTURES / "vl_recording"

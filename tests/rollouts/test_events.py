@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_core.data import DataValidationError, RolloutRequest
+from agl_core.data import RolloutRequest
 from agl_core.rollouts.events import (
     METRICS,
     completed_rollout,
@@ -366,17 +366,17 @@ def _with_messages(gateway_traces, messages):
     ],
     ids=["parts", "json-text"],
 )
-def test_a_training_call_with_images_is_refused_naming_the_rollout(gateway_traces, decode, content):
+def test_a_training_call_reads_its_images_in_order_and_a_validation_call_does_not(gateway_traces, decode, content):
     events = _with_messages(gateway_traces, [{"role": "user", "content": content}])
     body = json.dumps(events).encode()
     decoded = decode_events(body, only_parsed_fields=decode == "parsed_fields")
     request = RolloutRequest(rollout_id="vl-1", group_id="g", input={}, is_train=True)
-    with pytest.raises(DataValidationError, match="vision-language chat") as info:
-        completed_rollout(request, decoded, state="succeeded", reward_fillna_value=0.0)
-    assert info.value.rollout_id == "vl-1" and info.value.field == "calls[0].request.messages"
-    validation = attrs.evolve(request, is_train=False)  # a validation reward is measured as it is
+    rollout, _ = completed_rollout(request, decoded, state="succeeded", reward_fillna_value=0.0)
+    n_images = 1 if isinstance(content, list) else 2
+    assert rollout.triplets[0].image_urls == (IMAGE["image_url"]["url"],) * n_images
+    validation = attrs.evolve(request, is_train=False)  # measured, never trained: images not read
     rollout, _ = completed_rollout(validation, decoded, state="succeeded", reward_fillna_value=0.0)
-    assert len(rollout.triplets) == 1
+    assert len(rollout.triplets) == 1 and rollout.triplets[0].image_urls == ()
 
 
 @pytest.mark.parametrize("decode", ["full", "parsed_fields"])
@@ -386,7 +386,8 @@ def test_text_that_mentions_image_url_is_not_an_image(gateway_traces, decode):
         [{"role": "user", "content": 'set "type": "image_url" in the request'}, {"role": "assistant", "content": None}],
     )
     decoded = decode_events(json.dumps(events).encode(), only_parsed_fields=decode == "parsed_fields")
-    assert len(parse_events(decoded).triplets) == 1
+    triplets = parse_events(decoded).triplets
+    assert len(triplets) == 1 and triplets[0].image_urls == ()
 
 
 def test_the_last_event_time_skips_unusable_timestamps():

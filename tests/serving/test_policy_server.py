@@ -118,6 +118,17 @@ def test_bad_requests_get_vllm_error_bodies(served, body, status, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_a_request_with_an_image_is_refused_by_name(served):
+    """The builtin engine generates from text only: an image would be silently dropped otherwise."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": [image, {"type": "text", "text": "?"}]}]
+    response = httpx.post(f"{served[0].base_url}/chat/completions", json={"messages": messages}, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages"
+    assert "messages[1] has an image_url part" in error["message"] and "engine: vllm" in error["message"]
+
+
 def test_concurrent_requests_are_generated_in_batches(served):
     server = served[0]
     sizes = []

@@ -19,11 +19,17 @@ The policy is built as verl's model and engine keys say (:func:`build_policy`): 
 (:mod:`agl_core.backends.torch.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.torch.lora`).
 With ``agentlightning.torch.merged_model_dir`` the run ends by writing the policy there as a Hugging Face
 model folder (a LoRA run's adapters merged in).
+
+A vision-language policy (a model folder with an image processor, ``preprocessor_config.json``) is
+loaded as an image-text-to-text model and trained on rows with images (mrope positions and image
+inputs, :mod:`agl_core.stages.vision`); the builtin engine serves it text only and refuses image
+requests, so its rollouts come from a gateway in front of vLLM, or from a recording.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +38,7 @@ import torch
 
 from agl_core.backends.contract import OnStep
 from agl_core.backends.loop_backend import LoopBackend, Served
-from agl_core.backends.torch.checkpoint import load_weights, save_weights
+from agl_core.backends.torch.checkpoint import ADAPTER_DIR, MODEL_DIR, load_weights, save_weights
 from agl_core.backends.torch.checks import check_device, model_folder
 from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
@@ -46,7 +52,7 @@ if TYPE_CHECKING:
 
     from agl_core.plugins import PluginManager
 
-__all__ = ["TorchBackend", "build_policy", "pick_device"]
+__all__ = ["TorchBackend", "build_policy", "is_vision_policy", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +64,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def is_vision_policy(folder: Path) -> bool:
+    """Whether the model folder holds a vision-language policy: it has an image processor."""
+    return (Path(folder) / IMAGE_PROCESSOR_FILE).is_file()
+
+
 def load_policy(
     folder: Path, device: torch.device, *, frozen: bool = False, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """The causal LM in ``folder`` in ``dtype`` on ``device``; ``frozen``: in eval mode, without gradients."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM (or vision-language model) in ``folder`` in ``dtype`` on ``device``; ``frozen``: in
+    eval mode, without gradients."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    auto = AutoModelForImageTextToText if is_vision_policy(folder) else AutoModelForCausalLM
+    model = auto.from_pretrained(folder, dtype=dtype).to(device)
     if frozen:
         model.eval().requires_grad_(False)
     return model
@@ -111,9 +127,15 @@ class TorchBackend(LoopBackend):
         settings = ActorSettings.from_config(config.actor_rollout_ref, config.agentlightning.torch.share_prefixes)
         self.model, ref_model = build_policy(config, folder, device, settings.precision.param_dtype)
         self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
+        self.vision = None
+        if is_vision_policy(folder):
+            from agl_core.stages.vision import VisionSpec
+
+            self.vision = VisionSpec.from_pretrained(folder)
         self.actor_update = ActorUpdate(
-            self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id
+            self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id, self.vision
         )
+        self.model_folder = folder
         self.engine = None
         self._sampler_state: object | None = None
 
@@ -166,6 +188,7 @@ class TorchBackend(LoopBackend):
         """The policy's files (:func:`~agl_core.backends.torch.checkpoint.save_weights`); the optimizer,
         lr schedule and the engine's sampler state as plain state."""
         save_weights(folder, self.model, self.tokenizer)
+        self.copy_image_processor(Path(folder) / (ADAPTER_DIR if is_adapted(self.model) else MODEL_DIR))
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         sampler = self.engine.sampler_state() if self.engine is not None else None
         if sampler is not None:
@@ -193,4 +216,10 @@ class TorchBackend(LoopBackend):
         if folder:
             save_served(self.model, folder)
             self.tokenizer.save_pretrained(folder)
+            self.copy_image_processor(Path(folder))
             logger.info("wrote the merged policy to %s", folder)
+
+    def copy_image_processor(self, folder: Path) -> None:
+        """Give a saved vision-language policy its image processor, without which it loads as text only."""
+        if self.vision is not None:
+            shutil.copyfile(Path(self.model_folder) / IMAGE_PROCESSOR_FILE, folder / IMAGE_PROCESSOR_FILE)

@@ -11,16 +11,23 @@ With prefix sharing (:func:`split_shared`) the unit is a pack of rows
 pack within the budget, and the packs grouped by the same rule (a pack's length as its size), chains
 apart from trees so that only the trees' passes pay for a mask. A micro-batch is then its packs'
 rows, with the :class:`~agl_core.backends.torch.prefix_packing.PackedForward` that computes them.
+
+Vision-language rows cut the same way: their ``(B, 4, L)`` position ids along the last dimension,
+their per-row image inputs (:data:`~agl_core.backends.torch.model_ops.MULTI_MODAL_INPUTS`, or any
+non-tensor column: :meth:`MicroBatch.cut_rows`) by row, in the micro-batch's row order, which is the
+order the forward concatenates their images in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
+from agl_core.backends.torch.model_ops import MULTI_MODAL_INPUTS
 from agl_core.backends.torch.prefix_packing import PackedForward, RowLengths, packed_forward, row_packs
 from agl_core.stages.micro_batches import check_budget, micro_batches
 from agl_core.stages.prefix_sharing import PackCost
@@ -42,7 +49,7 @@ class MicroBatch:
     packed: PackedForward | None = None
     """The prefix-shared forward pass computing these rows (:func:`split_shared`), else ``None``."""
 
-    def cut(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def cut(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """These rows of ``tensors`` (a tensorised batch), padded only to this micro-batch's widths;
         without the sequence tensors when :attr:`packed` computes the rows."""
         prompt_width = tensors["prompts"].shape[1]
@@ -52,13 +59,19 @@ class MicroBatch:
             # Columns first (a view), then rows: only the micro-batch's own widths are copied.
             if self.packed is not None and (name == "prompts" or name in SEQUENCE_TENSORS):
                 continue
-            if name == "prompts":
+            if name == MULTI_MODAL_INPUTS:
+                out[name] = self.cut_rows(value)
+            elif name == "prompts":
                 out[name] = value[:, start:][self.rows]
-            elif name in SEQUENCE_TENSORS:
-                out[name] = value[:, start:end][self.rows]
+            elif name in SEQUENCE_TENSORS:  # the sequence is the last dimension: (B, 4, L) mrope position ids too
+                out[name] = value[..., start:end][self.rows]
             else:
                 out[name] = self.cut_responses(value)
         return out
+
+    def cut_rows(self, column: np.ndarray) -> np.ndarray:
+        """These rows of a per-row non-tensor column (``multi_modal_inputs``, ``rollout_ids``...)."""
+        return column[self.rows.cpu().numpy()]
 
     def cut_responses(self, values: torch.Tensor) -> torch.Tensor:
         """These rows of a response-aligned ``[rows, response_len]`` tensor (advantages, log-probs),

@@ -6,19 +6,30 @@ the last ``response_len + 1`` columns (:func:`response_distributions`), for rows
 shared prefixes computed once the columns their
 :class:`~agl_core.backends.torch.prefix_packing.PackedForward` keeps (:func:`packed_distributions`),
 which each row then reads through the pass's ``index``.
+
+Vision-language rows (:func:`agl_core.stages.tensorize.tensorize` with a ``VisionSpec``) carry
+``position_ids`` as ``[rows, 4, L]`` (verl's layout: text positions, then mrope's temporal, height and
+width ones), which the model takes as ``[4, rows, L]``, and their images under
+:data:`MULTI_MODAL_INPUTS`: one dict per row, whose ``pixel_values`` and ``image_grid_thw`` the forward
+concatenates in row order, the order their placeholder tokens have in the flattened batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
 from agl_core.backends.torch.prefix_packing import PackedForward
 
 __all__ = [
+    "MULTI_MODAL_INPUTS",
     "chosen_log_probs",
+    "has_images",
     "low_var_kl",
+    "model_inputs",
     "packed_distributions",
     "per_row",
     "response_distributions",
@@ -27,17 +38,39 @@ __all__ = [
 ]
 
 
-def response_distributions(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
+"""The batch entry (beside the tensors) holding each row's image inputs: a numpy object array of dicts,
+``{}`` for a text row, else ``pixel_values`` and ``image_grid_thw``."""
+
+
+def has_images(tensors: Mapping[str, Any]) -> bool:
+    """Whether a row of the batch has images."""
+    rows = tensors.get(MULTI_MODAL_INPUTS)
+    return rows is not None and any(row for row in rows)
+
+
+def model_inputs(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The forward's inputs of a padded batch: ids, mask, positions (mrope ones as ``[4, rows, L]``)
+    and its rows' images, concatenated in row order."""
+    positions = tensors["position_ids"]
+    inputs = {
+        "input_ids": tensors["input_ids"],
+        "attention_mask": tensors["attention_mask"],
+        "position_ids": positions.transpose(0, 1) if positions.ndim == 3 else positions,
+    }
+    rows = [row for row in np.asarray(tensors.get(MULTI_MODAL_INPUTS, ())).tolist() if row]
+    if rows:
+        device = inputs["input_ids"].device
+        for name in ("pixel_values", "image_grid_thw"):
+            inputs[name] = torch.cat([torch.as_tensor(row[name]) for row in rows]).to(device)
+    return inputs
+
+
+def response_distributions(model: torch.nn.Module, tensors: Mapping[str, Any]) -> torch.Tensor:
     """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``, in
     float32 whatever dtype the model computes in."""
     width = tensors["responses"].shape[1]
-    logits = model(
-        input_ids=tensors["input_ids"],
-        attention_mask=tensors["attention_mask"],
-        position_ids=tensors["position_ids"],
-        use_cache=False,
-        logits_to_keep=width + 1,
-    ).logits[:, :-1, :]
+    logits = model(**model_inputs(tensors), use_cache=False, logits_to_keep=width + 1).logits[:, :-1, :]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -71,7 +104,7 @@ def chosen_log_probs(
 
 
 def response_log_probs(
-    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], packed: PackedForward | None = None
+    model: torch.nn.Module, tensors: Mapping[str, Any], packed: PackedForward | None = None
 ) -> torch.Tensor:
     """Log-probs of the response tokens under ``model``, ``[rows, response_len]``: from the padded
     rows, or from ``packed`` (the same rows with their shared prefixes computed once)."""

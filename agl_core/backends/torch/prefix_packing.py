@@ -80,8 +80,9 @@ def check_packable(model: torch.nn.Module) -> None:
             f"needs the model's attention to be one of {', '.join(ATTENTION_IMPLEMENTATIONS)},"
             f" not {implementation!r}; turn it off",
         )
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    text = config.get_text_config()  # a vision-language model's language model holds its layers
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"]
+    windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
     if windowed or any(kind != "full_attention" for kind in layer_types):
         raise ConfigError(SHARE_KEY, "needs full causal attention in every layer (this model has sliding windows)")
 
@@ -90,7 +91,7 @@ def pack_cost(model: torch.nn.Module) -> PackCost:
     """The cost of a pack in floating-point operations of its forward pass (the backward's are about
     twice both terms): 2 per weight of every linear layer per token, and 4 per attention head
     dimension per layer for each (query, key) pair (the scores and the weighted sum)."""
-    config = model.config
+    config = model.config.get_text_config()
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)

@@ -20,7 +20,13 @@ Prefix sharing (``agentlightning.torch.share_prefixes``, :mod:`agl_core.backends
 the rows of every pass (the old and reference log-probs over the batch, each mini-batch's update) are
 packed so that a prefix several rows share is computed once, the packs grouped under the same
 budgets (one pass without one); a row's log-probs, entropy, and so the loss and its gradient, are
-those of the padded rows up to float rounding.
+those of the padded rows up to float rounding. A pass with image rows is not packed (an image's
+placeholder tokens and mrope positions belong to its row, which a shared prefix would not keep): it
+takes the padded path, and ``perf/n_rows_unshared_images`` counts the step's image rows.
+
+Vision-language rows (a ``VisionSpec`` given): tensors carry mrope position ids and each row's image
+inputs (:mod:`agl_core.backends.torch.model_ops`), which every forward pass of the step hands to the
+model, so the vision tower is trained with the rest of the policy.
 
 Only the model's trainable parameters are optimised and clipped (:func:`trainable_parameters`: all of
 them, or a LoRA model's adapter). Forward passes autocast as ``actor.fsdp_config.mixed_precision``
@@ -42,7 +48,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -50,7 +56,9 @@ import torch
 from agl_core.backends.torch.lora import base_policy
 from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
 from agl_core.backends.torch.model_ops import (
+    MULTI_MODAL_INPUTS,
     chosen_log_probs,
+    has_images,
     low_var_kl,
     packed_distributions,
     per_row,
@@ -69,6 +77,8 @@ from agl_core.stages.tensorize import tensorize
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+    from agl_core.stages.vision import VisionSpec
 
 __all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch", "lr_lambda", "make_optimizer", "trainable_parameters"]
 
@@ -158,7 +168,8 @@ class ActorSettings:
 class UpdateBatch:
     """The tensors an update reads, row-aligned, so a mini-batch is the same slice of every one."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Any]
+    """Name → ``[rows, ...]`` tensor, and the rows' image inputs (a numpy object array) if any has one."""
     advantages: torch.Tensor
     old_log_prob: torch.Tensor
     ref_log_prob: torch.Tensor | None
@@ -210,6 +221,7 @@ class ActorUpdate:
         settings: ActorSettings,
         device: torch.device,
         pad_token_id: int,
+        vision: VisionSpec | None = None,
     ):
         if settings.update_max_tokens is not None and not policy_loss_spec(loss_fn).additive_over_micro_batches:
             raise ConfigError(
@@ -225,7 +237,7 @@ class ActorUpdate:
         self.pack_cost = pack_cost(model) if settings.share_prefixes else None
         self.parameters = trainable_parameters(model)
         self.loss_fn, self.settings = loss_fn, settings
-        self.device, self.pad_token_id = device, pad_token_id
+        self.device, self.pad_token_id, self.vision = device, pad_token_id, vision
 
     def __call__(self, prepared: PreparedBatch) -> dict[str, float]:
         """Update on ``prepared`` (which has a shaped batch); the actor metrics, averaged over the
@@ -252,14 +264,22 @@ class ActorUpdate:
         metrics["perf/computed_per_row_tokens"] = real / row_tokens
         metrics["timing/log_prob_s"] = log_prob_s
         metrics["timing/actor_update_s"] = time.perf_counter() - started - log_prob_s
+        if self.pack_cost is not None and MULTI_MODAL_INPUTS in batch.tensors:
+            metrics["perf/n_rows_unshared_images"] = float(sum(1 for row in batch.tensors[MULTI_MODAL_INPUTS] if row))
         return metrics
 
     def batch(self, prepared: PreparedBatch) -> UpdateBatch:
         """The prepared rows as tensors on the model's device, with the log-probs of the policy before the
         update (and of the reference policy)."""
         assert prepared.shaped is not None
-        padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
-        tensors = {k: v.to(self.device) for k, v in padded.tensors.items()}
+        if self.vision is None:
+            padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
+        else:
+            padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id, vision=self.vision)
+        tensors: dict[str, Any] = {k: v.to(self.device) for k, v in padded.tensors.items()}
+        images = padded.non_tensors.get(MULTI_MODAL_INPUTS)
+        if images is not None and any(images):
+            tensors[MULTI_MODAL_INPUTS] = images
         with torch.no_grad():
             self.model.eval()
             old_log_prob = self.log_probs(
@@ -285,22 +305,26 @@ class ActorUpdate:
         return base_policy(self.model) if self.ref_model is self.model else nullcontext(self.ref_model)
 
     def log_probs(
-        self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str
+        self, model: torch.nn.Module, tensors: Mapping[str, Any], max_tokens: int | None, key: str
     ) -> torch.Tensor:
         """``model``'s response log-probs of a batch, ``[rows, response_len]`` (0 past each micro-batch's
         widths): in one pass, or in micro-batches of at most ``max_tokens`` padded elements (``key``'s)."""
         with self.settings.precision.autocast(self.device):
-            if max_tokens is None and not self.settings.share_prefixes:
+            if max_tokens is None and not self.shares(tensors):
                 return response_log_probs(model, tensors)
             out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=tensors["responses"].device)
             for micro in self.split(tensors, max_tokens, key):
                 out[micro.rows, : micro.response_length] = response_log_probs(model, micro.cut(tensors), micro.packed)
             return out
 
-    def split(self, tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str) -> list[MicroBatch]:
-        """The passes over a batch: its rows packed with their shared prefixes (``share_prefixes``), or
+    def shares(self, tensors: Mapping[str, Any]) -> bool:
+        """Whether a pass over ``tensors`` packs shared prefixes: ``share_prefixes``, and no image row."""
+        return self.pack_cost is not None and not has_images(tensors)
+
+    def split(self, tensors: Mapping[str, Any], max_tokens: int | None, key: str) -> list[MicroBatch]:
+        """The passes over a batch: its rows packed with their shared prefixes (:meth:`shares`), or
         in micro-batches of at most ``max_tokens`` padded elements."""
-        if self.pack_cost is not None:
+        if self.shares(tensors):
             return split_shared(tensors, max_tokens, key, self.pack_cost)
         assert max_tokens is not None
         return split(tensors, max_tokens, key)
@@ -310,7 +334,7 @@ class ActorUpdate:
         when ``update_max_tokens`` is set; its metrics (the loss terms summed over the micro-batches,
         the other metrics weighted by their share of the trained tokens, as one pass would give them)."""
         loss_settings, parts = self.settings.loss, [mini]
-        if self.settings.update_max_tokens is not None or self.settings.share_prefixes:
+        if self.settings.update_max_tokens is not None or self.shares(mini.tensors):
             parts = [
                 mini.cut(micro)
                 for micro in self.split(mini.tensors, self.settings.update_max_tokens, UPDATE_BUDGET_KEY)

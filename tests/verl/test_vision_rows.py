@@ -1,0 +1,90 @@
+"""Vision-language rows handed to verl's actor worker on CPU: verl 0.9.1's FSDP2 engine
+(:mod:`tests.helpers.verl_vision`, one gloo rank) computes the old log-probs of the multimodal
+fixture's rows, laid out as agl's V1 trainer writes them (``[4, length]`` mrope positions and
+``multi_modal_inputs`` per row), and finds the log-probs the tiny Qwen2-VL policy recorded: only
+with the images and their mrope positions does it (text positions move them by ~1e-3, blank images
+by ~1e-1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.verl, pytest.mark.slow]
+
+pytest.importorskip("verl")
+
+CPU_PADDING = "actor_rollout_ref.model.use_remove_padding=false"
+
+
+@pytest.fixture(scope="module")
+def batch_file(vision_policy_dir, tmp_path_factory):
+    from tests.helpers.vl_batches import call_rows, vision_batch
+
+    rows = call_rows()
+    path = tmp_path_factory.mktemp("vl_batch") / "batch.pt"
+    torch.save(vision_batch(rows, vision_policy_dir), path)
+    return path, rows
+
+
+def _run(vision_policy_dir, batch_file, out_dir, *overrides):
+    from agl_core.serving.processes import free_port
+    from tests.helpers.verl_vision import run_rank
+
+    path, _ = batch_file
+    args = (1, free_port(), str(vision_policy_dir), str(path), str(out_dir), overrides)
+    torch.multiprocessing.spawn(run_rank, args=args, nprocs=1)
+    return torch.load(out_dir / "result.pt", weights_only=False)
+
+
+def test_verls_worker_computes_the_recorded_log_probs_of_rows_with_images(vision_policy_dir, batch_file, tmp_path):
+    result = _run(vision_policy_dir, batch_file, tmp_path, CPU_PADDING)
+    assert "error" not in result, result.get("traceback")
+    _, rows = batch_file
+    assert result["n_rows"] == len(rows) == 8
+    for row, log_probs in zip(rows, result["log_probs"], strict=True):
+        n = len(row.response_ids)
+        assert log_probs.shape == (len(row.prompt_ids) + n,)  # verl's whole-sequence layout
+        # position t holds the log-prob of token t + 1: the response's are the n before the last
+        assert torch.allclose(log_probs[-n - 1 : -1], torch.tensor(row.log_probs), atol=1e-5)
+
+
+def test_verls_padding_removal_for_qwen2_vl_needs_flash_attention(vision_policy_dir, batch_file, tmp_path):
+    """verl's default (``use_remove_padding``) patches Qwen2-VL's attention with a flash-attention
+    forward, which has nothing to call on CPU; agl's CPU mode turns it off (CPU_KEYS)."""
+    result = _run(vision_policy_dir, batch_file, tmp_path, "actor_rollout_ref.model.use_remove_padding=true")
+    assert result.get("error") == "NameError"
+    assert "_flash_use_top_left_mask" in result["message"]
+
+
+def test_training_rows_and_dataproto_carry_mrope_positions_and_images_in_row_order(batch_file):
+    from agl_backend_verl.dataproto import to_dataproto, to_padded_batch
+    from agl_backend_verl.transfer import training_rows
+
+    path, rows = batch_file
+    padded = torch.load(path, weights_only=False)
+    order = [3, 0, 7, 5, 1, 2, 6, 4]
+    zeros = torch.zeros(len(rows), padded.tensors["responses"].shape[1])
+    written = training_rows(padded, order, zeros, zeros)
+    images = list(written["multi_modal_inputs"])
+    width = padded.tensors["prompts"].shape[1]
+    for j, i in enumerate(order):
+        n = len(rows[i].prompt_ids) + len(rows[i].response_ids)
+        assert torch.equal(
+            written["position_ids"][j], padded.tensors["position_ids"][i, :, width - len(rows[i].prompt_ids) :][:, :n]
+        )
+        assert images[j] is padded.non_tensors["multi_modal_inputs"][i]
+    back = to_padded_batch(to_dataproto(padded))
+    assert back.tensors["position_ids"].shape == (len(rows), 4, padded.tensors["input_ids"].shape[1])
+    assert list(back.non_tensors["multi_modal_inputs"]) == list(padded.non_tensors["multi_modal_inputs"])
+
+
+def test_the_trainer_reads_a_vision_spec_only_for_a_vision_language_policy(vision_policy_dir, tiny_model_dir):
+    from transformers import AutoConfig
+
+    from agl_backend_verl.trainer import vision_spec
+
+    spec = vision_spec(str(vision_policy_dir))
+    config = AutoConfig.from_pretrained(vision_policy_dir)
+    assert (spec.image_token_id, spec.vision_start_token_id) == (config.image_token_id, config.vision_start_token_id)
+    assert vision_spec(str(tiny_model_dir)) is None
