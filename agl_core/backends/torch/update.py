@@ -272,10 +272,7 @@ class ActorUpdate:
         """The prepared rows as tensors on the model's device, with the log-probs of the policy before the
         update (and of the reference policy)."""
         assert prepared.shaped is not None
-        if self.vision is None:
-            padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
-        else:
-            padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id, vision=self.vision)
+        padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id, vision=self.vision)
         tensors: dict[str, Any] = {k: v.to(self.device) for k, v in padded.tensors.items()}
         images = padded.non_tensors.get(MULTI_MODAL_INPUTS)
         if images is not None and any(images):
