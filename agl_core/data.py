@@ -241,7 +241,7 @@ class TrainingRow:
     ``turn_rewards`` holds the per-call rewards of the merged calls, in order. ``dropped`` marks a
     row whose prompt exceeded its limit: it is counted, then removed before training.
     ``image_urls`` are the images whose placeholder blocks are in the row's prompt + response, in
-    order (a row never keeps part of a block); validated as :attr:`Triplet.image_urls`.
+    order (a row never keeps part of a block); validated as ``Triplet.image_urls``.
     """
 
     prompt_ids: np.ndarray = array_field(converter=lambda v: token_ids("prompt_ids", v))

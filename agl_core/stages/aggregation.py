@@ -126,7 +126,7 @@ class AggregationSettings:
     classified (they count as ``other``) and mismatch samples carry ids only. Each mismatch sample
     keeps at most ``mismatch_max_length`` ids and characters per field. ``max_total_length``
     (``None``: no cap) bounds a row's prompt + response (:meth:`response_limit`).
-    ``image_placeholders`` (by default the tokenizer's, :meth:`ImagePlaceholders.of`) tells where a
+    ``image_placeholders`` (by default the tokenizer's, ``ImagePlaceholders.of``) tells where a
     row's image blocks are, which cutting the response of a row with images needs.
     """
 
