@@ -88,3 +88,43 @@ def test_the_trainer_reads_a_vision_spec_only_for_a_vision_language_policy(visio
     config = AutoConfig.from_pretrained(vision_policy_dir)
     assert (spec.image_token_id, spec.vision_start_token_id) == (config.image_token_id, config.vision_start_token_id)
     assert vision_spec(str(tiny_model_dir)) is None
+
+
+@pytest.mark.ray
+def test_rows_with_images_go_through_transfer_queue_unchanged(batch_file, vision_policy_dir, tmp_path):
+    """The V1 trainer stores the step's rows in TransferQueue, where verl's workers fetch them: the
+    mrope positions and each row's images come back as stored, row by row."""
+    import transfer_queue as tq
+
+    from agl_backend_verl.config import load_verl_config
+    from agl_backend_verl.run import v1_config
+    from agl_backend_verl.transfer import put_rows, training_rows
+    from tests.helpers.verl_local_workers import transfer_queue_session
+
+    path, rows = batch_file
+    padded = torch.load(path, weights_only=False)
+    order = [5, 2, 7, 0, 4, 1, 6, 3]
+    zeros = torch.zeros(len(rows), padded.tensors["responses"].shape[1])
+    written = training_rows(padded, order, zeros, zeros)
+    config = load_verl_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={vision_policy_dir}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.device=cpu",
+            "agentlightning.agl_base_url=http://127.0.0.1:1",
+        ],
+    )
+    with transfer_queue_session(v1_config(config)):
+        stored = put_rows(written, [f"vl_{i}" for i in order])
+        back = tq.kv_batch_get(
+            keys=stored.keys, partition_id=stored.partition_id, select_fields=["position_ids", "multi_modal_inputs"]
+        )
+    sent = list(written["multi_modal_inputs"])
+    got = list(back["multi_modal_inputs"])
+    assert len(got) == len(order)
+    for j, i in enumerate(order):
+        assert torch.equal(back["position_ids"][j], written["position_ids"][j])
+        assert sorted(got[j]) == sorted(sent[j]) == (["image_grid_thw", "pixel_values"] if rows[i].image_urls else [])
+        for name, value in sent[j].items():
+            assert torch.equal(torch.as_tensor(got[j][name]), torch.as_tensor(value)), (i, name)
