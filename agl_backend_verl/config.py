@@ -490,15 +490,19 @@ def check_with_verl(cfg: DictConfig) -> None:
     naming the key its message names."""
     import re
 
+    from hydra.errors import InstantiationException
     from verl.trainer.ppo.utils import need_reference_policy
     from verl.utils.config import validate_config
 
     try:
         validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=uses_critic(cfg))
-    except (AssertionError, ValueError, TypeError) as exc:
+    except (AssertionError, ValueError, TypeError, InstantiationException) as exc:
+        # A section verl builds into its dataclass fails inside Hydra's instantiate, whose message
+        # names the section (full_key) and whose cause says what is wrong.
         keys = re.findall(r"(?:actor_rollout_ref|critic|data|trainer|algorithm)(?:\.\w+)+", str(exc))
         key = max(keys, key=len) if keys else "actor_rollout_ref"
-        raise ConfigError(key, f"verl refuses the config: {exc}") from None
+        reason = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
+        raise ConfigError(key, f"verl refuses the config: {reason}") from None
 
 
 def is_ray_address(value: Any) -> bool:

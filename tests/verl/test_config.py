@@ -206,3 +206,15 @@ def test_keys_verls_dataclasses_do_not_take_are_refused_by_name(override, key, f
     with pytest.raises(ConfigError) as info:
         verl_config.load_verl_config(None, [override])
     assert info.value.key == key and fragment in info.value.message
+
+
+def test_a_section_verls_dataclass_refuses_is_a_config_error_naming_it(user_yaml):
+    """verl's validate_config builds the actor's section into its dataclass inside Hydra's instantiate:
+    what the dataclass refuses reads as verl's reason, under the section's key, not as an internal error."""
+    cfg = verl_config.load_verl_config(
+        user_yaml, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "trainer.n_gpus_per_node=1"]
+    )
+    with pytest.raises(ConfigError) as info:
+        verl_config.check_with_verl(cfg)
+    assert info.value.key == "actor_rollout_ref.actor"
+    assert "verl refuses the config: [actor] Please set at least one of 'actor.ppo_micro_batch_size'" in str(info.value)
