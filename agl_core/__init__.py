@@ -111,6 +111,7 @@ __all__ = [
     "hookimpl",
     "load_config",
     "load_dataset",
+    "load_policy_model",
     "masked_sum",
     "merge_config",
     "merged_row",
@@ -223,6 +224,7 @@ _MODULES: dict[str, str] = {
     "gateway_source": "agl_core.rollouts.gateway",
     "ReplayRolloutSource": "agl_core.rollouts.replay",
     # serving the policy to agents (what a backend's rollout replica answers with)
+    "load_policy_model": "agl_core.serving.models",
     "PolicyServer": "agl_core.serving.policy_server",
     "RequestError": "agl_core.serving.policy_server",
     "Generation": "agl_core.serving.sampling",
@@ -286,6 +288,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.rollouts.replay import ReplayRolloutSource
     from agl_core.rollouts.source import FinishedGroup, RolloutSource
     from agl_core.rollouts.streaming import GroupStream, group_stream
+    from agl_core.serving.models import load_policy_model
     from agl_core.serving.policy_server import PolicyServer, RequestError
     from agl_core.serving.sampling import Generation, SamplingParams
     from agl_core.serving.vllm_engine import VllmEngineError

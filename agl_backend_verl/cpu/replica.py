@@ -44,7 +44,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 from agl_backend_verl.cpu.lora import hf_name, is_adapter, lora_scale, merge_adapters
 from agl_backend_verl.cpu.mode import REPLICA as NAME
 from agl_backend_verl.replica_address import advertised_address, bind_host
-from agl_core import Generation, PolicyServer, RequestError, SamplingParams, UsageError
+from agl_core import Generation, PolicyServer, RequestError, SamplingParams, UsageError, load_policy_model
 
 
 def server_name(replica_rank: int) -> str:
@@ -116,10 +116,10 @@ class CpuPolicyServer:
     """A Ray actor hosting one :class:`AbortablePolicyServer` for the policy at ``model_path``."""
 
     def __init__(self, model_path: str, model_name: str, seed: int = 0):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         torch.set_num_threads(1)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        model = load_policy_model(model_path, dtype=torch.float32, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.server = AbortablePolicyServer(model, tokenizer, model_name, seed=seed, host=bind_host())
         self.server.start()

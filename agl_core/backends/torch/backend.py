@@ -43,6 +43,7 @@ from agl_core.backends.torch.checks import check_device, model_folder
 from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
 from agl_core.serving.engine import InferenceEngine
+from agl_core.serving.models import IMAGE_PROCESSOR_FILE, is_vision_policy, load_policy_model
 from agl_core.serving.vllm_engine import VllmEngineError
 from agl_core.serving.weights import is_adapted, save_served
 from agl_core.stages.pipeline import PreparedBatch
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 
     from agl_core.plugins import PluginManager
 
-__all__ = ["TorchBackend", "build_policy", "is_vision_policy", "pick_device"]
+__all__ = ["TorchBackend", "build_policy", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +65,12 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
-
-
-def is_vision_policy(folder: Path) -> bool:
-    """Whether the model folder holds a vision-language policy: it has an image processor."""
-    return (Path(folder) / IMAGE_PROCESSOR_FILE).is_file()
-
-
 def load_policy(
     folder: Path, device: torch.device, *, frozen: bool = False, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """The causal LM (or vision-language model) in ``folder`` in ``dtype`` on ``device``; ``frozen``: in
     eval mode, without gradients."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    auto = AutoModelForImageTextToText if is_vision_policy(folder) else AutoModelForCausalLM
-    model = auto.from_pretrained(folder, dtype=dtype).to(device)
+    model = load_policy_model(folder, dtype=dtype).to(device)
     if frozen:
         model.eval().requires_grad_(False)
     return model

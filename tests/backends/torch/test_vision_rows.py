@@ -163,8 +163,8 @@ def test_the_vision_tower_gets_gradients_and_changes(trained):
 
 
 def test_a_checkpoint_of_the_policy_loads_as_a_vision_language_model(trained):
-    from agl_core.backends.torch.backend import is_vision_policy
     from agl_core.backends.torch.checkpoint import MODEL_DIR
+    from agl_core.serving.models import is_vision_policy
 
     assert is_vision_policy(trained["checkpoint"] / MODEL_DIR)
 
