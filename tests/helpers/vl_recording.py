@@ -202,15 +202,16 @@ def parsed_rollouts(events: dict[str, Any], step: int = 1) -> list[Any]:
     from agl_core.data import RolloutRequest
     from agl_core.rollouts.events import completed_rollout_from_record
 
-    out = []
-    for i, recorded in enumerate(events["rollouts"]):
+    out, samples = [], {}
+    for recorded in events["rollouts"]:
         record = recorded["rollout"]
         request = RolloutRequest(
             rollout_id=record["rollout_id"],
             group_id=recorded["group_id"],
             input=record["input"],
             step=step,
-            sample_index=i,
+            # the index of the group's dataset sample in the step, as a rollout source numbers them
+            sample_index=samples.setdefault(recorded["group_id"], len(samples)),
         )
         rollout, _ = completed_rollout_from_record(request, record, recorded["events"], reward_fillna_value=0.0)
         out.append(rollout)
