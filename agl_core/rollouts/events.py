@@ -246,21 +246,16 @@ def _model_version(value: Any) -> int | None:
 _IMAGE_URL = re.compile(rb"image_url")
 
 
-class _BadImagePart(Exception):
-    """An ``image_url`` part without a URL string."""
-
-
-def _part_url(part: Mapping[str, Any]) -> str:
-    """The URL of one ``image_url`` part (``{"url": ...}`` or the URL itself)."""
+def _part_url(part: Mapping[str, Any]) -> str | None:
+    """The URL of one ``image_url`` part (``{"url": ...}`` or the URL itself); ``None`` without one."""
     image = part.get("image_url")
     url = image.get("url") if isinstance(image, Mapping) else image
-    if not isinstance(url, str):
-        raise _BadImagePart
-    return url
+    return url if isinstance(url, str) else None
 
 
-def _content_images(content: Any) -> list[str]:
-    """The image URLs of one message's content (a list of parts, or its JSON text), in order."""
+def _content_images(content: Any) -> list[str | None]:
+    """The image URLs of one message's content (a list of parts, or its JSON text), in order (``None``
+    for a part without one)."""
     if isinstance(content, str) and "image_url" in content:
         try:
             content = json.loads(content)  # some clients send the parts as JSON text
@@ -271,9 +266,9 @@ def _content_images(content: Any) -> list[str]:
     return [_part_url(part) for part in content if isinstance(part, Mapping) and part.get("type") == "image_url"]
 
 
-def _image_urls(request: Any) -> list[str]:
+def _image_urls(request: Any) -> list[str | None]:
     """The image URLs a call's request carries in its chat messages, in order (undecoded messages are
-    only decoded when they mention ``image_url`` at all); :class:`_BadImagePart` for a part without one."""
+    only decoded when they mention ``image_url`` at all); ``None`` for a part without one."""
     messages = request.get("messages") if isinstance(request, Mapping) else None
     if msgspec is not None and isinstance(messages, msgspec.Raw):
         if _IMAGE_URL.search(messages) is None:  # searched in place: the messages are not copied
@@ -316,11 +311,12 @@ def _triplet_from_call(data: Any, call_index: int, counts: Counter[str], *, read
         return None
     urls: tuple[str, ...] = ()
     if read_images:
-        try:
-            urls = image_urls("image_urls", _image_urls(data.get("request")))
-        except _BadImagePart:
+        found = _image_urls(data.get("request"))
+        if None in found:  # an image_url part without a URL
             _count(counts, "training/events/n_calls_bad_images")
             return None
+        try:
+            urls = image_urls("image_urls", found)
         except DataValidationError as err:
             raise err.within(f"calls[{call_index}]") from None
     raw = _raw_log_probs(choice)

@@ -156,14 +156,14 @@ def load_image(url: str, *, rollout_id: str | None = None, field: str = "image_u
         if url.startswith("data:"):
             head, _, payload = url.partition(",")
             if not head.startswith("data:image/") or not head.endswith(";base64"):
-                raise ValueError("not a base64 image data URL (data:image/<type>;base64,...)")
+                raise UsageError("not a base64 image data URL (data:image/<type>;base64,...)")
             source: Any = io.BytesIO(base64.b64decode(payload, validate=True))
         elif url.startswith("file://"):
             source = urllib.parse.unquote(urllib.parse.urlparse(url).path)
         elif url.startswith("/"):
             source = url
         else:
-            raise ValueError("only data:image/...;base64, file:// URLs and absolute paths are loaded (no network)")
+            raise UsageError("only data:image/...;base64, file:// URLs and absolute paths are loaded (no network)")
         with Image.open(source) as image:
             return image.convert("RGB")
     except (OSError, ValueError, binascii.Error, UnidentifiedImageError) as exc:
@@ -180,7 +180,7 @@ def placeholder_runs(ids: np.ndarray, image_token_id: int, vision_start_token_id
     runs = [(start + 1, end - 1) for start, end in image_blocks(ids, image_token_id)]
     for start, _ in runs:
         if start == 0 or ids[start - 1] != vision_start_token_id:
-            raise ValueError(f"the image pad tokens at position {start} do not follow a vision start token")
+            raise UsageError(f"the image pad tokens at position {start} do not follow a vision start token")
     return runs
 
 
@@ -209,7 +209,7 @@ def mrope_position_ids(
     kept = ids[keep]
     runs = placeholder_runs(kept, image_token_id, vision_start_token_id)
     if len(runs) != len(grids):
-        raise ValueError(f"the sequence has {len(runs)} image block(s) for {len(grids)} image grid(s)")
+        raise UsageError(f"the sequence has {len(runs)} image block(s) for {len(grids)} image grid(s)")
     merge = spatial_merge_size
     positions = np.empty((3, len(kept)), np.int64)
     current = done = 0
@@ -217,7 +217,7 @@ def mrope_position_ids(
         positions[:, done:start] = current + np.arange(start - done)
         current += start - done
         if end - start != _grid_tokens(grid, merge):
-            raise ValueError(
+            raise UsageError(
                 f"the image block at position {start} has {end - start} pad tokens; its grid {grid.tolist()} "
                 f"needs {_grid_tokens(grid, merge)}"
             )
