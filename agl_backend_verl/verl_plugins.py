@@ -4,7 +4,8 @@ verl runs the policy loss inside its Ray workers, which look it up by name in
 ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``. This module fills that registry (and the
 advantage-estimator registry) from agl's plugin manager, so built-ins and third-party plugins
 (entry points in group ``agl``) are both there. It also registers verl's CPU mode
-(:mod:`agl_backend_verl.cpu`). It runs on import, and two paths import it in every process that
+(:mod:`agl_backend_verl.cpu`), and patches verl for vision-language rows
+(:mod:`agl_backend_verl.mrope_positions`). It runs on import, and two paths import it in every process that
 imports verl:
 
 1. the entry point ``agl`` in group ``verl.plugins``, which ``import verl`` loads in verl 0.9 — so it
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from agl_backend_verl import mrope_positions
 from agl_backend_verl.cpu import register as register_cpu_mode
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core import AdvantageSettings, PluginManager, TrainingRow, UsageError
@@ -177,3 +179,8 @@ try:
 except Exception as exc:
     REGISTRATION_ERROR.append(exc)
     logger.exception("registering agl's policy losses and advantage estimators in verl failed")
+try:
+    mrope_positions.apply()
+except Exception as exc:
+    REGISTRATION_ERROR.append(exc)
+    logger.exception("patching verl's maybe_fix_3d_position_ids failed")

@@ -128,3 +128,78 @@ def test_rows_with_images_go_through_transfer_queue_unchanged(batch_file, vision
         assert sorted(got[j]) == sorted(sent[j]) == (["image_grid_thw", "pixel_values"] if rows[i].image_urls else [])
         for name, value in sent[j].items():
             assert torch.equal(torch.as_tensor(got[j][name]), torch.as_tensor(value)), (i, name)
+
+
+def _equal_rows(n=2, length=5):
+    return [torch.arange(4 * length).reshape(4, length) + 100 * i for i in range(n)]
+
+
+def test_rows_of_one_length_survive_verls_mini_batch_selection():
+    """A batch of [4, length] rows of one length is a nested tensor ragged along the 4 (as
+    TransferQueue and torch's as_nested_tensor build it); verl's maybe_fix_3d_position_ids then marks
+    the length ragged without moving the values, and the mini-batch selection fails. Patched
+    (agl_backend_verl.mrope_positions, applied on import of verl), it selects the rows intact."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers import engine_workers
+
+    rows = _equal_rows()
+
+    def as_stored(layout):  # TransferQueue's layout: the rows' values stacked, offsets along the 4
+        return torch.nested.nested_tensor_from_jagged(torch.cat(layout), offsets=torch.tensor([0, 4, 8]))
+
+    broken = as_stored(rows)
+    broken._ragged_idx = 2  # what verl's own function does to it
+    with pytest.raises(RuntimeError):  # in the worker: "split_with_sizes expects split_sizes to sum exactly to ..."
+        tu.index_select_tensor_dict(TensorDict({"position_ids": broken}, batch_size=2), torch.tensor([0]))
+
+    uneven = [torch.zeros(4, 3, dtype=torch.int64), torch.ones(4, 7, dtype=torch.int64)]
+    for layout, nested in (
+        (rows, as_stored(rows)),
+        (uneven, torch.nested.as_nested_tensor(uneven, layout=torch.jagged)),
+    ):
+        data = TensorDict({"position_ids": nested}, batch_size=2)
+        engine_workers.maybe_fix_3d_position_ids(data)
+        picked = tu.index_select_tensor_dict(data, torch.tensor([1, 0]))
+        got = picked["position_ids"].unbind()
+        assert [g.tolist() for g in got] == [layout[1].tolist(), layout[0].tolist()]
+
+
+def test_the_patch_leaves_other_tensors_as_they_are():
+    from agl_backend_verl.mrope_positions import ragged_along_length
+
+    plain = torch.zeros(2, 4, 5)
+    assert ragged_along_length(plain) is plain
+    uneven = torch.nested.as_nested_tensor([torch.zeros(4, 3), torch.zeros(4, 6)], layout=torch.jagged)
+    assert ragged_along_length(uneven) is uneven  # already ragged along the length
+    flat = torch.nested.as_nested_tensor([torch.zeros(3), torch.zeros(6)], layout=torch.jagged)
+    assert ragged_along_length(flat) is flat  # text rows: 2-D
+
+
+@pytest.mark.ray
+def test_verls_v1_trainer_trains_the_recorded_multimodal_step_as_the_torch_backend_does(vision_policy_dir, tmp_path):
+    """The fixture's recorded step (one group of 4 two-turn rollouts with images) replayed through
+    verl's V1 trainer in CPU mode (replica, rollout loop, TransferQueue, old/ref log-probs, the
+    actor's update over two ranks) and through the torch backend, from the same initial policy:
+    the same rows, and the same gradient."""
+    import shutil
+
+    from agl_backend_verl.cpu import CPU_KEYS
+    from agl_core.replay import replay_step
+    from tests.helpers.vl_recording import RECORDING_FILE
+
+    shutil.copy(RECORDING_FILE, tmp_path / "rollouts.jsonl")
+    policy = f"actor_rollout_ref.model.path={vision_policy_dir}"
+    micro_batches = [
+        f"actor_rollout_ref.{key}_micro_batch_size_per_gpu=1"
+        for key in ("actor.ppo", "rollout.log_prob", "ref.log_prob")
+    ]
+    (tmp_path / "verl").mkdir()
+    (tmp_path / "torch").mkdir()
+    on_verl = replay_step(
+        tmp_path, 1, [policy, "agentlightning.backend=verl", *CPU_KEYS, *micro_batches], scratch=tmp_path / "verl"
+    )
+    on_torch = replay_step(tmp_path, 1, [policy, "agentlightning.torch.num_threads=1"], scratch=tmp_path / "torch")
+    assert on_verl["training/n_sample"] == on_torch["training/n_sample"] == 4  # trajectory rows, all with images
+    assert on_verl["actor/grad_norm"] == pytest.approx(on_torch["actor/grad_norm"], rel=1e-3)
+    assert on_verl["actor/entropy_loss"] == pytest.approx(on_torch["actor/entropy_loss"], rel=1e-4)
