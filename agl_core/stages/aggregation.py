@@ -14,7 +14,7 @@ of them and lives here, so a third-party aggregator keeps the same limits and co
   ``training/n_truncated_sample/total_length`` too, and one whose prompt leaves no room is skipped;
 - a row with images (``TrainingRow.image_urls``) keeps only the images whose placeholder blocks it
   holds whole: a response cut that would go through a block marks the row ``dropped`` instead, kept
-  whole (``training/n_sample_dropped/marked`` and ``training/n_sample_dropped/image_cut``); the
+  whole (``training/n_sample_dropped/marked`` and ``training/images/n_rows_dropped_at_cut``); the
   images of blocks past a cut are left out of the row;
 - calls an aggregator leaves out on purpose (it trains only some calls of a rollout, e.g. the last)
   are counted, one per call, in ``training/n_calls_left_out`` (:meth:`AggregationCounts.leave_out`).
@@ -67,7 +67,9 @@ __all__ = [
 MISMATCH_KINDS = ("retokenization", "template", "other", "images")
 CALLS_LEFT_OUT_METRIC = "training/n_calls_left_out"
 TOTAL_LENGTH_CUT_METRIC = "training/n_truncated_sample/total_length"
-IMAGE_CUT_METRIC = "training/n_sample_dropped/image_cut"
+# Not under training/n_sample_dropped/: those reasons add up to the rows dropped, and these rows are
+# counted there as marked.
+IMAGE_CUT_METRIC = "training/images/n_rows_dropped_at_cut"
 
 IMAGE_PLACEHOLDER_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 

@@ -82,7 +82,7 @@ def test_a_cut_through_a_placeholder_block_drops_the_row_counted(inside):
     assert row.dropped and row.image_urls == (v.URL_A, v.URL_B)
     assert np.array_equal(row.response_ids, full.response_ids)  # kept whole, as every dropped row
     assert result.metrics["training/n_sample_dropped/marked"] == 1
-    assert result.metrics["training/n_sample_dropped/image_cut"] == 1
+    assert result.metrics["training/images/n_rows_dropped_at_cut"] == 1
     assert result.metrics["training/n_truncated_sample"] == 0
 
 
@@ -96,14 +96,14 @@ def test_a_cut_beside_a_block_keeps_only_the_whole_blocks_images(after):
     assert row.image_urls == ((v.URL_A,) if after == 0 else (v.URL_A, v.URL_B))
     assert n_blocks(row) == len(row.image_urls)
     assert result.metrics["training/n_truncated_sample"] == 1
-    assert "training/n_sample_dropped/image_cut" not in result.metrics
+    assert "training/images/n_rows_dropped_at_cut" not in result.metrics
 
 
 def test_the_total_length_cap_drops_a_row_it_would_cut_through_a_block():
     full = trajectory([chat_rollout(v.chat_calls())], settings()).rows[0]
     cut = response_start_of_second_block(full) + 2
     result = trajectory([chat_rollout(v.chat_calls())], settings(max_total_length=len(full.prompt_ids) + cut))
-    assert result.rows[0].dropped and result.metrics["training/n_sample_dropped/image_cut"] == 1
+    assert result.rows[0].dropped and result.metrics["training/images/n_rows_dropped_at_cut"] == 1
 
 
 def test_a_prompt_over_its_limit_keeps_the_row_whole_with_its_images():
