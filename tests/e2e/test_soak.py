@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.bench_soak import Faults, print_report, problems, soak
 
-pytestmark = [pytest.mark.slow, pytest.mark.gateway]
+pytestmark = [pytest.mark.slow, pytest.mark.gateway, pytest.mark.soak]
 
 
 def test_a_short_soak_survives_its_faults_stays_flat_and_accounts_for_every_sample(tmp_path):
