@@ -72,23 +72,9 @@ def test_micro_batches_cut_positions_and_images_by_row_and_give_the_one_pass_log
 
 def recorded_rollouts(step):
     """The fixture's rollouts, parsed from their gateway events as a rollout source parses them."""
-    from agl_core.data import RolloutRequest
-    from agl_core.rollouts.events import completed_rollout_from_record
-    from tests.helpers.vl_recording import load_vl_events
+    from tests.helpers.vl_recording import load_vl_events, parsed_rollouts
 
-    out = []
-    for i, recorded in enumerate(load_vl_events()["rollouts"]):
-        record = recorded["rollout"]
-        request = RolloutRequest(
-            rollout_id=record["rollout_id"],
-            group_id=recorded["group_id"],
-            input=record["input"],
-            step=step,
-            sample_index=i,
-        )
-        rollout, _ = completed_rollout_from_record(request, record, recorded["events"], reward_fillna_value=0.0)
-        out.append(rollout)
-    return out
+    return parsed_rollouts(load_vl_events(), step)
 
 
 def vision_parameters(model):
