@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import BooleanNode
 
 from agl_core.config.checks import validate
 from agl_core.config.composition import strip_composition
@@ -152,6 +153,7 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
 
 def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
     refuse_unhonoured(other, cfg, origin)
+    _refuse_non_bools(cfg, other, origin)
     try:
         merged = OmegaConf.merge(cfg, other)
     except OmegaConfBaseException as exc:
@@ -163,6 +165,24 @@ def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
     assert isinstance(merged, DictConfig)
     OmegaConf.set_struct(merged, True)
     return merged
+
+
+def _refuse_non_bools(cfg: DictConfig, other: DictConfig, origin: str, prefix: str = "") -> None:
+    """A key the schema types as a bool takes ``true`` or ``false`` only (YAML's ``yes``/``on`` are its
+    spellings of true): OmegaConf would read ``2`` as true, and the word ``maybe`` as an error of its own."""
+    if cfg._is_none() or cfg._is_missing():
+        return  # a section that is null (or ???) holds no typed key yet
+    for key in other:
+        value, target = other._get_node(key), cfg._get_node(key) if key in cfg else None
+        if isinstance(value, DictConfig):
+            if isinstance(target, DictConfig):
+                _refuse_non_bools(target, value, origin, f"{prefix}{key}.")
+            continue
+        raw = value._value()
+        if isinstance(target, BooleanNode) and not (
+            raw is None or isinstance(raw, bool) or (isinstance(raw, str) and raw.startswith("${"))
+        ):
+            raise ConfigError(f"{prefix}{key}", f"must be true or false, got {raw!r} (in {origin})")
 
 
 def _shape(node: Any) -> str:

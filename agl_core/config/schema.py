@@ -162,6 +162,10 @@ class TorchBackendConfig:
     # log-prob passes and the update (agl_core.backends.torch.prefix_packing); never slower on
     # benchmarks/bench_prefix.py's workloads, so on by default.
     share_prefixes: bool = True
+    # The most tokens a tree pack of shared prefixes holds, and a pass over tree packs: its attention
+    # mask, and the scores of an attention that cannot skip masked pairs, have the square of its
+    # length in elements (a chain needs no mask). null: no bound (benchmarks/bench_tree_memory.py).
+    max_tree_tokens: int | None = checked(8192, integer().or_null())
 
 
 @dataclass
@@ -174,6 +178,9 @@ class VerlBackendConfig:
     # The host registered with the gateway for that server: null is the bind host, or for 0.0.0.0
     # the node's address as Ray knows it; set it when the gateway reaches the node by another name.
     replica_advertise_host: str | None = checked(None, host().or_null())
+    # The longest wait for the Ray cluster named by ray_kwargs.ray_init.address (or RAY_ADDRESS) to
+    # answer as a Ray cluster's GCS before joining it: Ray itself retries for minutes.
+    ray_connect_timeout_seconds: float = checked(10.0, at_least(0, strictly=True))
 
 
 @dataclass
@@ -200,6 +207,9 @@ class AgentLightningConfig:
     rollout_timeout_grace_seconds: float = checked(
         60.0, at_least(0)
     )  # trainer-side deadline = rollout_timeout_seconds + this
+    # Steps in a row that may train nothing before the run stops with an error (0: never stops; a run
+    # that ends having trained nothing fails either way). agl_core.backends.untrained.
+    max_untrained_steps: int = checked(3, integer(0))
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)
@@ -342,6 +352,8 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = checked(1.0, FRACTION)
     enable_rollout_level_advantage: bool = True
+    # verl's per-token KL penalty in the reward: only false is honoured (agl_core.config.checks).
+    use_kl_in_reward: bool = checked(False, boolean())
 
 
 @dataclass

@@ -20,7 +20,9 @@ common. Where to cut is a cost decision (:class:`PackCost`): sharing saves the s
 per-token work (the weights' matmuls), but a pack's attention grows with the square of its length,
 and a tree pack's mask lets no kernel skip the masked half as a causal one does. A row joins the pack
 of the row before it when that adds less cost than a pack of its own would have, and the pack stays
-within ``max_length``.
+within ``max_length``; a tree pack also within ``max_tree_length``: its mask, and the scores of an
+attention that cannot skip masked pairs, grow with the square of its length, where a chain's causal
+kernel needs neither.
 """
 
 from __future__ import annotations
@@ -161,12 +163,14 @@ def prefix_packs(
     cost: PackCost,
     *,
     max_length: int | None = None,
+    max_tree_length: int | None = None,
     path_start: Sequence[int] | np.ndarray | None = None,
 ) -> PrefixPacks:
     """Pack ``sequences`` (each row's token ids, prompt then response) as the module docstring says.
 
-    ``max_length`` bounds each pack's tokens (a row longer than it is an error); ``path_start`` (per
-    row, default 0) is the first position whose offset the caller needs in ``row_paths``.
+    ``max_length`` bounds each pack's tokens (a row longer than it is an error); ``max_tree_length``
+    bounds a tree pack's (a row longer than it stays a chain of its own); ``path_start`` (per row,
+    default 0) is the first position whose offset the caller needs in ``row_paths``.
     Raises ``ValueError`` for an empty row or one longer than ``max_length``.
     """
     rows = [np.asarray(s) for s in sequences]
@@ -186,7 +190,7 @@ def prefix_packs(
         tokens = rows[i]
         shared = 0 if previous is None else common_prefix_length(previous, tokens)
         previous = tokens
-        if builder is not None and not _joins(builder, len(tokens), shared, cost, max_length):
+        if builder is not None and not _joins(builder, len(tokens), shared, cost, max_length, max_tree_length):
             packs.append(builder.pack())
             builder = None
         if builder is None:
@@ -199,13 +203,17 @@ def prefix_packs(
     return PrefixPacks(packs, row_pack, row_paths, starts)
 
 
-def _joins(pack: _PackBuilder, length: int, shared: int, cost: PackCost, max_length: int | None) -> bool:
+def _joins(
+    pack: _PackBuilder, length: int, shared: int, cost: PackCost, max_length: int | None, max_tree_length: int | None
+) -> bool:
     """Whether a row of ``length`` tokens sharing ``shared`` with the pack's last row costs less in the
-    pack than in one of its own."""
+    pack than in one of its own, and the pack stays within its bounds."""
     if shared == 0:
         return False
     grown = pack.n_tokens + length - shared
     if max_length is not None and grown > max_length:
         return False
     chain = pack.chain and shared == pack.last_length
+    if not chain and max_tree_length is not None and grown > max_tree_length:
+        return False
     return cost(grown, chain) - cost(pack.n_tokens, pack.chain) <= cost(length, True)

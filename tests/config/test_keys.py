@@ -24,7 +24,9 @@ NOT_READERS = (
 
 # Keys of the core schema that no agl code reads, each with why it is still accepted. Only keys that
 # the verl backend hands to verl itself belong here (agl's own code never needs them).
-PASSED_THROUGH_UNREAD: dict[str, str] = {}
+PASSED_THROUGH_UNREAD: dict[str, str] = {
+    "algorithm.use_kl_in_reward": "verl's switch in v1.0 configs: false is what agl does, true is refused",
+}
 
 
 def schema_keys(node: DictConfig, prefix: str = "") -> list[str]:

@@ -149,6 +149,10 @@ HARMFUL_VALUES = [
     ("agentlightning.verl.replica_bind_host=http://node7", "a host name or an IPv4 address"),
     ("agentlightning.verl.replica_bind_host=fd00::1", "a host name or an IPv4 address"),  # it listens on IPv4
     ("agentlightning.verl.replica_advertise_host=node7:8000", "a host name or an IP address (no scheme, no port)"),
+    # a key typed bool takes true or false (YAML's yes/on/no/off spell them), never a number or a word
+    ("agentlightning.torch.share_prefixes=2", "must be true or false, got 2 (in overrides)"),
+    ("agentlightning.record_rollouts=maybe", "must be true or false, got 'maybe' (in overrides)"),
+    ("algorithm.use_kl_in_reward=true", "put the KL term in the loss instead (actor_rollout_ref.actor.use_kl_loss"),
 ]
 
 

@@ -114,7 +114,10 @@ class TorchBackend(LoopBackend):
         torch.manual_seed(int(config.trainer.seed))
         device = pick_device(config.agentlightning.torch.device)
         self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
-        settings = ActorSettings.from_config(config.actor_rollout_ref, config.agentlightning.torch.share_prefixes)
+        torch_config = config.agentlightning.torch
+        settings = ActorSettings.from_config(
+            config.actor_rollout_ref, torch_config.share_prefixes, torch_config.max_tree_tokens
+        )
         self.model, ref_model = build_policy(config, folder, device, settings.precision.param_dtype)
         self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
         self.vision = None

@@ -10,7 +10,9 @@ With prefix sharing (:func:`split_shared`) the unit is a pack of rows
 (:mod:`agl_core.backends.torch.prefix_packing`) instead of a row: the batch's rows are packed, each
 pack within the budget, and the packs grouped by the same rule (a pack's length as its size), chains
 apart from trees so that only the trees' passes pay for a mask. A micro-batch is then its packs'
-rows, with the :class:`~agl_core.backends.torch.prefix_packing.PackedForward` that computes them.
+rows, with the :class:`~agl_core.backends.torch.prefix_packing.PackedForward` that computes them. A
+pass over trees is also bounded by ``agentlightning.torch.max_tree_tokens``: its mask has the square of
+its length in elements, where a chain needs none.
 
 Vision-language rows cut the same way: their ``(B, 4, L)`` position ids along the last dimension,
 their per-row image inputs (:data:`~agl_core.backends.torch.model_ops.MULTI_MODAL_INPUTS`, or any
@@ -91,22 +93,31 @@ def split(tensors: Mapping[str, torch.Tensor], max_tokens: int, key: str) -> lis
 
 
 def split_shared(
-    tensors: Mapping[str, torch.Tensor], max_tokens: int | None, key: str, cost: PackCost
+    tensors: Mapping[str, torch.Tensor],
+    max_tokens: int | None,
+    key: str,
+    cost: PackCost,
+    max_tree_tokens: int | None = None,
 ) -> list[MicroBatch]:
     """The batch's rows packed with their shared prefixes computed once, in micro-batches of at most
-    ``max_tokens`` padded elements (``None``: all in one pass, masked if a pack is a tree); ``key``
-    names the budget in the error for a row longer than it."""
+    ``max_tokens`` padded elements (``None``: no bound), chains apart from trees; ``key`` names the
+    budget in the error for a row longer than it. A tree pack holds at most ``max_tree_tokens`` tokens
+    and so does a pass over trees, which bounds its mask (and the scores of an attention that cannot
+    skip masked pairs) to ``max_tree_tokens`` squared elements (``None``: no bound)."""
     lengths = RowLengths.of(tensors)
     if max_tokens is not None:
         check_budget(lengths.prompts, lengths.responses, max_tokens, key=key)
-    layout = row_packs(tensors, lengths, cost, max_tokens)
-    groups = [list(range(len(layout.packs)))]
-    if max_tokens is not None:
-        groups = []
-        for chains in (True, False):
-            members = [i for i, p in enumerate(layout.packs) if p.is_chain == chains]
-            sizes = np.array([len(layout.packs[i]) for i in members], np.int64)
-            groups += [[members[j] for j in g] for g in micro_batches(0 * sizes, sizes, max_tokens, key=key)]
+    layout = row_packs(tensors, lengths, cost, max_tokens, max_tree_tokens)
+    groups = []
+    for chains in (True, False):
+        members = [i for i, p in enumerate(layout.packs) if p.is_chain == chains]
+        bounds = [max_tokens] if chains else [max_tokens, max_tree_tokens]
+        bound = min((b for b in bounds if b is not None), default=None)
+        if bound is None:
+            groups += [members] if members else []
+            continue
+        sizes = np.array([len(layout.packs[i]) for i in members], np.int64)
+        groups += [[members[j] for j in g] for g in micro_batches(0 * sizes, sizes, bound, key=key)]
     device = tensors["attention_mask"].device
     return [_micro_batch(*packed_forward(layout, group, lengths, device), lengths, device) for group in groups]
 

@@ -26,9 +26,11 @@ from agl_core.backends.torch.prefix_packing import PackedForward
 
 __all__ = [
     "MULTI_MODAL_INPUTS",
+    "attention_implementation",
     "chosen_log_probs",
     "has_images",
     "low_var_kl",
+    "model_attention_mask",
     "model_inputs",
     "packed_distributions",
     "per_row",
@@ -66,11 +68,40 @@ def model_inputs(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation of ``model``, or of the model a ``DistributedDataParallel`` wraps."""
+    return getattr(getattr(model, "module", model).config, "_attn_implementation", None)
+
+
+def model_attention_mask(model: torch.nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A 4-D boolean mask (True: attend) as the model's attention applies it. ``sdpa`` takes it as it
+    is; ``eager`` adds its mask to the attention scores, so it gets 0 where a token attends and the
+    lowest value of the model's dtype elsewhere (a boolean mask added to the scores masks nothing)."""
+    if mask is None or attention_implementation(model) != "eager":
+        return mask
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Padded rows' 4-D causal mask ``[rows, 1, L, L]`` in which a padding token attends to itself.
+    Given the 2-D mask, transformers' eager attention leaves a left-padding token attending to nothing:
+    its softmax in float64 is NaN, and the NaN reaches every real token through the zero weights."""
+    valid = attention_mask.bool()
+    length = valid.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    itself = torch.eye(length, dtype=torch.bool, device=valid.device)
+    return ((causal & valid[:, None, :]) | itself)[:, None]
+
+
 def response_distributions(model: torch.nn.Module, tensors: Mapping[str, Any]) -> torch.Tensor:
     """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``, in
     float32 whatever dtype the model computes in."""
     width = tensors["responses"].shape[1]
-    logits = model(**model_inputs(tensors), use_cache=False, logits_to_keep=width + 1).logits[:, :-1, :]
+    inputs = model_inputs(tensors)
+    if attention_implementation(model) == "eager":
+        inputs["attention_mask"] = model_attention_mask(model, padded_attention_mask(inputs["attention_mask"]))
+    logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :-1, :]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -79,7 +110,7 @@ def packed_distributions(model: torch.nn.Module, packed: PackedForward) -> torch
     ``[packs × kept columns, vocab]`` (what ``packed.index`` points into), in float32."""
     logits = model(
         input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
+        attention_mask=model_attention_mask(model, packed.attention_mask),
         position_ids=packed.position_ids,
         use_cache=False,
         logits_to_keep=packed.keep,

@@ -5,13 +5,15 @@ A micro-batch of packs is one forward pass over the packs right-padded to the lo
 of chains needs no mask: causal attention is a chain's attention, and a real token never attends to
 the padding after it, so the attention runs its causal kernel. A micro-batch with a tree gets the
 tree mask as a 4-D boolean ``[packs, 1, L, L]`` mask (transformers hands a 4-D mask to the attention
-as it is; ``sdpa`` and ``eager`` apply it), padding attending only to itself, and each token's depth
+as it is; :func:`~agl_core.backends.torch.model_ops.model_attention_mask` gives it the form the
+attention implementation applies), padding attending only to itself, and each token's depth
 as its position id. Logits are computed only at the columns that predict some row's response token
 (``logits_to_keep``), and a row's response token ``t`` reads its log-prob from the token before it in
 its pack.
 
 Models whose attention is not plain causal attention over every layer (sliding-window layers, other
-attention implementations) are refused: the mask would not mean what they compute.
+attention implementations) or whose family is not proven to take its positions from ``position_ids``
+(:data:`PROVEN_MODEL_TYPES`) are refused: the mask or the positions would not mean what they compute.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ __all__ = ["PackedForward", "RowLengths", "check_packable", "pack_cost", "packed
 
 SHARE_KEY = "agentlightning.torch.share_prefixes"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+#: Model families whose positions a tree pack gives each token by its depth (rotary or learned
+#: absolute position embeddings read from ``position_ids``), each proven against a per-row forward by
+#: the update matrix test. Others (alibi or relative biases, which follow a token's place in the pack)
+#: are refused until proven.
+PROVEN_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen2_vl")
 
 
 @attrs.frozen
@@ -80,6 +87,12 @@ def check_packable(model: torch.nn.Module) -> None:
             f"needs the model's attention to be one of {', '.join(ATTENTION_IMPLEMENTATIONS)},"
             f" not {implementation!r}; turn it off",
         )
+    if config.model_type not in PROVEN_MODEL_TYPES:
+        raise ConfigError(
+            SHARE_KEY,
+            f"is proven for the model types {', '.join(PROVEN_MODEL_TYPES)} (positions from position_ids),"
+            f" not {config.model_type!r}, whose positions may follow a token's place in the pack; turn it off",
+        )
     text = config.get_text_config()  # a vision-language model's language model holds its layers
     layer_types = getattr(text, "layer_types", None) or ["full_attention"]
     windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
@@ -99,10 +112,14 @@ def pack_cost(model: torch.nn.Module) -> PackCost:
 
 
 def row_packs(
-    tensors: Mapping[str, torch.Tensor], lengths: RowLengths, cost: PackCost, max_tokens: int | None
+    tensors: Mapping[str, torch.Tensor],
+    lengths: RowLengths,
+    cost: PackCost,
+    max_tokens: int | None,
+    max_tree_tokens: int | None = None,
 ) -> PrefixPacks:
-    """The packs of a tensorised batch's rows, each within ``max_tokens``; each row's path from the
-    token before its response on."""
+    """The packs of a tensorised batch's rows, each within ``max_tokens`` and a tree within
+    ``max_tree_tokens``; each row's path from the token before its response on."""
     if (lengths.prompts < 1).any():
         row = int(np.flatnonzero(lengths.prompts < 1)[0])
         raise UsageError(f"row {row} has an empty prompt: no token predicts its first response token")
@@ -112,7 +129,9 @@ def row_packs(
         input_ids[i, prompt_width - p : prompt_width + r]
         for i, (p, r) in enumerate(zip(lengths.prompts.tolist(), lengths.responses.tolist()))
     ]
-    return prefix_packs(sequences, cost, max_length=max_tokens, path_start=lengths.prompts - 1)
+    return prefix_packs(
+        sequences, cost, max_length=max_tokens, max_tree_length=max_tree_tokens, path_start=lengths.prompts - 1
+    )
 
 
 def packed_forward(

@@ -144,9 +144,13 @@ class ActorSettings:
     precision: Precision = Precision()
     share_prefixes: bool = False
     """Compute each prefix that rows share once (``agentlightning.torch.share_prefixes``)."""
+    max_tree_tokens: int | None = None
+    """The most tokens of a tree pack and of a pass over trees (``agentlightning.torch.max_tree_tokens``)."""
 
     @classmethod
-    def from_config(cls, actor_rollout_ref: DictConfig, share_prefixes: bool = False) -> ActorSettings:
+    def from_config(
+        cls, actor_rollout_ref: DictConfig, share_prefixes: bool = False, max_tree_tokens: int | None = None
+    ) -> ActorSettings:
         actor, rollout, ref = actor_rollout_ref.actor, actor_rollout_ref.rollout, actor_rollout_ref.ref
         return cls(
             ppo_epochs=int(actor.ppo_epochs),
@@ -161,6 +165,7 @@ class ActorSettings:
             ref_log_prob_max_tokens=int(ref.log_prob_max_token_len_per_gpu) if ref.log_prob_use_dynamic_bsz else None,
             precision=Precision.from_config(actor.fsdp_config),
             share_prefixes=bool(share_prefixes),
+            max_tree_tokens=max_tree_tokens,
         )
 
 
@@ -322,7 +327,7 @@ class ActorUpdate:
         """The passes over a batch: its rows packed with their shared prefixes (:meth:`shares`), or
         in micro-batches of at most ``max_tokens`` padded elements."""
         if self.shares(tensors):
-            return split_shared(tensors, max_tokens, key, self.pack_cost)
+            return split_shared(tensors, max_tokens, key, self.pack_cost, self.settings.max_tree_tokens)
         assert max_tokens is not None
         return split(tensors, max_tokens, key)
 

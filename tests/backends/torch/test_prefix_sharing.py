@@ -25,6 +25,8 @@ from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager
 from agl_core.stages.prefix_sharing import PackCost, prefix_packs
 from agl_core.stages.tensorize import tensorize
+from tests.helpers.actor_updates import applied_gradients
+from tests.helpers.training_rows import row_sequences, training_rows
 
 # float32 tolerances of the shared against the unshared computation (measured over 40 examples of this
 # strategy: log-probs differ by at most 8.6e-6, entropy by 4.9e-6, gradients by 3.8e-6 of their largest entry)
@@ -33,40 +35,22 @@ GRAD_RTOL = 1e-4
 METRIC_RTOL = 1e-4
 
 
-@st.composite
-def row_sequences(draw, max_rows: int = 10, max_length: int = 120) -> list[np.ndarray]:
-    """Token sequences that share prefixes every way rows do: a row that extends another (a
-    transition row and its next turn), rows that branch from a common prompt (a GRPO group), a row
-    cut short inside another (a truncated response), an exact repeat, and unrelated rows; at most
-    ``max_length`` tokens each."""
-    out: list[np.ndarray] = []
-    for _ in range(draw(st.integers(1, max_rows))):
-        kind = draw(st.sampled_from(["fresh", "extend", "branch", "cut", "repeat"]))
-        tokens = st.lists(st.integers(3, 999), min_size=1, max_size=24)
-        if kind == "fresh" or not out:
-            out.append(np.array(draw(tokens) + draw(tokens), np.int64))
-            continue
-        base = out[draw(st.integers(0, len(out) - 1))]
-        if kind == "repeat":
-            out.append(base.copy())
-        elif kind == "extend":
-            out.append(np.concatenate([base, draw(tokens)])[:max_length])
-        else:
-            keep = draw(st.integers(2, len(base))) if len(base) > 2 else len(base)
-            tail = draw(tokens) if kind == "branch" else []
-            out.append(np.concatenate([base[:keep], np.array(tail, np.int64)]))
-    return out
-
-
 def unique_prefixes(sequences: list[np.ndarray]) -> int:
     """The nodes of the sequences' prefix tree: each distinct prefix once."""
     return len({tuple(s[: n + 1]) for s in sequences for n in range(len(s))})
 
 
-@given(sequences=row_sequences(), per_pair=st.sampled_from([0.0, 1.0, 1000.0]), cap=st.sampled_from([None, 60]))
+@given(
+    sequences=row_sequences(),
+    per_pair=st.sampled_from([0.0, 1.0, 1000.0]),
+    cap=st.sampled_from([None, 60]),
+    tree_cap=st.sampled_from([None, 30]),
+)
 @settings(deadline=None, max_examples=200)
-def test_every_row_reads_its_own_tokens_positions_and_ancestors_from_its_pack(sequences, per_pair, cap):
-    layout = prefix_packs(sequences, PackCost(per_token=100.0, per_pair=per_pair), max_length=cap)
+def test_every_row_reads_its_own_tokens_positions_and_ancestors_from_its_pack(sequences, per_pair, cap, tree_cap):
+    layout = prefix_packs(
+        sequences, PackCost(per_token=100.0, per_pair=per_pair), max_length=cap, max_tree_length=tree_cap
+    )
     assert sorted(int(r) for p in layout.packs for r in p.rows) == list(range(len(sequences)))
     for row, tokens in enumerate(sequences):
         pack = layout.packs[layout.row_pack[row]]
@@ -79,7 +63,8 @@ def test_every_row_reads_its_own_tokens_positions_and_ancestors_from_its_pack(se
             attended = keys <= q if pack.is_chain else (keys <= q) & (q < pack.subtree_end)
             assert set(np.flatnonzero(attended).tolist()) == set(path[: t + 1].tolist())
     assert all(cap is None or len(p) <= cap for p in layout.packs)
-    if per_pair == 0 and cap is None:  # attention free: every shared token is shared
+    assert all(tree_cap is None or p.is_chain or len(p) <= tree_cap for p in layout.packs)
+    if per_pair == 0 and cap is None and tree_cap is None:  # attention free: every shared token is shared
         assert layout.n_tokens == unique_prefixes(sequences)
 
 
@@ -115,30 +100,6 @@ def model(tiny_model_dir):
     return load_policy(tiny_model_dir, torch.device("cpu"))
 
 
-@st.composite
-def training_rows(draw) -> list[TrainingRow]:
-    """Rows over :func:`row_sequences`, each cut into a prompt and a response at a random place, with
-    masked observation tokens inside the response and rows of several rollouts and groups."""
-    rows = []
-    for i, tokens in enumerate(draw(row_sequences())):
-        if len(tokens) < 2:
-            tokens = np.concatenate([tokens, tokens])
-        cut = draw(st.integers(1, len(tokens) - 1))
-        mask = np.array(draw(st.lists(st.integers(0, 1), min_size=len(tokens) - cut, max_size=len(tokens) - cut)))
-        mask[draw(st.integers(0, len(mask) - 1))] = 1  # at least one trained token
-        rows.append(
-            TrainingRow(
-                prompt_ids=tokens[:cut],
-                response_ids=tokens[cut:],
-                response_mask=mask,
-                reward=float(i % 3),
-                rollout_id=f"r{i // 2}",
-                group_id=f"g{i // 4}",
-            )
-        )
-    return rows
-
-
 def shared_log_probs_and_entropy(model, tensors, budget, cost):
     log_probs, entropy = torch.zeros(tensors["responses"].shape), torch.zeros(tensors["responses"].shape)
     for micro in split_shared(tensors, budget, "budget", cost):
@@ -167,17 +128,6 @@ def actor_update(model, share: bool, budget: int | None) -> ActorUpdate:
     return ActorUpdate(model, None, torch.optim.SGD(model.parameters(), lr=1.0), loss, settings, torch.device("cpu"), 0)
 
 
-def gradients_and_metrics(update: ActorUpdate, batch: UpdateBatch) -> tuple[dict[str, torch.Tensor], dict]:
-    """The gradient one mini-batch step applies (SGD with lr 1, so the weights' change), and its metrics."""
-    before = {k: v.detach().clone() for k, v in update.model.named_parameters()}
-    metrics = update.mini_batch_step(batch)
-    change = {k: before[k] - v.detach() for k, v in update.model.named_parameters()}
-    with torch.no_grad():
-        for k, v in update.model.named_parameters():
-            v.copy_(before[k])
-    return change, metrics
-
-
 @given(rows=training_rows(), budget=st.sampled_from([None, 128]), per_pair=st.sampled_from([0.0, 1024.0]))
 @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_shared_log_probs_entropy_loss_and_gradients_equal_the_unshared_ones(model, rows, budget, per_pair):
@@ -198,15 +148,15 @@ def test_shared_log_probs_entropy_loss_and_gradients_equal_the_unshared_ones(mod
     plain = actor_update(model, share=False, budget=budget)
     shared = actor_update(model, share=True, budget=budget)
     shared.pack_cost = cost
-    plain_grads, plain_metrics = gradients_and_metrics(plain, batch)
-    shared_grads, shared_metrics = gradients_and_metrics(shared, batch)
+    plain_grads, plain_metrics = applied_gradients(plain, batch)
+    shared_grads, shared_metrics = applied_gradients(shared, batch)
     scale = max(float(g.abs().max()) for g in plain_grads.values())
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * scale)
     # The losses are sums of signed per-token terms: their rounding grows with the terms' size, not with
     # the sum's (which may cancel to near 0), so they are compared relative to the same sum over |A|.
     magnitude_batch = UpdateBatch(tensors, advantages.abs() * tensors["response_mask"], log_probs - 0.05, None)
-    _, magnitude = gradients_and_metrics(plain, magnitude_batch)
+    _, magnitude = applied_gradients(plain, magnitude_batch)
     loss_atol = METRIC_RTOL * (abs(magnitude["actor/pg_loss"]) + abs(plain_metrics["actor/entropy_loss"]))
     for name in ("actor/pg_loss", "actor/loss"):
         assert shared_metrics[name] == pytest.approx(plain_metrics[name], rel=METRIC_RTOL, abs=loss_atol), name
@@ -239,8 +189,12 @@ def test_the_update_reports_what_sharing_saved(model):
 
 @pytest.mark.parametrize(
     "setting",
-    [{"_attn_implementation": "flash_attention_2"}, {"sliding_window": 16, "use_sliding_window": True}],
-    ids=["attention", "sliding-window"],
+    [
+        {"_attn_implementation": "flash_attention_2"},
+        {"sliding_window": 16, "use_sliding_window": True},
+        {"model_type": "bloom"},  # alibi: its biases follow a token's place in the pack, not its depth
+    ],
+    ids=["attention", "sliding-window", "unproven-positions"],
 )
 def test_a_model_the_mask_does_not_describe_is_refused_naming_the_key(model, setting):
     check_packable(model)
