@@ -59,9 +59,13 @@ AGENT_LIGHTNING_VERL_VALUES: dict[str, Any] = {
 }
 
 
+# ray.init's arguments that size a new local Ray; Ray refuses them when it joins a cluster, so agl
+# leaves them out there (agl_backend_verl.ray_cluster).
+NEW_RAY_ONLY = ("num_cpus", "num_gpus", "resources", "labels", "object_store_memory", "_memory", "_temp_dir")
 # ray.init's arguments agl reads from verl's ``ray_kwargs.ray_init`` beyond those verl's defaults
-# list: the cluster to join (HOST:PORT of its head, auto, or null to start a Ray of agl's own).
-RAY_INIT_KEYS: dict[str, Any] = {"ray_kwargs": {"ray_init": {"address": None}}}
+# list: the cluster to join (HOST:PORT of its head, auto, or null to start a Ray of agl's own), and
+# the sizes and folder of a new Ray (null: Ray's defaults).
+RAY_INIT_KEYS: dict[str, Any] = {"ray_kwargs": {"ray_init": {"address": None, **dict.fromkeys(NEW_RAY_ONLY)}}}
 RAY_ADDRESS_KEY = "ray_kwargs.ray_init.address"
 # TransferQueue's own keys that verl's defaults leave out: the Ray custom resource a node must offer
 # to hold a storage unit (null: any node). A unit lost with its node loses the data it holds.
@@ -291,6 +295,13 @@ def validate_verl(cfg: DictConfig) -> None:
             "is true, but the routes vLLM records reach an update only through MoE router replay (R3), which "
             "agl does not honour (see actor_rollout_ref.actor.megatron.router_replay): set it to false",
         )
+    if OmegaConf.select(cfg, "actor_rollout_ref.actor.use_prefix_grouper", default=False):
+        raise ConfigError(
+            "actor_rollout_ref.actor.use_prefix_grouper",
+            "is true, but verl 0.9.1 computes nothing shared with it (no worker calls the grouper's forward, "
+            "and the V1 trainer does not read the key): set it to false; agl's prefix sharing runs on the "
+            "torch backend (agentlightning.torch.share_prefixes)",
+        )
     address = OmegaConf.select(cfg, RAY_ADDRESS_KEY, default=None)
     if address is not None and not is_ray_address(address):
         raise ConfigError(
@@ -354,12 +365,6 @@ def check_v1(cfg: DictConfig) -> None:
             "is true, but agl's batch shaping already drops groups whose rewards are all equal first "
             "(training/n_sample_dropped/same_reward); verl's DAPO filter reads reward scores agl's rollout "
             "records do not hold: set it to false",
-        )
-    if cfg.algorithm.use_kl_in_reward:
-        raise ConfigError(
-            "algorithm.use_kl_in_reward",
-            "is true, but agl computes a rollout's advantage from its final reward, where a per-token KL "
-            "penalty has no place: put the KL term in the loss instead (actor_rollout_ref.actor.use_kl_loss=true)",
         )
     if trainer_mode(cfg) == "separate_async":
         sync_steps = int(cfg.trainer.v1.separate_async.parameter_sync_step)
@@ -510,7 +515,8 @@ def is_ray_address(value: Any) -> bool:
     if not isinstance(value, str):
         return False
     host, sep, port = value.rpartition(":")
-    return value in ("auto", "local") or value.startswith("ray://") or (bool(sep and host) and port.isdigit())
+    plain = bool(sep and host) and port.isdigit() and "/" not in host  # HOST:PORT, not a URL
+    return value in ("auto", "local") or value.startswith("ray://") or plain
 
 
 def check_verl_requirements(cfg: DictConfig) -> None:

@@ -34,6 +34,20 @@ def verl_estimators() -> frozenset[str]:
     return frozenset(name for name in names if is_verl_estimator(name))
 
 
+def check_verl_run(config: DictConfig) -> None:
+    """What ``agl check`` and ``agl train`` verify of a verl run before Ray starts: the run's
+    requirements (:func:`check_verl_requirements`), and that a Ray cluster it is to join answers as one."""
+    from omegaconf import OmegaConf
+
+    from agl_backend_verl.config import RAY_ADDRESS_KEY
+    from agl_backend_verl.ray_cluster import check_reachable, cluster_address
+
+    check_verl_requirements(config)
+    address = cluster_address({"address": OmegaConf.select(config, RAY_ADDRESS_KEY, default=None)})
+    if address is not None:
+        check_reachable(address, float(config.agentlightning.verl.ray_connect_timeout_seconds))
+
+
 @hookimpl
 def agl_register_backends(register: Register) -> None:
     # ``agl train`` validates a verl run against verl's full config, not the core schema.
@@ -42,7 +56,7 @@ def agl_register_backends(register: Register) -> None:
         BackendSpec(
             verl_backend,
             load_config=load_verl_config,
-            check_config=check_verl_requirements,
+            check_config=check_verl_run,
             native_estimators=verl_estimators,
         ),
     )

@@ -78,7 +78,7 @@ def init_ray(config: DictConfig) -> None:
     """Start Ray as verl's ``run_ppo`` does (:func:`ray_init_kwargs`), unless it is running."""
     if ray.is_initialized():
         return  # the verl.plugins entry point registers agl's plugins in workers of any Ray session
-    start_or_join(ray_init_kwargs(config))
+    start_or_join(ray_init_kwargs(config), float(config.agentlightning.verl.ray_connect_timeout_seconds))
 
 
 def shippable(plugins: Sequence[Any]) -> list[Any]:

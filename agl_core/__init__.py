@@ -21,10 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from agl_core._moved import install as _serve_moved_modules
 from agl_core.hookspecs import hookimpl
-
-_serve_moved_modules()  # old module paths stay importable, with a warning, for one minor release
 
 __version__ = "0.1.0"
 
@@ -64,6 +61,7 @@ __all__ = [
     "LossSettings",
     "MetricSink",
     "Mismatch",
+    "NothingTrainedError",
     "OnStep",
     "PaddedBatch",
     "PerRolloutAggregator",
@@ -237,6 +235,7 @@ _MODULES: dict[str, str] = {
     "ConfigLoader": "agl_core.backends.contract",
     "OnStep": "agl_core.backends.contract",
     "LoopSettings": "agl_core.backends.loop",
+    "NothingTrainedError": "agl_core.backends.untrained",
     "Step": "agl_core.backends.loop",
     "run_steps": "agl_core.backends.loop",
     "LoopBackend": "agl_core.backends.loop_backend",
@@ -257,6 +256,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.backends.loop import LoopSettings, Step, run_steps
     from agl_core.backends.loop_backend import LoopBackend, Served
     from agl_core.backends.rollout_source import check_rollout_source, open_rollout_source
+    from agl_core.backends.untrained import NothingTrainedError
     from agl_core.builtins.aggregators import Align, aggregate_trajectories, exact_prefix, trajectory_rollout
     from agl_core.config import (
         AgentLightningConfig,

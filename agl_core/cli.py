@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="re-run one recorded step of a run and print its metrics",
         description="Re-run step N of a run recorded with agentlightning.record_rollouts: its rollouts through the "
-        "pipeline and the torch backend's update (from the run's checkpoint of step N-1 when there is one, else the "
-        "initial model), with the run's config and these overrides (hook files, plugins' keys, the model's path...).",
+        "pipeline and the update of the backend the run used (backend=NAME picks another), from the run's checkpoint "
+        "of step N-1 when there is one, else the initial model, with the run's config and these overrides (hook "
+        "files, plugins' keys, the model's path...). A replayed step that trains nothing is an error.",
     )
     replay.add_argument("run", help="run directory holding rollouts.jsonl, or the recording itself")
     replay.add_argument("--step", type=int, required=True, help="the step to re-run")

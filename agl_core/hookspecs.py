@@ -236,6 +236,12 @@ def agl_on_enqueue(request: RolloutRequest) -> RolloutRequest | None:
     :class:`~agl_core.data.RolloutRequest` (e.g. ``attrs.evolve(request, metadata=...)``) to replace
     it, or ``None`` to keep it. ``rollout_id`` and ``group_id`` are the trainer's and cannot be
     changed: a rewrite that changes them is refused and counted as a hook failure.
+
+    A rollout that must run anew (lost to a gateway restart, or gone when a run resumes) comes
+    through the chain again as the request it replaces (already rewritten once) under a fresh
+    ``rollout_id``, with ``metadata["agl_replaces_rollout_id"]`` naming the old id: every rollout
+    whose ``agl_on_succeeded`` / ``agl_on_failed`` a plugin sees was enqueued first. A hook that
+    must not rewrite twice looks for that key.
     """
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agl_core.backends.untrained import NothingTrainedError, untrained_reason
 from agl_core.errors import UsageError
 from agl_core.fields import thaw
 from agl_core.recording import read_recording
@@ -26,7 +27,8 @@ def replay_step(
     The config is the recording's (all of it on the recorded run's own backend, the keys the core
     schema knows on another), then ``overrides``; the dataset is the step's recorded samples, written
     to ``scratch``. A recording of another model or tokenizer than the config's is refused
-    (:class:`~agl_core.recording.RecordingError`), as is a backend that cannot replay a step."""
+    (:class:`~agl_core.recording.RecordingError`), as is a backend that cannot replay a step; a
+    replayed step that trained nothing raises :class:`~agl_core.NothingTrainedError`."""
     from omegaconf import OmegaConf
 
     recording = read_recording(run)
@@ -58,7 +60,11 @@ def replay_step(
     tokenizer = getattr(backend, "tokenizer", None)
     if tokenizer is not None:  # a backend that loads its tokenizer elsewhere checks the recording there
         recording.check(config, tokenizer)
-    return backend.replay_step(rollouts, step)
+    metrics = backend.replay_step(rollouts, step)
+    reason = untrained_reason(metrics)
+    if reason is not None:
+        raise NothingTrainedError(f"the replayed step {step} trained nothing: {reason}")
+    return metrics
 
 
 def _backend(overrides: Sequence[str]) -> str | None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agl_core.backends.untrained import UntrainedSteps
 from agl_core.config import ConfigFile
 from agl_core.data import StepSamples
 from agl_core.plugins import PluginManager
@@ -30,6 +31,9 @@ class MetricsLog:
     """``agl train``'s ``on_step``: hands every step to the sinks (by default only the run log of
     ``run_dir``) and keeps the progress bar up to date.
 
+    ``max_untrained_steps`` steps in a row that trained nothing stop the run
+    (:mod:`agl_core.backends.untrained`; 0: never).
+
     ``opener``, if given, opens the sinks when the first step arrives: by then the backend has passed
     its own preflight checks (verl's GPU check runs inside ``fit``), so a tracker that cannot start
     (W&B without a login) is not reported before what the backend would have refused."""
@@ -41,11 +45,13 @@ class MetricsLog:
         sinks: Sequence[MetricSink] | None = None,
         *,
         opener: Callable[[], Sequence[MetricSink]] | None = None,
+        max_untrained_steps: int = 0,
     ):
         from tqdm import tqdm
 
         self.sinks = list(sinks) if sinks is not None else [] if opener is not None else [RunLog(SinkContext(run_dir))]
         self._opener = opener
+        self.untrained = UntrainedSteps(max_untrained_steps)
         self.started = time.monotonic()
         self.bar = tqdm(desc="agl train", unit="step", disable=not show_progress, dynamic_ncols=True)
 
@@ -62,6 +68,7 @@ class MetricsLog:
                 sink.log_samples(step, tables)
             sink.log_metrics(step, logged)
         self._progress(step, total_steps, metrics)
+        self.untrained.observe(step, metrics)  # after logging: the step that stops the run is on record
 
     def _progress(self, step: int, total_steps: int, metrics: Mapping[str, float]) -> None:
         if self.bar.total != total_steps:
@@ -112,10 +119,14 @@ def run_resolved(config: Any, manager: PluginManager, show_progress: bool = True
     checked = preflight(config, manager)
     backend = registered_backend(manager, config.agentlightning.backend).factory(config, manager)
     log = MetricsLog(
-        Path(config.trainer.default_local_dir), show_progress, opener=lambda: open_sinks(checked.sinks, config)
+        Path(config.trainer.default_local_dir),
+        show_progress,
+        opener=lambda: open_sinks(checked.sinks, config),
+        max_untrained_steps=int(config.agentlightning.max_untrained_steps),
     )
     try:
         backend.fit(log)
     finally:
         log.close()
+    log.untrained.check_end()
     return Path(config.trainer.default_local_dir)

@@ -130,10 +130,20 @@ def cell(value: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--modes", nargs="+", choices=V1_MODES, default=list(V1_MODES))
-    parser.add_argument("--work-dir", type=Path)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " "), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=60, help="training steps of every run (default: 60)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=V1_MODES,
+        default=list(V1_MODES),
+        help="the verl trainer modes to run beside the torch backend (default: all three)",
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, help="where the runs' folders, logs and metrics go (default: a new temporary folder)"
+    )
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="agl-bench-backends-"))
     work.mkdir(parents=True, exist_ok=True)

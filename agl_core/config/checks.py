@@ -19,7 +19,12 @@ from agl_core.config.errors import ConfigError
 from agl_core.config.schema import schema_rules
 from agl_core.fields import is_int
 
-__all__ = ["row_length_keys", "validate"]
+__all__ = ["KL_IN_REWARD_REFUSED", "row_length_keys", "validate"]
+
+KL_IN_REWARD_REFUSED = (
+    "is true, but agl computes a rollout's advantage from its final reward, where a per-token KL penalty has "
+    "no place: put the KL term in the loss instead (actor_rollout_ref.actor.use_kl_loss=true)"
+)
 
 # (switch, budget) of the token-budget micro-batches (agl_core.stages.micro_batches): the update's and
 # the old and reference log-probs' passes.
@@ -39,6 +44,8 @@ def validate(cfg: DictConfig) -> None:
     _validate_gateway_keys(cfg)
     _validate_micro_batch_keys(cfg)
     _validate_record_keys(cfg)
+    if cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.use_kl_in_reward", KL_IN_REWARD_REFUSED)
     top_p = cfg.actor_rollout_ref.rollout.top_p
     if cfg.agentlightning.agl_base_url is not None and top_p != 1:
         raise ConfigError(

@@ -60,7 +60,7 @@ from agl_core.rollouts.source import (
     RolloutBatch,
     RolloutSource,
     make_requests,
-    new_id,
+    recreate_request,
     rollout_config,
 )
 
@@ -265,7 +265,7 @@ class GatewayRolloutSource(RolloutSource):
         pending = self.pending[rid]
         if self.gateway.restart_policy != "reenqueue" or pending.reenqueues >= self.gateway.max_reenqueues:
             return False
-        self._create([attrs.evolve(pending.request, rollout_id=new_id())], pending.reenqueues + 1)
+        self._create([recreate_request(pending.request, self.plugins)], pending.reenqueues + 1)
         del self.pending[rid]
         self.terminal.pop(rid, None)
         self.counts["training/rollouts/n_reenqueued"] += 1

@@ -97,6 +97,18 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+REPLACES_KEY = "agl_replaces_rollout_id"
+
+
+def recreate_request(request: RolloutRequest, plugins: PluginManager) -> RolloutRequest:
+    """``request`` again, for a rollout that must run anew (its gateway restarted, or a resumed run
+    found it gone): under a fresh ``rollout_id``, so a stale agent of the old one cannot write into
+    it, with ``metadata[REPLACES_KEY]`` naming the id it replaces, and through the ``agl_on_enqueue``
+    chain as a new request goes, so every rollout whose end a hook sees was enqueued before it."""
+    metadata = {**request.metadata, REPLACES_KEY: request.rollout_id}
+    return plugins.enqueue(attrs.evolve(request, rollout_id=new_id(), metadata=metadata))
+
+
 def make_requests(
     samples: Sequence[Mapping[str, Any]],
     *,

@@ -47,6 +47,14 @@ The checks, each a test:
 - **plugin failures are isolated**: with a plugin that raises in every lifecycle hook, one step
   trains as without it, and ``agl_on_startup`` ran once.
 
+Every run is bounded: a step reported twice (or out of order) stops it, and a run that has not
+finished after :attr:`BackendContract.run_timeout_seconds` fails the checks that use it, saying what
+``on_step`` and the probe saw (its training thread is abandoned). The replay source refuses a step
+asked for before the backend told it of the weights (``after_weight_update``). The runs train with an
+entropy bonus (``actor_rollout_ref.actor.entropy_coeff=0.01``; ``overrides`` may change it), so that
+every trained token, one of zero advantage too, moves ``actor/grad_norm``: a backend that trains a
+row it should not fails whatever its loss.
+
 Tolerances (fp32): metrics within :attr:`BackendContract.metric_rtol` relative (1e-4) or
 ``metric_atol`` absolute (1e-6); served log-probs within ``served_atol`` (1e-4) absolute, the
 served tokens equal.
@@ -77,9 +85,11 @@ Validation is not checked: a recording holds no validation rollouts.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
+import threading
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -180,11 +190,15 @@ class ServedProbe:
     and its log-prob; appends ``{"version", "n_endpoints", "answers": [[token, log_prob], ...]}`` (or
     ``"error"``) to a JSON-lines file, since the hooks may run in another process."""
 
-    def __init__(self, path: Path, model: str, prompts: Sequence[Sequence[int]]):
+    def __init__(self, path: Path, model: str, prompts: Sequence[Sequence[int]], max_records: int = 1000):
         self.path, self.model, self.prompts = str(path), model, [list(p) for p in prompts]
+        self.max_records, self.n_records = max_records, 0  # a backend stuck serving one version stops being asked
 
     @hookimpl
     def agl_on_weights_served(self, endpoints: list[str], version: int) -> None:
+        self.n_records += 1
+        if self.n_records > self.max_records:
+            return
         record: dict[str, Any] = {"version": version, "n_endpoints": len(endpoints)}
         try:
             record["answers"] = [self._ask(endpoints[0], prompt) for prompt in self.prompts]
@@ -286,6 +300,8 @@ class BackendContract:
     metric_atol: ClassVar[float] = 1e-6
     #: absolute tolerance of the served log-probs compared after each step.
     served_atol: ClassVar[float] = 1e-4
+    #: the longest one run may take: a backend whose step never advances fails in bounded time.
+    run_timeout_seconds: ClassVar[float] = 900.0
 
     def recorded(self, folder: Path) -> tuple[Path, Path]:
         """The recording to replay and the policy folder it was recorded with (the tokenizer must
@@ -452,6 +468,7 @@ class ContractRuns:
             plugin_settings=contract.plugin_settings,
             save_freq=save_freq,
             probe_file=probe_file,
+            timeout=contract.run_timeout_seconds,
         )
 
 
@@ -475,10 +492,12 @@ def train_replayed(
     plugin_settings: Mapping[str, Any] | None = None,
     save_freq: int = -1,
     probe_file: str = "served.jsonl",
+    timeout: float = BackendContract.run_timeout_seconds,
 ) -> ContractRun:
     """Train backend ``backend_name`` on ``steps`` steps of ``recording`` from ``policy`` in
     ``folder/run``, with a :class:`ServedProbe` writing to ``folder/probe_file``; what it reported
-    (an error is kept, not raised)."""
+    (an error is kept, not raised). The run is abandoned after ``timeout`` seconds, and stopped at
+    a step reported again: both are its error."""
     run_dir = folder / "run"
     folder.mkdir(parents=True, exist_ok=True)
     recorded = read_recording(recording)
@@ -486,7 +505,7 @@ def train_replayed(
     OmegaConf.save(OmegaConf.create(recorded.core_config()), base)
     batch_size = int(recorded.core_config().get("data", {}).get("train_batch_size") or 1)
     dataset.write_text("".join(json.dumps({"index": i}) + "\n" for i in range(batch_size)))  # replay reads no sample
-    probe = ServedProbe(folder / probe_file, str(policy), probe_prompts(recording))
+    probe = ServedProbe(folder / probe_file, str(policy), probe_prompts(recording), max_records=4 * (steps + 1))
     manager = contract_manager([*plugins, probe], plugin_settings)
     spec = backend_spec(manager.backends.entry(backend_name))
     config = spec.load_config(
@@ -507,6 +526,9 @@ def train_replayed(
             f"trainer.save_freq={save_freq}",
             "trainer.resume_mode=auto",
             f"trainer.default_local_dir={run_dir}",
+            # every trained token moves the gradient, a zero-advantage one too: a row trained that
+            # should not be (or left out) shows in actor/grad_norm under any loss
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
             *overrides,
         ],
     )
@@ -515,13 +537,30 @@ def train_replayed(
     reported: list[tuple[int, int, dict[str, float]]] = []
 
     def on_step(step: int, total: int, metrics: Mapping[str, float], samples: Any = None) -> None:
+        if reported and step <= reported[-1][0]:
+            raise AssertionError(
+                f"on_step reported step {step} after step {reported[-1][0]}: the step does not advance"
+            )
         reported.append((step, total, dict(metrics)))
 
-    error = None
-    try:
-        spec.factory(config, manager).fit(on_step)
-    except Exception:
-        error = traceback.format_exc()
+    errors: list[str] = []
+
+    def fit() -> None:
+        try:
+            spec.factory(config, manager).fit(on_step)
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    training = threading.Thread(target=fit, name=f"contract-{backend_name}", daemon=True)
+    training.start()
+    training.join(timeout)
     served_path = Path(probe.path)
     served = [json.loads(line) for line in served_path.read_text().splitlines()] if served_path.is_file() else []
-    return ContractRun(run_dir, reported, served, error)
+    if training.is_alive():  # left running in its daemon thread: it cannot be stopped from outside
+        versions = collections.Counter(record["version"] for record in served)
+        errors.append(
+            f"the backend did not finish {steps} steps within {timeout:g} s (run_timeout_seconds): on_step saw "
+            f"steps {[step for step, _, _ in reported]}, agl_on_weights_served was called {probe.n_records} times "
+            f"(versions of the first {len(served)}: {dict(versions)}); its step does not advance, or it hangs"
+        )
+    return ContractRun(run_dir, reported, served, errors[0] if errors else None)

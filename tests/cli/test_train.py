@@ -119,3 +119,79 @@ def test_the_run_log_replaces_lines_of_steps_a_restart_redoes(tmp_path):
         (3, 30.0),
         (4, 40.0),
     ]
+
+
+FAILING = "agentlightning.local.agent_class=tests.helpers.agents:FailingAgent"
+
+
+@pytest.mark.parametrize(("limit", "stopped_at"), [(2, 2), (0, 3)])
+def test_a_run_whose_every_rollout_fails_exits_non_zero_naming_why(policy, tmp_path, capsys, limit, stopped_at):
+    """max_untrained_steps in a row stop the run; with the stop off, a run that ends having trained
+    nothing fails. Each step that trained nothing is logged as it happens, with its cause."""
+    run_dir = tmp_path / "run"
+    overrides = [*_small(policy, run_dir, steps=3), FAILING, "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    overrides += ["trainer.save_freq=-1"]  # nothing to show in a checkpoint here
+    assert main(["train", CONFIG, *overrides, f"agentlightning.max_untrained_steps={limit}"]) == 2
+    err = capsys.readouterr().err
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, stopped_at + 1))  # the stopping step is on record
+    assert "every rollout failed (4 of 4)" in err and "run finished" not in err
+    if limit:
+        assert "agl: error: steps 1 to 2 trained nothing (2 in a row, agentlightning.max_untrained_steps=2)" in err
+    else:
+        assert "agl: error: the run trained nothing: no step of it trained a row" in err
+
+
+def test_a_step_that_trains_nothing_between_trained_steps_is_a_warning_only(caplog):
+    from agl_core.backends.untrained import UntrainedSteps
+
+    watch = UntrainedSteps(limit=2)
+    for step, trained in enumerate([1, 0, 1, 0, 1], start=1):
+        watch.observe(step, {"training/n_skipped_updates": float(not trained), "training/n_sample_trained": trained})
+    watch.check_end()
+    assert [r.getMessage() for r in caplog.records if "trained nothing" in r.getMessage()] == [
+        "step 2 trained nothing: no rollout came back",
+        "step 4 trained nothing: no rollout came back",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "reason"),
+    [
+        ({"training/n_sample_trained": 8.0}, None),
+        ({"val/reward": 1.0}, None),  # a validation report says nothing of training
+        (
+            {"training/n_skipped_updates": 1.0, "training/rollouts/n_failed": 6.0, "training/n_rollouts": 0.0},
+            "every rollout failed (6 of 6)",
+        ),
+        (
+            {"training/n_skipped_updates": 1.0, "training/n_rollouts": 4.0, "training/n_rollouts_w_trace": 0.0},
+            "none of the 4 rollouts made a model call with tokens",
+        ),
+        (
+            {
+                "training/n_skipped_updates": 1.0,
+                "training/n_rollouts": 4.0,
+                "training/n_rollouts_w_trace": 4.0,
+                "training/n_sample": 0.0,
+                "training/n_skipped_empty_rows": 4.0,
+            },
+            "the 4 rollouts gave no training row (skipped without a trained token: 4",
+        ),
+        (
+            {
+                "training/n_sample_trained": 0.0,
+                "training/n_rollouts": 4.0,
+                "training/n_rollouts_w_trace": 4.0,
+                "training/n_sample": 4.0,
+                "training/n_sample_dropped/same_reward": 4.0,
+            },
+            "every one of the 4 rows was dropped before the update (marked 0, same_reward 4, random 0)",
+        ),
+    ],
+)
+def test_the_reason_a_step_trained_nothing_comes_from_its_metrics(metrics, reason):
+    from agl_core.backends.untrained import untrained_reason
+
+    said = untrained_reason(metrics)
+    assert said == reason if reason is None else said.startswith(reason)

@@ -12,6 +12,8 @@ from agl_core import hookimpl
 from agl_core.rollouts.gateway import gateway_source
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError
 from agl_core.rollouts.retry import RetryPolicy
+from agl_core.rollouts.source import REPLACES_KEY
+from agl_core.testing.lifecycle import LifecycleLedger
 from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.gateway_fixtures import (
     Plan,
@@ -55,7 +57,8 @@ class InBackground:
 def test_gateway_killed_and_restarted_mid_wait(policy):
     with GatewayServer() as server:
         cfg = gateway_config(server, f"agentlightning.gateway.restart_policy={policy}")
-        source = gateway_source(cfg, plugin_manager())
+        ledger = LifecycleLedger()
+        source = gateway_source(cfg, plugin_manager(ledger))
         source.after_weight_update(["http://127.0.0.1:7100/v1"], 3)
         release = threading.Event()
         with SimulatedController(server, always(Plan(release=release))) as controller:
@@ -77,6 +80,15 @@ def test_gateway_killed_and_restarted_mid_wait(policy):
         # The models were registered again on the new gateway.
         assert source.client.requests_sent["models"] >= 2
         source.close()
+        # Every rollout whose end the hooks saw, they saw enqueued (a re-created one included), and
+        # they count what the trainer counts.
+        assert ledger.problems() == []
+        seen = ledger.counts()
+        assert seen["enqueued"] == m["training/rollouts/n_created"] == (8 if policy == "reenqueue" else 4)
+        assert seen["succeeded"] == m.get("training/rollouts/n_succeeded", 0)
+        assert seen["failed"] == m.get("training/rollouts/n_failed", 0)
+        replaced = [r.metadata.get(REPLACES_KEY) for r in batch.rollouts]
+        assert all(replaced) if policy == "reenqueue" else replaced == []
 
 
 def test_proxy_delays_resets_and_503s(gateway):

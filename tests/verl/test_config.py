@@ -90,6 +90,12 @@ def test_verl_defaults_overlay_and_user_values_compose(user_yaml):
         ("actor_rollout_ref.actor.optim.clip_grad=0.5", "actor_rollout_ref.actor.grad_clip", "verl clips gradients at"),
         ("ray_kwargs.ray_init.address=head-node", "ray_kwargs.ray_init.address", "must be HOST:PORT"),
         ("ray_kwargs.ray_init.address=10.0.0.1:gcs", "ray_kwargs.ray_init.address", "must be HOST:PORT"),
+        # accepted and computing nothing in verl 0.9.1
+        (
+            "actor_rollout_ref.actor.use_prefix_grouper=true",
+            "actor_rollout_ref.actor.use_prefix_grouper",
+            "computes nothing shared",
+        ),
     ],
 )
 def test_errors_name_the_key(user_yaml, override, key, fragment):

@@ -238,3 +238,75 @@ def test_a_killed_actor_inside_the_task_runner_reads_as_a_dead_ray_worker():
             ray.shutdown()
     assert isinstance(died.value.__cause__, ray_exceptions.RayTaskError)  # the original is kept
     assert one_line(died.value).startswith(f"a Ray worker process died: actor Victim (pid {pid}, node ")
+
+
+def _http_server():
+    """A plain HTTP/1 server on 127.0.0.1 (as Ray's dashboard is), serving in a daemon thread."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_an_address_ray_cannot_join_is_refused_in_bounded_time_naming_it(monkeypatch):
+    """A URL (the dashboard's http://...:8265), a port where nothing listens, one where an HTTP server
+    listens, and one that accepts and never answers: each a RayUnreachable naming the address, within
+    the connect timeout, where Ray would raise ValueError or retry for minutes."""
+    import socket
+
+    from agl_backend_verl.ray_cluster import check_reachable, start_or_join
+
+    server = _http_server()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        cases = {
+            "http://127.0.0.1:8265": "is not a Ray cluster's address: Ray joins HOST:PORT of its head's GCS",
+            f"127.0.0.1:{free_port()}": "no Ray cluster answers at",
+            f"127.0.0.1:{server.server_address[1]}": "but it is not a Ray cluster's GCS",
+            f"127.0.0.1:{silent.getsockname()[1]}": "within 0.5 s: timed out",
+        }
+        for address, said in cases.items():
+            with pytest.raises(RayUnreachable, match=said) as raised:
+                check_reachable(address, timeout=0.5)
+            assert address in one_line(raised.value)
+        monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # from the environment, as Ray reads it
+        with pytest.raises(RayUnreachable, match="http://127.0.0.1:8265"):
+            start_or_join({}, connect_timeout=0.5)
+        assert not ray.is_initialized()
+    finally:
+        server.shutdown()
+        silent.close()
+
+
+MICRO_BATCH_KEYS = ("actor.ppo", "rollout.log_prob", "ref.log_prob")
+
+
+def test_agl_check_checks_the_configured_ray_address(tmp_path, capsys, monkeypatch):
+    from agl_backend_verl.cpu import CPU_KEYS
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = str(write_config(tmp_path, backend="torch"))
+    micro = [
+        f"actor_rollout_ref.{k}_micro_batch_size_per_gpu=1" for k in ("actor.ppo", "rollout.log_prob", "ref.log_prob")
+    ]
+    agents = "agentlightning.local.agent_class=examples.corridor.agent:CorridorAgent"
+    base = ["check", config, "backend=verl", agents, *CPU_KEYS, *micro]
+    assert main([*base, f"ray_kwargs.ray_init.address=127.0.0.1:{free_port()}"]) == 2
+    assert capsys.readouterr().err.startswith("agl: error: no Ray cluster answers at 127.0.0.1:")
+    assert main([*base, "ray_kwargs.ray_init.address=http://127.0.0.1:8265"]) == 2
+    assert "config key ray_kwargs.ray_init.address: must be HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_arguments_that_size_a_new_ray_are_keys_left_out_when_joining(tmp_path, caplog):
+    """``ray_kwargs.ray_init._temp_dir`` (and the other sizes of a new Ray) load as keys and reach
+    ray.init for a Ray of agl's own; joining a cluster leaves them out, and says so."""
+    from agl_backend_verl.config import load_verl_config
+    from agl_backend_verl.run import ray_init_kwargs
+
+    config = load_verl_config(None, [f"ray_kwargs.ray_init._temp_dir={tmp_path}", "ray_kwargs.ray_init.num_gpus=0"])
+    kwargs = ray_init_kwargs(config)
+    assert kwargs["_temp_dir"] == str(tmp_path) and kwargs["num_gpus"] == 0 and "resources" not in kwargs
