@@ -73,3 +73,22 @@ def test_the_python_floor_is_the_oldest_python_tested():
         in (REPO / "agl_core" / "plugin_template" / "pyproject.toml.tmpl").read_text()
     )
     assert f"tested on Python {', '.join(tested[:-1])} and {tested[-1]}" in (REPO / "README.md").read_text()
+
+
+def test_the_package_map_names_every_module():
+    """docs/architecture.md's package map names each module of agl_core under its package (a module
+    added without a place in the map fails here)."""
+    import re
+
+    from tests.helpers.paths import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## The package map and its import rules", 1)[1].split("```")[1]
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", block))
+    package = REPO_ROOT / "agl_core"
+    missing = [
+        str(path.relative_to(package))
+        for path in sorted(package.rglob("*.py"))
+        if path.stem != "__init__" and path.stem.replace("pytest_plugin", "pytest") not in words
+    ]
+    assert missing == [], f"modules the package map of docs/architecture.md does not name: {missing}"

@@ -23,7 +23,6 @@ PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
 # the module that defines the name.
 API = "agl_core"
 BASE = {
-    "agl_core._moved",
     "agl_core.data",
     "agl_core.errors",
     "agl_core.fields",

@@ -1,5 +1,5 @@
-"""Stability for installed plugins: old module paths still import (with a warning naming the new
-import), the stable surface never loses a name, and a broken installed plugin is reported, not a crash."""
+"""Stability for installed plugins: the stable surface never loses a name, importing agl installs no
+import hook, and a broken installed plugin is reported, not a crash."""
 
 from __future__ import annotations
 
@@ -8,121 +8,29 @@ import importlib.metadata
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 
-from agl_core._moved import MOVED, REMOVED_IN, new_import
 from agl_core.plugins import PluginError, PluginManager
 from tests.helpers.paths import REPO_ROOT as REPO
 
 STABLE = REPO / "tests" / "fixtures" / "stable_api.txt"
 
-# What each moved module's __all__ held before layout v2 (git show 6538969^:agl_core/<module>.py).
-PREVIOUS_PUBLIC = {
-    "agl_core.advantage": "AdvantageError AdvantageSettings Advantages RolloutGroups group_rollouts "
-    "grpo rloo reinforce reinforce_baseline turn_grpo",
-    "agl_core.aggregation": "MISMATCH_KINDS Aggregation AggregationCounts AggregationSettings Mismatch Segment "
-    "merged_row rollout_reward settings_from_config write_mismatches_jsonl",
-    "agl_core.aggregators": "Align aggregate_trajectories exact_prefix trajectory transition",
-    "agl_core.batch_shaping": "ShapingSettings ShapedBatch shape_batch",
-    "agl_core.losses": "LossSettings PolicyLoss ppo_token_losses per_rollout_mean token_mean as_verl_policy_loss",
-    "agl_core.mismatch": "MismatchLog classify_break common_prefix_length decode",
-    "agl_core.normalization": "rollout_scales",
-    "agl_core.tensorize": "PaddedBatch pad_responses padded_width tensorize",
-    "agl_core.event_writer": "EventWriter PendingEvent",
-    "agl_core.registry": "Registry RegistryEntry RegistryError",
-    "agl_core.gateway_source": "rollout_config",
-    "agl_core.embedded": "ThreadEnviron",
-}
 
-
-def fresh_import(name: str):
-    sys.modules.pop(name, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(name)
-    return module, [str(w.message) for w in caught if w.category is DeprecationWarning]
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_imports_with_a_warning_naming_the_new_one(old):
-    _, messages = fresh_import(old)
-    assert any(f"{old} has moved to {MOVED[old][0]}" in m and REMOVED_IN in m for m in messages), messages
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_has_the_file_of_its_new_module(old):
-    """``from agl_core.stages import levels; levels.__file__`` names the file its names come from."""
-    module, _ = fresh_import(old)
-    assert module.__file__ == importlib.import_module(MOVED[old][0]).__file__
-    assert module.__spec__.origin == module.__file__
-
-
-@pytest.mark.parametrize(
-    ("old", "name"), [(old, name) for old, names in sorted(PREVIOUS_PUBLIC.items()) for name in names.split()]
-)
-def test_every_name_of_the_previous_release_is_still_there(old, name):
-    module, _ = fresh_import(old)
-    home, value = new_import(old, name)
-    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} has moved: use 'from {home} import {name}'"):
-        assert getattr(module, name) is value is getattr(importlib.import_module(home), name)
-
-
-def test_a_plugin_written_against_the_previous_release_still_loads(tmp_path):
-    """In a fresh interpreter, with warnings as pytest shows them: it imports, registers and runs."""
-    (tmp_path / "old_plugin.py").write_text(
-        textwrap.dedent("""
-        from agl_core import hookimpl
-        from agl_core.advantage import AdvantageSettings, grpo
-        from agl_core.aggregation import Aggregation, AggregationCounts
-        from agl_core.event_writer import EventWriter
-
-        @hookimpl
-        def agl_register_advantage_estimators(register):
-            register("old_grpo", grpo)
-    """)
-    )
-    script = (
-        "import warnings; warnings.simplefilter('default')\n"
-        "import old_plugin\n"
-        "from agl_core.plugins import PluginManager\n"
-        "m = PluginManager(load_entrypoints=False); m.register(old_plugin)\n"
-        "print('registered', 'old_grpo' in m.advantage_estimators)\n"
-    )
+def test_no_global_import_hook_is_installed():
+    """Before the first release a moved module has no alias: ``import agl_core`` leaves ``sys.meta_path``
+    as it found it (CHANGELOG.md, Stability policy)."""
     out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
+        [
+            sys.executable,
+            "-c",
+            "import sys; before = list(sys.meta_path); import agl_core; print(sys.meta_path == before)",
+        ],
         capture_output=True,
         text=True,
-        timeout=600,
-        env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"},
+        check=True,
     )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "registered True"
-    assert (
-        "DeprecationWarning: agl_core.advantage.grpo has moved: use 'from agl_core.builtins.estimators import grpo'"
-        in out.stderr
-    )
-    assert (
-        "DeprecationWarning: agl_core.event_writer.EventWriter has moved: use 'from agl_core import EventWriter'"
-        in out.stderr
-    )
-
-
-def test_a_name_that_is_gone_says_so():
-    module, _ = fresh_import("agl_core.events")
-    with pytest.raises(AttributeError, match="agl_core.events.FAILED_ROLLOUT_POLICIES no longer exists"):
-        module.FAILED_ROLLOUT_POLICIES  # noqa: B018
-
-
-def test_the_table_points_at_modules_that_exist_and_old_paths_that_do_not():
-    for old, homes in MOVED.items():
-        for home in homes:
-            importlib.import_module(home)
-        parent, _, leaf = old.rpartition(".")
-        assert not (REPO / parent.replace(".", "/") / f"{leaf}.py").exists(), f"{old} exists again: remove its row"
-        assert not (REPO / parent.replace(".", "/") / leaf).is_dir(), f"{old} exists again: remove its row"
+    assert out.stdout.strip() == "True"
 
 
 def stable_names() -> list[tuple[str, str]]:

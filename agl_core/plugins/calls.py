@@ -1,13 +1,16 @@
 """How the plugin manager calls hook implementations: one at a time, in plugin order, isolated, bounded in time.
 
 agl calls each implementation of its registry and lifecycle hooks on its own (not through pluggy's
-hook caller), so one plugin's failure cannot stop the others. :class:`HookCalls` runs each lifecycle
-call in a fresh daemon thread (with the caller's context variables) and waits at most its time
-limit. Python cannot stop a thread: a call that overruns is abandoned, runs on in the background with
-its result ignored, and being a daemon thread does not keep the process alive at exit. That plugin's
-hook is not called again until the abandoned call has returned (the calls in between are skipped and
-counted), so a hook that hangs every time costs one time limit, not one per rollout, and leaves one
-thread behind, not one per call.
+hook caller), so one plugin's failure cannot stop the others; it reads the implementation from
+pluggy's public :class:`pluggy.HookImpl` (``function``, ``argnames``, ``plugin_name``, ``tryfirst``,
+``trylast``). :class:`HookCalls` runs each lifecycle call on one of a few daemon threads it keeps
+(:class:`HookThreads`, with the caller's context variables) and waits at most its time limit: a
+thread is started only when every kept one is busy, so a run starts as many as calls it ever made at
+once, not one per call. Python cannot stop a thread: a call that overruns is abandoned, runs on in
+the background with its result ignored (its thread is taken back once it returns), and a daemon
+thread does not keep the process alive at exit. That plugin's hook is not called again until the
+abandoned call has returned (the calls in between are skipped and counted), so a hook that hangs
+every time costs one time limit, not one per rollout, and holds one thread, not one per call.
 
 A failing call is logged on one line (plugin, hook, subject, exception). Its traceback is logged with
 the first failure of each (plugin, hook, exception type) only, so a hook that fails on every rollout
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,7 +33,7 @@ import pluggy
 from agl_core.errors import AglError
 from agl_core.plugins.event_writer import EventWriter
 
-__all__ = ["HookCalls", "HookTimeout", "call_bounded", "in_plugin_order", "wrapper_impls"]
+__all__ = ["HookCalls", "HookThreads", "HookTimeout", "in_plugin_order", "wrapper_impls"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,34 +51,57 @@ TRACEBACKS_ENV = "AGL_HOOK_TRACEBACKS"
 
 
 class HookTimeout(AglError):
-    """A hook call did not return within its time limit and was abandoned; ``thread`` still runs it."""
+    """A hook call did not return within its time limit and was abandoned; ``returned`` is set once
+    it has (its thread runs it until then)."""
 
     __module__ = "agl_core"
 
-    def __init__(self, message: str, thread: threading.Thread):
+    def __init__(self, message: str, returned: threading.Event):
         super().__init__(message)
-        self.thread = thread
+        self.returned = returned
 
 
-def call_bounded(function: Callable[..., Any], args: Sequence[Any], timeout: float, thread_name: str) -> Any:
-    """``function(*args)``, or :class:`HookTimeout` after ``timeout`` seconds; what it raises is raised here."""
-    outcome: dict[str, Any] = {}
-    context = contextvars.copy_context()
+class HookThreads:
+    """The daemon threads that run lifecycle hook calls: an idle one takes the next call, and a new
+    one is started only when every one is busy (calls made at once from several threads, or calls
+    abandoned past their time limit)."""
 
-    def run() -> None:
-        try:
-            outcome["result"] = context.run(function, *args)
-        except BaseException as exc:  # handed to the waiting thread, which raises it
-            outcome["error"] = exc
+    def __init__(self, name: str = "agl-hook"):
+        self.name = name
+        self.started = 0  # threads started so far
+        self.idle: list[queue.SimpleQueue] = []  # each idle thread's inbox
+        self._lock = threading.Lock()
 
-    thread = threading.Thread(target=run, name=thread_name, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise HookTimeout(f"did not return within {timeout:g} s", thread)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("result")
+    def call(self, function: Callable[..., Any], args: Sequence[Any], timeout: float) -> Any:
+        """``function(*args)`` on one of the threads, with the caller's context variables; what it
+        returns or raises, or :class:`HookTimeout` after ``timeout`` seconds."""
+        with self._lock:
+            inbox = self.idle.pop() if self.idle else self._start()
+        outcome: dict[str, Any] = {}
+        returned = threading.Event()
+        inbox.put((function, args, contextvars.copy_context(), outcome, returned))
+        if not returned.wait(timeout):
+            raise HookTimeout(f"did not return within {timeout:g} s", returned)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("result")
+
+    def _start(self) -> queue.SimpleQueue:
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.started += 1
+        threading.Thread(target=self._serve, args=(inbox,), name=f"{self.name}-{self.started}", daemon=True).start()
+        return inbox
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            function, args, context, outcome, returned = inbox.get()
+            try:
+                outcome["result"] = context.run(function, *args)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                outcome["error"] = exc
+            with self._lock:
+                self.idle.append(inbox)
+            returned.set()
 
 
 class HookCalls:
@@ -88,7 +115,8 @@ class HookCalls:
         self.discarded_events = 0
         self.ignored_changes: Counter[str] = Counter()
         self._warned_changes: set[tuple[str, str, str]] = set()  # (plugin, hook, field) warned about
-        self._abandoned: dict[tuple[str, str], threading.Thread] = {}  # (plugin, hook) -> the call still running
+        self._abandoned: dict[tuple[str, str], threading.Event] = {}  # (plugin, hook) -> set once the call returns
+        self.threads = HookThreads()
         self._traced: set[tuple[str, str, type[BaseException]]] = set()  # (plugin, hook, exception type) logged in full
 
     def call(self, impl: Any, hook_name: str, subject: str, kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
@@ -96,16 +124,16 @@ class HookCalls:
         time limit or was skipped (logged with its plugin's name and counted)."""
         key = (impl.plugin_name, hook_name)
         if key in self._abandoned:
-            if self._abandoned[key].is_alive():
+            if not self._abandoned[key].is_set():
                 self.failures[hook_name] += 1
                 self.skips[hook_name] += 1
                 return False, None
             del self._abandoned[key]
         try:
             args = [kwargs[arg] for arg in impl.argnames]
-            return True, call_bounded(impl.function, args, self.timeout, f"agl-hook-{impl.plugin_name}")
+            return True, self.threads.call(impl.function, args, self.timeout)
         except HookTimeout as exc:
-            self._abandoned[key] = exc.thread
+            self._abandoned[key] = exc.returned
             self.failures[hook_name] += 1
             self.timeouts[hook_name] += 1
             logger.error(

@@ -1,8 +1,9 @@
 """pytest fixtures for agl plugin authors (loaded automatically through the ``pytest11`` entry point).
 
 pytest loads this module in every project of an environment where agl is installed, so it imports
-nothing beyond pytest at load time (each fixture imports what it needs when it is used), and
-hypothesis only when it is installed.
+nothing beyond pytest and ``agl_core``'s two-module root at load time: each fixture imports what it
+needs when it is used, and hypothesis is imported only to register agl's profiles when a run asks
+for one of them (``--hypothesis-profile agl-fast``).
 """
 
 from __future__ import annotations
@@ -12,21 +13,26 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from agl_core.testing import has_hypothesis
-
 if TYPE_CHECKING:
     from pathlib import Path
 
     from agl_core.plugins import PluginManager
     from agl_core.testing.harness import TrainingRun
 
-if has_hypothesis():
-    from hypothesis import settings
+#: ``--hypothesis-profile agl-fast``: 20 examples per contract property, for CI on every change;
+#: ``--hypothesis-profile agl-thorough``: 1,000, before a release (ten times the default's cost).
+PROFILES = {"agl-fast": 20, "agl-thorough": 1000}
 
-    # ``--hypothesis-profile agl-fast``: 20 examples per contract property, for CI on every change;
-    # ``--hypothesis-profile agl-thorough``: 1,000, before a release (ten times the default's cost).
-    settings.register_profile("agl-fast", max_examples=20, deadline=None)
-    settings.register_profile("agl-thorough", max_examples=1000, deadline=None)
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Register agl's hypothesis profiles before hypothesis's own plugin loads the one asked for."""
+    asked = config.getoption("hypothesis_profile", default=None)
+    if asked in PROFILES:
+        from hypothesis import settings
+
+        for name, examples in PROFILES.items():
+            settings.register_profile(name, max_examples=examples, deadline=None)
 
 
 @pytest.fixture

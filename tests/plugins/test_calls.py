@@ -12,6 +12,7 @@ from agl_core.config import ConfigError, load_config
 from agl_core.data import CompletedRollout, RolloutRequest
 from agl_core.plugins import PluginError, PluginManager
 from agl_core.plugins.event_writer import EventWriter
+from tests.helpers.waiting import wait_until
 
 FOREVER = threading.Event()  # never set: waiting on it blocks for good
 HANG_LIMIT_S = 1.0  # the limit where a hook hangs: long beside a quick hook's time, even on a loaded machine
@@ -89,17 +90,15 @@ def test_a_hook_that_never_returns_is_abandoned_and_training_goes_on(caplog):
 
 
 def test_a_hung_hook_is_skipped_until_its_abandoned_call_returns():
-    """One time limit per hang, not one per rollout, and one thread left behind, not one per call."""
+    """One time limit per hang, not one per rollout, and one thread held by it, not one per call."""
     release = threading.Event()
     started = []
-    hung = []
 
     class HangsUntilReleased:
         @hookimpl
         def agl_on_enqueue(self, request):
             started.append(request.rollout_id)
             if len(started) == 1:
-                hung.append(threading.current_thread())
                 release.wait()
 
     pm = manager(HangsUntilReleased(), timeout=HANG_LIMIT_S)
@@ -113,10 +112,22 @@ def test_a_hung_hook_is_skipped_until_its_abandoned_call_returns():
         metrics["training/n_hook_failures"],
     ) == (1, 2, 3)
     release.set()
-    hung[0].join(120)  # returns as soon as the released call does
+    wait_until(lambda: len(pm.calls.threads.idle) == 1, "the released call returning its thread")
     pm.enqueue(RolloutRequest(rollout_id="r4", group_id="g", input={}))
     assert started == ["r1", "r4"], "calls resume once it returned"
     assert pm.pop_metrics()["training/n_hook_failures"] == 0
+    assert pm.calls.threads.started == 1, "one thread ran every call, the abandoned one's included"
+
+
+def test_lifecycle_calls_reuse_their_threads():
+    """A thread per call made at once, not one per call: a rollout's hooks cost no thread start."""
+    tags = Tags()
+    pm = manager(tags, Tags())
+    for i in range(50):
+        pm.enqueue(RolloutRequest(rollout_id=f"r{i}", group_id="g", input={}))
+        pm.on_succeeded(CompletedRollout(rollout_id=f"r{i}", group_id="g", state="succeeded"), {}, EventWriter())
+    assert tags.calls.count("enqueue") == tags.calls.count("succeeded") == 50
+    assert pm.calls.threads.started == 1
 
 
 def test_the_limit_comes_from_the_config():
