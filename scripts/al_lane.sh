@@ -50,7 +50,9 @@ t=$(date +%s)
 # tests/test_agent_lightning_102.py checks the installed agentlightning is the constraints' version and
 # loads its shipped verl config with every key 1.0.2 added.
 expected=$(sed -n 's/^agentlightning==//p' constraints/agentlightning.txt)
-AGL_EXPECT_AGENTLIGHTNING=$expected RAY_AUTH_MODE=disabled "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "$(nproc)" "${select[@]}" \
+# Each property draws 20 examples here (AGL_HYPOTHESIS_PROFILE, tests/conftest.py): the lanes check agl
+# in an Agent Lightning user's environment; the main lane draws 100.
+AGL_HYPOTHESIS_PROFILE=agl-tests-fast AGL_EXPECT_AGENTLIGHTNING=$expected RAY_AUTH_MODE=disabled "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "$(nproc)" "${select[@]}" \
     tests/hooks tests/plugins tests/config tests/stages tests/builtins tests/testing_kit \
     tests/verl/test_config.py tests/verl/test_al_v1_configs.py tests/verl/test_verl_version.py tests/test_parquet_datasets.py \
     tests/test_migration_guide.py tests/test_agent_lightning_102.py tests/scripts/test_device_check.py

@@ -1,5 +1,5 @@
-"""The verl backend's end-to-end check on one GPU: the CPU check (``tests/verl/test_cpu_e2e.py``) with
-the GPU keys and vLLM.
+"""The verl backend's end-to-end check on one GPU: the CPU check (``tests/verl/test_two_nodes_e2e.py``'s
+scenario) on one node with the GPU keys and vLLM.
 
 Builds the corridor's tiny policy (2-layer Llama, head size 32: vLLM and FSDP load it), starts the
 real gateway (``agl-server``) and the real controller (``agl-controller runner_type=local``, one
@@ -45,7 +45,7 @@ def preflight() -> str | None:
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (run tests/verl/test_cpu_e2e.py for the CPU check)"
+        return "no CUDA GPU is visible (run tests/verl/test_two_nodes_e2e.py for the CPU check)"
     try:
         import vllm  # noqa: F401
     except ImportError as exc:

@@ -17,4 +17,4 @@ trap cleanup EXIT
 # Into a file first: grep -q stops reading at its match, and agl would write into a closed pipe.
 "$python" -m agl_core.cli plugins > "$work/plugins.txt"
 grep -q '^agl_template_smoke  \[entry point' "$work/plugins.txt"
-(cd "$work/agl-template-smoke" && "$python" -m pytest -q)
+(cd "$work/agl-template-smoke" && "$python" -m pytest -q --hypothesis-profile agl-fast)

@@ -5,6 +5,7 @@ Code the tests share that is not a fixture lives in tests/helpers/."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,33 @@ collect_ignore = ["wheel_smoke"]
 
 # Hypothesis's per-example deadline and its too-slow health check time the machine, not the code: on
 # a loaded machine they fail tests that are right. Every property test here runs without them.
+# AGL_HYPOTHESIS_PROFILE=agl-tests-fast draws 20 examples per property instead of 100 (the Agent
+# Lightning lanes: they check agl in another environment, the main lane checks the properties).
 settings.register_profile("agl-tests", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("agl-tests")
+settings.register_profile("agl-tests-fast", settings.get_profile("agl-tests"), max_examples=20)
+settings.load_profile(os.environ.get("AGL_HYPOTHESIS_PROFILE", "agl-tests"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for ``pytest -n N --dist loadgroup`` (.ci/run runs the suite so): the tests that start
+    Ray clusters (marker ``ray``) are one group, run one after another on one worker (a Ray started
+    without an address joins one already running on the machine), and go first, being the longest;
+    every other file is a group of its own, so its module fixtures (a gateway, a built policy) start
+    once."""
+    ray = [item for item in items if item.get_closest_marker("ray")]
+    for item in items:
+        group = "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    if config.getoption("dist", "no") == "loadgroup":
+        items[:] = ray + [item for item in items if not item.get_closest_marker("ray")]
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_joined_outside_ray_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``ray`` that starts Ray anyway starts its own (``RAY_ADDRESS=local``), never
+    joining the cluster of a ``ray`` test running beside it."""
+    if request.node.get_closest_marker("ray") is None:
+        monkeypatch.setenv("RAY_ADDRESS", "local")
 
 
 @pytest.fixture(scope="session")

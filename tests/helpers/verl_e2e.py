@@ -2,9 +2,9 @@
 ``agl-controller runner_type=local`` on 127.0.0.1, ``agl train`` with backend ``verl``, Ray, verl's
 workers and replicas. :func:`scenario` is the check: 2 sync steps, then async steps 3 and 4 resumed
 from verl's step-2 checkpoint, the run killed once step 3 is checkpointed and resumed from it (its
-groups in flight restored). ``tests/verl/test_cpu_e2e.py`` runs it in verl's CPU mode
-(:data:`agl_backend_verl.cpu.CPU_KEYS`); ``scripts/gpu_check.py`` runs it with the GPU keys of
-``run_verl.sh`` (vLLM).
+groups in flight restored). ``tests/verl/test_two_nodes_e2e.py`` runs it in verl's CPU mode
+(:data:`agl_backend_verl.cpu.CPU_KEYS`) on two nodes; ``scripts/gpu_check.py`` runs it with the GPU
+keys of ``run_verl.sh`` (vLLM).
 """
 
 from __future__ import annotations
@@ -288,10 +288,9 @@ def scenario(
     device_keys: Sequence[str],
     n_gpus: int = 1,
     timeout: float = 3600.0,
-    separate_async_keys: Sequence[str] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Sync (recorded, its step 2 replayed), colocate_async with a kill and a resume in one run folder,
-    then, given ``separate_async_keys``, 2 separate_async steps in another: ``(problems, report lines)``."""
+    """Sync (recorded, its step 2 replayed), then colocate_async with a kill and a resume, in one run
+    folder: ``(problems, report lines)``."""
     run_dir = stack.work / "run"
     lines: list[str] = []
     recorded = "agentlightning.record_rollouts=true"
@@ -326,17 +325,8 @@ def scenario(
         for row in async_rows:
             if row.get("training/async/proxy_inflight_after_drain") != 0.0:
                 problems.append(f"step {row['step']}: calls in flight after the drain")
-    if separate_async_keys is not None:
-        separate_dir = stack.work / "separate_async"
-        seconds = Train(
-            stack, separate_dir, 2, device_keys, *separate_async_keys, name="separate", n_gpus=n_gpus
-        ).finish(timeout)
-        separate = rows(separate_dir)
-        lines += report_lines("separate_async", separate, seconds)
-        problems += check_rows(separate, [1, 2])
-    for folder in (run_dir, stack.work / "separate_async"):
-        for name in (*LOGS, "replay.log", "separate.log", "metrics.jsonl", "rollouts.jsonl"):
-            path = folder / name
-            if path.is_file() and SECRET in path.read_text(errors="replace"):
-                problems.append(f"the gateway key leaked into {folder.name}/{name}")
+    for name in (*LOGS, "replay.log", "metrics.jsonl", "rollouts.jsonl"):
+        path = run_dir / name
+        if path.is_file() and SECRET in path.read_text(errors="replace"):
+            problems.append(f"the gateway key leaked into {name}")
     return problems, lines

@@ -2,14 +2,11 @@
 
 :func:`two_node_cluster` starts the head and one worker node, each offering one CPU rank
 (``verl_cpu_rank``) and CPUs for verl's placement groups; the worker node runs from its own folder
-with its own ``PYTHONPATH``, so only what the run ships reaches it. :func:`scenario` trains 2 sync
-steps with ``agl train`` (through ``run_verl.sh`` and :class:`tests.helpers.verl_e2e.Train`, so the
-gateway, controller and checks are those of the single-node scenario) joined to the cluster, with
-``trainer.nnodes=2`` and one rank per node (:func:`two_node_keys`), then async steps 3 and 4
-resumed from its checkpoint, and returns what is wrong with the runs
-(:func:`tests.helpers.verl_e2e.check_rows`, plus where Ray placed the ranks and replicas) and
-report lines. ``device_keys`` and ``overrides`` come last, so a backend or device can change
-anything (another trainer, the GPU keys).
+with its own ``PYTHONPATH``, so only what the run ships reaches it. :func:`two_node_keys` joins a run
+to it (``trainer.nnodes=2``, one rank per node), so :func:`tests.helpers.verl_e2e.scenario` runs
+there; :func:`ranks_on_both_nodes` checks where Ray placed the ranks, and :func:`node_lost_scenario`
+loses the worker node mid-step and resumes on the cluster made whole again. ``device_keys`` and
+``overrides`` come last, so a backend or device can change anything (another trainer, the GPU keys).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from pathlib import Path
 
 from agl_backend_verl.cpu.mode import RANK_RESOURCE
 from tests.helpers.ray_cluster import RayCluster
-from tests.helpers.verl_e2e import ASYNC_KEYS, SECRET, Stack, Train, check_rows, report_lines, rows
+from tests.helpers.verl_e2e import ASYNC_KEYS, Stack, Train, check_rows, report_lines, rows
 
 HEAD, WORKER = "agl_test_head_node", "agl_test_worker_node"
 CPUS_PER_NODE = 6  # verl's placement groups take 3 CPUs per rank; the task runner and helpers the rest
@@ -68,31 +65,17 @@ def placement(cluster: RayCluster) -> Counter[tuple[str, str]]:
         ray.shutdown()
 
 
-def scenario(
-    stack: Stack, cluster: RayCluster, device_keys: Sequence[str], *overrides: str, timeout: float = 3600.0
-) -> tuple[list[str], list[str]]:
-    """2 sync steps, then async steps 3 and 4 resumed from the sync run's checkpoint, on the two
-    nodes: ``(problems, report lines)``. The checks are the single-node scenario's (every rollout
-    traced, rows trained, finite loss, registered weight versions, the key in no log), plus a verl
-    rank on each node; where Ray ran every actor is reported (the CPU replica's server is not pinned
-    to its ranks' node)."""
-    run_dir = stack.work / "two-node-run"
-    keys = (*device_keys, *two_node_keys(cluster), *overrides)
-    lines: list[str] = []
-    seconds = Train(stack, run_dir, 2, keys, name="two-node-sync", n_gpus=1).finish(timeout)
-    lines += report_lines("two nodes, sync", rows(run_dir), seconds)
-    problems = check_rows(rows(run_dir), [1, 2])
-    seconds = Train(stack, run_dir, 4, (*keys, *ASYNC_KEYS), name="two-node-async", n_gpus=1).finish(timeout)
-    lines += report_lines("two nodes, async (resumed from step 2)", rows(run_dir)[2:], seconds)
-    problems += check_rows(rows(run_dir)[2:], [3, 4])
+def ranks_on_both_nodes(cluster: RayCluster) -> tuple[list[str], list[str]]:
+    """Where Ray ran every actor of the runs so far, and what is wrong with it: one rank resource on
+    each node, so verl's ranks must use both (the CPU replica's server is not pinned to its ranks'
+    node): ``(problems, report lines)``."""
     where = placement(cluster)
-    lines.append(f"  actors by node, both runs: {dict(sorted(where.items()))}")
-    for name in ("two-node-sync.log", "two-node-async.log", "metrics.jsonl"):
-        if SECRET in (run_dir / name).read_text(errors="replace"):
-            problems.append(f"the gateway key leaked into {name}")
-    for node in ("head", "worker"):  # one rank resource on each node: verl's ranks must use both
-        if not any(count for (at, name), count in where.items() if at == node and name.endswith(RANK_ACTOR)):
-            problems.append(f"no verl rank ({RANK_ACTOR}) ran on the {node} node: {dict(where)}")
+    lines = [f"  actors by node: {dict(sorted(where.items()))}"]
+    problems = [
+        f"no verl rank ({RANK_ACTOR}) ran on the {node} node: {dict(where)}"
+        for node in ("head", "worker")
+        if not any(count for (at, name), count in where.items() if at == node and name.endswith(RANK_ACTOR))
+    ]
     return problems, lines
 
 

@@ -228,16 +228,42 @@ def details(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def failures(report: dict[str, Any], caught_at_least: float) -> list[str]:
+    """What the gallery claims and the report does not show: every correct plugin passes, and the
+    contracts with a reference catch at least ``caught_at_least`` of the planted bugs."""
+    found = [
+        f"{kind}: the correct plugin fails {name}"
+        for kind, entry in report.items()
+        for name, outcome in entry["correct"].items()
+        if outcome not in ("pass", "skip")
+    ]
+    bugs = [outcomes for entry in report.values() for outcomes in entry["bugs"].values()]
+    caught = sum(1 for outcomes in bugs if caught_by(outcomes, with_reference=True))
+    if caught < caught_at_least * len(bugs):
+        found.append(f"{caught} of {len(bugs)} planted bugs caught with a reference, under {caught_at_least:.0%}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], epilog="AGL_GALLERY_EXAMPLES sets the examples per property (30)"
     )
     parser.add_argument("--kind", action="append", choices=list(KINDS), help="only this plugin kind (repeatable)")
+    parser.add_argument(
+        "--caught-at-least",
+        type=float,
+        default=0.9,
+        metavar="FRACTION",
+        help="exit 1 unless the contracts with a reference catch this share of the planted bugs (0.9)",
+    )
     args = parser.parse_args(argv)
     report = run_gallery(args.kind, progress=True)
     print(table(report))
     print(details(report))
-    return 0
+    found = failures(report, args.caught_at_least)
+    for line in found:
+        print(f"FAILED: {line}")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@ failed them would be wrong. The whole gallery (every planted bug) is the slow te
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.plugin_gallery import gallery as g
-
-_KINDS = list(g.KINDS.items())
 
 
 def _contract(kind: str):
@@ -24,10 +26,15 @@ TestCorrectTaggingHook = _contract("lifecycle hook (tagging)")
 
 @pytest.mark.slow
 def test_the_contracts_catch_the_planted_bugs_with_a_reference():
-    report = g.run_gallery()
-    print(g.table(report))
-    for entry in report.values():
-        assert not [name for name, outcome in entry["correct"].items() if outcome not in ("pass", "skip")]
-    bugs = [outcomes for entry in report.values() for outcomes in entry["bugs"].values()]
-    caught = sum(1 for outcomes in bugs if g.caught_by(outcomes, with_reference=True))
-    assert caught >= 0.9 * len(bugs), g.details(report)
+    # In its own process: the contracts' tests take the hypothesis profile loaded when they are
+    # imported, and the gallery's (no shrinking: a planted bug caught once is caught) must come first.
+    # Under the suite's profile, shrinking every caught bug made this test take 17 minutes.
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plugin_gallery.gallery"],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]

@@ -1,6 +1,6 @@
 """verl's CPU mode, piece by piece in this process: the platform, the engines found for ``cpu``, the
 patch, the config rules and the CPU replica's server (the whole loop runs in
-``tests/verl/test_cpu_workers.py`` and ``tests/verl/test_cpu_e2e.py``)."""
+``tests/verl/test_cpu_workers.py`` and ``tests/verl/test_two_nodes_e2e.py``)."""
 
 from __future__ import annotations
 

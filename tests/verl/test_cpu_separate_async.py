@@ -1,15 +1,16 @@
 """verl's ``separate_async`` trainer in CPU mode: the trainer's two gloo ranks and a standalone CPU
-replica in separate ``verl_cpu_rank`` pools of one machine, the weights pushed over the gloo checkpoint
-engine, two steps with the embedded corridor agents (the gateway's run is ``tests/verl/test_cpu_e2e.py``)."""
+replica in separate ``verl_cpu_rank`` pools of one machine (a Ray of agl's own), the weights pushed
+over the gloo checkpoint engine, two steps of the corridor agents through the real gateway and
+controller on 127.0.0.1 (the async gateway source, drained when each step ends). The other trainer
+modes run end to end on two nodes: ``tests/verl/test_two_nodes_e2e.py``."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 
-pytestmark = [pytest.mark.verl, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.verl, pytest.mark.ray, pytest.mark.gateway, pytest.mark.slow]
 
 pytest.importorskip("ray")
 pytest.importorskip("verl")
@@ -23,6 +24,7 @@ from agl_backend_verl.run import train  # noqa: E402
 from agl_core.plugins.manager import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
 from tests.helpers.paths import REPO_ROOT  # noqa: E402
+from tests.helpers.verl_e2e import Stack, check_rows  # noqa: E402
 
 STEPS = 2
 CORRIDOR = REPO_ROOT / "examples" / "corridor"
@@ -38,12 +40,35 @@ def test_two_separate_async_steps_on_cpu_push_each_steps_weights_to_the_standalo
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
     policy = build(tmp_path / "policy", seed=0)
+    with Stack(policy, tmp_path) as stack:
+        steps = separate_async_steps(policy, stack, tmp_path)
+    assert [step for step, _, _ in steps] == [1, 2]
+    problems = check_rows([{"step": step, **metrics} for step, metrics, _ in steps], [1, 2])
+    assert not problems, "\n".join(problems)
+    for step, _, servers in steps:
+        # the standalone replica (rank 1: after the trainer's own) has taken the weights at start (version 0)
+        # and after each step, tagged with the step; the trainer's replica, which agl's agents never call
+        # and verl lends to generation only to validate, kept those of the start
+        pushed = {name: {k: stats[k] for k in ("version", "weight_pushes")} for name, stats in servers.items()}
+        assert pushed == {
+            server_name(0): {"version": 0, "weight_pushes": 1},
+            server_name(1): {"version": step, "weight_pushes": step + 1},
+        }, (step, servers)
+    assert os.environ.get("VERL_PLATFORM") is None  # the CPU platform is the Ray workers', not the driver's
+
+
+def separate_async_steps(policy, stack, tmp_path) -> list[tuple[int, dict[str, float], dict[str, dict[str, int]]]]:
+    """Train the steps in this process; each step's metrics and the replica servers' stats after it."""
     config = load_verl_config(
         CORRIDOR / "config.yaml",
         [
             *CPU_KEYS,
             *SEPARATE_ASYNC_CPU_KEYS,
             "agentlightning.backend=verl",
+            f"agentlightning.agl_base_url={stack.gateway.url}",
+            f"agentlightning.agl_key={stack.gateway.key}",
+            "agentlightning.gateway.pause_retry_after_seconds=1",
+            "ray_kwargs.ray_init.address=local",  # a Ray of agl's own, whatever else runs on this machine
             f"actor_rollout_ref.model.path={policy}",
             f"data.train_files={CORRIDOR / 'dataset.jsonl'}",
             f"data.val_files={CORRIDOR / 'val.jsonl'}",
@@ -72,17 +97,4 @@ def test_two_separate_async_steps_on_cpu_push_each_steps_weights_to_the_standalo
         train(config, on_step=on_step)
     finally:
         ray.shutdown()
-    assert [step for step, _, _ in steps] == [1, 2]
-    for step, metrics, servers in steps:
-        assert metrics["training/n_sample_trained"] > 0, step
-        for name in ("actor/pg_loss", "actor/grad_norm", "training/reward"):
-            assert math.isfinite(metrics[name]), (step, name, metrics[name])
-        # the standalone replica (rank 1: after the trainer's own) has taken the weights at start (version 0)
-        # and after each step, tagged with the step; the trainer's replica, which agl's agents never call
-        # and verl lends to generation only to validate, kept those of the start
-        pushed = {name: {k: stats[k] for k in ("version", "weight_pushes")} for name, stats in servers.items()}
-        assert pushed == {
-            server_name(0): {"version": 0, "weight_pushes": 1},
-            server_name(1): {"version": step, "weight_pushes": step + 1},
-        }, (step, servers)
-    assert os.environ.get("VERL_PLATFORM") is None  # the CPU platform is the Ray workers', not the driver's
+    return steps

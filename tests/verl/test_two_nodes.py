@@ -61,7 +61,7 @@ def joined(cluster, tmp_path_factory):
         ],
     )
     try:
-        start_or_join(ray_init_kwargs(config))
+        start_or_join(ray_init_kwargs(config), connect_timeout=10.0)
         yield config, head_only
     finally:
         ray.shutdown()
