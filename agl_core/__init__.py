@@ -150,7 +150,7 @@ _MODULES: dict[str, str] = {
     "StepSamples": "agl_core.data",
     "TrainingRow": "agl_core.data",
     "Triplet": "agl_core.data",
-    "load_dataset": "agl_core.datasets",
+    "load_dataset": "agl_core.files.datasets",
     # the config
     "AgentLightningConfig": "agl_core.config",
     "ConfigError": "agl_core.config",
@@ -165,10 +165,10 @@ _MODULES: dict[str, str] = {
     "UsageError": "agl_core.errors",
     "UsageTypeError": "agl_core.errors",
     "GatewayError": "agl_core.rollouts.gateway_error",
-    "RecordingError": "agl_core.recording",
-    "read_recording": "agl_core.recording",
-    "run_ppo": "agl_core.in_memory",
-    "write_dataset": "agl_core.in_memory",
+    "RecordingError": "agl_core.files.recording",
+    "read_recording": "agl_core.files.recording",
+    "run_ppo": "agl_core.runs.in_memory",
+    "write_dataset": "agl_core.runs.in_memory",
     "VllmEngineError": "agl_core.serving.vllm_engine",
     # aggregators
     "CALLS_LEFT_OUT_METRIC": "agl_core.stages.aggregation",
@@ -276,18 +276,18 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
         TrainingRow,
         Triplet,
     )
-    from agl_core.datasets import load_dataset
     from agl_core.errors import AglError, FileFormatError, UsageError, UsageTypeError
+    from agl_core.files.datasets import load_dataset
+    from agl_core.files.recording import RecordingError, read_recording
     from agl_core.hookspecs import Register
-    from agl_core.in_memory import run_ppo, write_dataset
     from agl_core.plugins import EventWriter, HookTimeout, PluginError, PluginManager, PluginSettings, RegistryError
-    from agl_core.recording import RecordingError, read_recording
     from agl_core.rollouts.events import rollout_timing_metrics
     from agl_core.rollouts.gateway import gateway_source
     from agl_core.rollouts.gateway_error import GatewayError
     from agl_core.rollouts.replay import ReplayRolloutSource
     from agl_core.rollouts.source import FinishedGroup, RolloutSource
     from agl_core.rollouts.streaming import GroupStream, group_stream
+    from agl_core.runs.in_memory import run_ppo, write_dataset
     from agl_core.serving.models import load_policy_model
     from agl_core.serving.policy_server import PolicyServer, RequestError
     from agl_core.serving.sampling import Generation, SamplingParams

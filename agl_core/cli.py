@@ -61,7 +61,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from agl_core.train import run
+    from agl_core.runs.train import run
 
     dump_stacks_on_sigusr1()
     run_dir = run(args.config, _overrides(args))
@@ -88,12 +88,12 @@ def run_contents(run_dir: Path) -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """Everything ``agl train`` would check before training (its :func:`~agl_core.preflight.preflight`),
+    """Everything ``agl train`` would check before training (its :func:`~agl_core.runs.preflight.preflight`),
     the backend's own check and the gateway, then the resolved config (secrets hidden)."""
     from agl_core.config import to_yaml
-    from agl_core.preflight import preflight
     from agl_core.rollouts.gateway_check import check_gateway
-    from agl_core.run_config import registered_backend, resolve_config
+    from agl_core.runs.preflight import preflight
+    from agl_core.runs.run_config import registered_backend, resolve_config
 
     config, manager = resolve_config(args.config, _overrides(args))
     checked = preflight(config, manager)
@@ -124,7 +124,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from agl_core.plot import plot_metrics
+    from agl_core.tracking.plot import plot_metrics
     from agl_core.tracking.run_log import METRICS_FILE, PLOT_FILE
 
     source = Path(args.run)
@@ -142,7 +142,7 @@ def _replay(args: argparse.Namespace) -> int:
     """Re-run one recorded step of a run (its pipeline and its backend's update) and print its metrics."""
     import tempfile
 
-    from agl_core.replay import replay_step
+    from agl_core.runs.replay import replay_step
 
     with tempfile.TemporaryDirectory(prefix="agl-replay-") as scratch:
         metrics = replay_step(args.run, args.step, _overrides(args), scratch)

@@ -51,8 +51,8 @@ from agl_core.backends.torch.update import ActorSettings, ActorUpdate, UpdateBat
 from agl_core.builtins.aggregators import trajectory, transition  # noqa: E402
 from agl_core.config import load_config  # noqa: E402
 from agl_core.data import RolloutRequest, TrainingRow  # noqa: E402
+from agl_core.files.recording import read_recording  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402
-from agl_core.recording import read_recording  # noqa: E402
 from agl_core.rollouts.events import completed_rollout_from_record  # noqa: E402
 from agl_core.stages.aggregation import AggregationSettings  # noqa: E402
 from agl_core.stages.micro_batches import micro_batches, padded_elements  # noqa: E402

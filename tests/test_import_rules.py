@@ -28,22 +28,13 @@ BASE = {
     "agl_core.fields",
     "agl_core.config",
     "agl_core.hookspecs",
-    "agl_core.recording",
-    "agl_core.jsonl",
     "agl_core.suggestions",
     "agl_core.local_http",
-    "agl_core.datasets",
-    "agl_core.plot",
 }
-ENTRY = {
-    "agl_core.cli",
-    "agl_core.train",
-    "agl_core.in_memory",
-    "agl_core.run_config",
-    "agl_core.preflight",
-    "agl_core.replay",
-    "agl_core.scaffold",
-}
+BASE_PACKAGES = ("agl_core.config", "agl_core.files")  # the config, the files agl reads and writes
+# The commands and the run driver: the top of the package map.
+ENTRY = {"agl_core.cli", "agl_core.scaffold"}
+ENTRY_PACKAGES = ("agl_core.runs",)
 # The rollout source families, and the rollout modules every source shares.
 SOURCE_FAMILIES = {
     "gateway": (
@@ -93,9 +84,9 @@ def part_of(module: str) -> str:
         return "agl_hooks"
     if module == API:
         return "api"
-    if module in BASE or module.startswith("agl_core.config."):
+    if module in BASE or module.startswith(BASE_PACKAGES):
         return "base"
-    if module in ENTRY:
+    if module in ENTRY or module.startswith(ENTRY_PACKAGES):
         return "entry"
     parts = module.split(".")
     if parts[1] == "backends" and len(parts) > 2 and parts[2] in {"torch"}:

@@ -1,4 +1,4 @@
-"""``agl_core.in_memory.run_ppo``: an Agent Lightning v1.0 script's ``run_ppo(config, train_dataset=...,
+"""``agl_core.runs.in_memory.run_ppo``: an Agent Lightning v1.0 script's ``run_ppo(config, train_dataset=...,
 val_dataset=...)`` with the config and datasets held in memory, on the torch backend, logging every
 step to the run log and the ``trainer.logger`` sinks with no ``on_step``."""
 
@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from agl_core import hookimpl
 from agl_core.config import ConfigError
-from agl_core.in_memory import run_ppo
+from agl_core.runs.in_memory import run_ppo
 from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.paths import REPO_ROOT
 

@@ -12,7 +12,7 @@ import pytest
 
 from agl_core.cli import main
 from agl_core.config import ConfigError, load_config
-from agl_core.datasets import ParquetRows, check_datasets, env_from_map, load_dataset
+from agl_core.files.datasets import ParquetRows, check_datasets, env_from_map, load_dataset
 from tests.helpers.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"

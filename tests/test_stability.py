@@ -101,7 +101,7 @@ def test_agl_plugins_lists_it_and_check_refuses_it(broken_installed, capsys):
 
 
 def test_blocking_it_lets_the_run_go_on(broken_installed, monkeypatch):
-    from agl_core.run_config import resolve_config
+    from agl_core.runs.run_config import resolve_config
 
     monkeypatch.setenv("AGL_BLOCKED_PLUGINS", "shiny")
     config, manager = resolve_config("examples/corridor/config.yaml")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agl_core.config import ConfigError
-from agl_core.datasets import load_dataset
+from agl_core.files.datasets import load_dataset
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

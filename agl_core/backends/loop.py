@@ -9,7 +9,7 @@ it is the last, the step reported, and a checkpoint when ``trainer.save_freq`` d
 is the last.
 
 A step is reported before it is checkpointed: a run killed in between resumes from the previous
-checkpoint, redoes the step, and the run log (:class:`agl_core.train.MetricsLog`) replaces its line.
+checkpoint, redoes the step, and the run log (:class:`agl_core.runs.train.MetricsLog`) replaces its line.
 """
 
 from __future__ import annotations

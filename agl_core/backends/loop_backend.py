@@ -58,7 +58,7 @@ from agl_core.backends.checkpoints import (
 from agl_core.backends.data_order import DataOrder
 from agl_core.backends.loop import LoopSettings, run_steps
 from agl_core.backends.rollout_source import check_rollout_source, open_rollout_source
-from agl_core.datasets import load_dataset
+from agl_core.files.datasets import load_dataset
 from agl_core.stages.pipeline import PreparedBatch, StepPipeline, validation_metrics
 
 if TYPE_CHECKING:

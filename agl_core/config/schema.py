@@ -219,7 +219,7 @@ class AgentLightningConfig:
     # Plugin settings, one section per plugin (agentlightning.plugins.<section>.<key>): each plugin
     # declares its typed section (agl_plugin_settings); the plugin manager validates them.
     plugins: dict[str, Any] = field(default_factory=dict)
-    # Append each step's completed rollouts to rollouts.jsonl in the run directory (agl_core.recording).
+    # Append each step's completed rollouts to rollouts.jsonl in the run directory (agl_core.files.recording).
     record_rollouts: bool = checked(False, boolean())
     # Train on a recording (a rollouts.jsonl, or a run directory holding one) instead of running agents.
     replay: str | None = None

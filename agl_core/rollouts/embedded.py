@@ -31,7 +31,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from agl_core.data import CompletedRollout, RolloutRequest
-from agl_core.datasets import env_from_map
+from agl_core.files.datasets import env_from_map
 from agl_core.local_http import LocalHTTPServer
 from agl_core.plugins import EventWriter, PluginManager
 from agl_core.rollouts.agents import install_thread_environ, load_agent_class, uninstall_thread_environ

@@ -1,6 +1,6 @@
 """The replay source (``agentlightning.replay: PATH``): recorded steps instead of agents.
 
-Step ``N`` of the run gets the rollouts recorded for step ``N`` (:mod:`agl_core.recording`), exactly
+Step ``N`` of the run gets the rollouts recorded for step ``N`` (:mod:`agl_core.files.recording`), exactly
 as the recording run's pipeline received them: no agent, gateway or generation runs, and the dataset
 samples handed to ``collect`` are not used. A recording of another model or
 tokenizer is refused before the first step; a step the recording does not hold, and validation
@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
-from agl_core.recording import Recording, read_recording
+from agl_core.files.recording import Recording, read_recording
 from agl_core.rollouts.source import RolloutBatch, RolloutSource
 
 __all__ = ["ReplayRolloutSource"]

@@ -18,7 +18,7 @@ import torch
 
 from agl_core.data import CompletedRollout, TrainingRow
 from agl_core.errors import UsageError
-from agl_core.recording import RecordingWriter
+from agl_core.files.recording import RecordingWriter
 from agl_core.stages.advantage import Advantages, AdvantageSettings
 from agl_core.stages.aggregation import (
     Aggregation,
@@ -194,7 +194,7 @@ class StepPipeline:
     vocabulary are removed first (:mod:`agl_core.stages.vocabulary`). With ``rollout.n > 1``, groups
     left with one rollout are removed before estimation (``training/n_groups_dropped_one_rollout_left``).
     With ``agentlightning.record_rollouts``, every step's rollouts are appended, as received, to the
-    run's recording (:mod:`agl_core.recording`; ``training/record/bytes``) before anything else runs.
+    run's recording (:mod:`agl_core.files.recording`; ``training/record/bytes``) before anything else runs.
     Each :meth:`prepare` keeps the step's sample tables (:mod:`agl_core.stages.samples`) until the
     backend hands them on with :meth:`take_samples`.
 

@@ -101,8 +101,8 @@ from omegaconf import OmegaConf
 
 from agl_core.backends.contract import backend_spec
 from agl_core.errors import UsageTypeError
+from agl_core.files.recording import read_recording
 from agl_core.hookspecs import hookimpl
-from agl_core.recording import read_recording
 from agl_core.testing.lookup import contract_manager
 from agl_core.testing.reference import mapping_diff
 

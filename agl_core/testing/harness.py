@@ -10,7 +10,7 @@
 
 It trains the reference ``torch`` backend with the embedded rollout source on
 :mod:`agl_core.testing.tiny_task` (a tiny policy built once per process in a temporary folder),
-through :func:`agl_core.train.run`, the same entry as ``agl train``. Third-party entry points are not
+through :func:`agl_core.runs.train.run`, the same entry as ``agl train``. Third-party entry points are not
 loaded (the plugins under test are the ones given), and the run validates once before training, so
 lifecycle hooks see validation rollouts too (``rollout.is_train`` false), as in any run. In pytest,
 the ``agl_training`` fixture is :func:`run_training` with the run folder under the test's
@@ -32,8 +32,8 @@ from typing import Any
 import attrs
 
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.files.jsonl import read_json_objects
 from agl_core.hookspecs import hookimpl
-from agl_core.jsonl import read_json_objects
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, EventWriter, PendingEvent
 from agl_core.testing import tiny_task
 
@@ -150,7 +150,7 @@ def run_training(
     ``per_rollout_mean``, validation before training on two rows. ``run_dir`` defaults to a new
     temporary folder.
     """
-    from agl_core.train import run
+    from agl_core.runs.train import run
 
     folder = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="agl-harness-"))
     recorder = _Recorder()

@@ -11,7 +11,7 @@ rollouts that real agents produced, without agents, a gateway or a model.
         assert prepared.metrics["training/n_sample"] > 0
 
 :func:`recorded_steps` reads a recording that ``agentlightning.record_rollouts`` wrote
-(:mod:`agl_core.recording`); :func:`gateway_trace_rollouts` parses traces stored from the real
+(:mod:`agl_core.files.recording`); :func:`gateway_trace_rollouts` parses traces stored from the real
 Agent Lightning gateway (``{"scenarios": {NAME: {"rollout": ..., "events": ...}}}``, the layout of the
 repository's ``tests/fixtures/gateway_traces/traces.json``) with agl's own events parser.
 :func:`run_pipeline` runs the step pipeline every backend runs
@@ -31,8 +31,8 @@ from omegaconf import OmegaConf
 
 from agl_core.config import default_config, load_config
 from agl_core.data import CompletedRollout, RolloutRequest
+from agl_core.files.recording import read_recording
 from agl_core.plugins import PluginManager
-from agl_core.recording import read_recording
 from agl_core.rollouts.events import completed_rollout_from_record
 from agl_core.stages.pipeline import PreparedBatch, StepPipeline
 

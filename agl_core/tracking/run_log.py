@@ -17,8 +17,8 @@ from typing import Any
 
 from agl_core.data import StepSamples
 from agl_core.errors import UsageTypeError
-from agl_core.jsonl import read_json_objects
-from agl_core.plot import plot_metrics
+from agl_core.files.jsonl import read_json_objects
+from agl_core.tracking.plot import plot_metrics
 from agl_core.tracking.sink import SinkContext
 
 __all__ = ["METRICS_FILE", "PLOT_EVERY", "PLOT_FILE", "SAMPLES_DIR", "RunLog", "forget_from"]

@@ -29,7 +29,7 @@ nitpick_ignore_regex = [
 # to the public name. A citation of an internal module renders as code, unresolved by design.
 nitpick_ignore_regex += [
     ("py:mod", r"agl_core\.(?!hookspecs$|testing|scaffold$).*"),
-    # a name of an internal module that is not public (agl_core.train.run...): rendered as code
+    # a name of an internal module that is not public (agl_core.runs.train.run...): rendered as code
     ("py:.*", r"agl_core\.(?!testing\.|hookspecs\.|scaffold\.)[a-z_]+\..*"),
     # a postponed annotation (a string) that autodoc splits at its first comma
     ("py:class", r"'dict\[str"),

@@ -10,8 +10,8 @@ from agl_core import hookimpl
 from agl_core.backends.contract import BackendSpec
 from agl_core.config import load_config
 from agl_core.plugins import RegistryError
-from agl_core.run_config import resolve_config
-from agl_core.train import run
+from agl_core.runs.run_config import resolve_config
+from agl_core.runs.train import run
 
 
 class OneStep:

@@ -42,13 +42,13 @@ def test_check_refuses_what_train_refuses(override, message, capsys, tmp_path):
 
 def test_train_says_which_hook_turns_the_env_map_check_off(caplog):
     from agl_core import hookimpl
-    from agl_core.preflight import preflight
-    from agl_core.run_config import resolve_config
+    from agl_core.runs.preflight import preflight
+    from agl_core.runs.run_config import resolve_config
 
     plugin = type("Rewriter", (), {"agl_on_enqueue": hookimpl(lambda self, request: None)})()
     config, manager = resolve_config(CONFIG, [], [plugin])
     assert config.agentlightning.local.env_map, "the example config names env_map fields"
-    with caplog.at_level("WARNING", logger="agl_core.preflight"):
+    with caplog.at_level("WARNING", logger="agl_core.runs.preflight"):
         preflight(config, manager)
     (name,) = manager.implementations("agl_on_enqueue")
     expected = f"agentlightning.local.env_map is not checked against the dataset rows: agl_on_enqueue of {name}"

@@ -241,13 +241,13 @@ def test_a_verl_only_key_under_torch_is_one_line_with_the_backend_to_use(capsys)
 
 
 def test_gateway_and_unexpected_errors_are_one_line(capsys, monkeypatch):
-    import agl_core.train
+    import agl_core.runs.train
     from agl_core.rollouts.gateway_client import GatewayError
 
     def dead_gateway(*args, **kwargs):
         raise GatewayError("POST /api/models", None, "ConnectError: [Errno 111] Connection refused")
 
-    monkeypatch.setattr(agl_core.train, "run", dead_gateway)
+    monkeypatch.setattr(agl_core.runs.train, "run", dead_gateway)
     code, _, err = run_cli(capsys, "train", CONFIG)
     assert code == 2
     assert err.splitlines() == [
@@ -258,7 +258,7 @@ def test_gateway_and_unexpected_errors_are_one_line(capsys, monkeypatch):
     def bug(*args, **kwargs):
         raise RuntimeError("something agl did not expect")
 
-    monkeypatch.setattr(agl_core.train, "run", bug)
+    monkeypatch.setattr(agl_core.runs.train, "run", bug)
     code, _, err = run_cli(capsys, "train", CONFIG)
     assert code == 2
     assert err.splitlines()[0] == "agl: error: internal error: RuntimeError: something agl did not expect"

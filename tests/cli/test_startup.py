@@ -8,7 +8,7 @@ import pytest
 from agl_core import hookimpl
 from agl_core.config import REDACTED
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginManager
-from agl_core.train import run
+from agl_core.runs.train import run
 from tests.helpers.corridor_policy import build_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"

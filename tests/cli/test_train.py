@@ -87,13 +87,13 @@ def test_a_short_run_writes_metrics_plot_and_checkpoint(policy, tmp_path, capsys
 def test_train_says_what_the_run_wrote(tmp_path, capsys, monkeypatch, checkpoints, said):
     """With trainer.save_freq=0 (or the default -1) no checkpoint is written, and agl train does
     not say there is one."""
-    import agl_core.train
+    import agl_core.runs.train
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "metrics.png").write_bytes(b"png")
     if checkpoints:
         (tmp_path / "global_step_1").mkdir()
-    monkeypatch.setattr(agl_core.train, "run", lambda config, overrides: tmp_path)
+    monkeypatch.setattr(agl_core.runs.train, "run", lambda config, overrides: tmp_path)
     assert main(["train", CONFIG, "trainer.save_freq=0"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"agl: run finished; {said} in {tmp_path}"
 
@@ -103,7 +103,7 @@ def test_the_run_log_replaces_lines_of_steps_a_restart_redoes(tmp_path):
     the log keeps one line per step, the redone one."""
     import json
 
-    from agl_core.train import MetricsLog
+    from agl_core.runs.train import MetricsLog
 
     first = MetricsLog(tmp_path, show_progress=False)
     for step in (0, 1, 2, 3):

@@ -9,9 +9,9 @@ import textwrap
 import pytest
 
 from agl_core.config import ConfigError, load_config
-from agl_core.datasets import load_dataset
+from agl_core.files.datasets import load_dataset
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV
-from agl_core.run_config import resolve_config
+from agl_core.runs.run_config import resolve_config
 
 # A verl run config as Hydra reads it (the shape of Agent Lightning v1.0's verl config): it composes
 # verl's ppo_trainer under itself and tells Hydra where verl's configs are.
@@ -168,7 +168,7 @@ def test_a_list_of_dataset_files_is_their_rows_in_order(tmp_path):
 
 
 def test_a_bad_row_in_a_list_of_dataset_files_names_its_file(tmp_path):
-    from agl_core.datasets import check_datasets
+    from agl_core.files.datasets import check_datasets
 
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(json.dumps({"signs": [1]}) + "\n")

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from agl_core.config import ConfigError, ConfigFile, load_config, read_config_file
-from agl_core.run_config import resolve_config
+from agl_core.runs.run_config import resolve_config
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ path to the metric sinks without a model."""
 from __future__ import annotations
 
 from agl_core import hookimpl
-from agl_core.train import run
+from agl_core.runs.train import run
 
 KEY = "sk-agl-tracking-secret"
 

@@ -228,7 +228,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     from agl_backend_verl.dispatch import dispatch_order, mini_batch_major_order
     from agl_backend_verl.transfer import training_rows
     from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
-    from agl_core.recording import read_recording
+    from agl_core.files.recording import read_recording
     from agl_core.stages.tensorize import tensorize
     from tests.helpers.verl_ppo import policy_and_reference
 

@@ -13,8 +13,8 @@ words, and the log-probs are the tiny policy's own (a forward pass with Qwen2-VL
 so a trainer that computes them again from the rows should find them.
 
 ``rollouts.jsonl`` beside it is the same rollouts, parsed from those events, as agl's rollout
-recording (:mod:`agl_core.recording`) holds one step of a torch run on that policy, so ``agl replay``
-(:func:`agl_core.replay.replay_step`, with ``actor_rollout_ref.model.path`` pointing at the policy)
+recording (:mod:`agl_core.files.recording`) holds one step of a torch run on that policy, so ``agl replay``
+(:func:`agl_core.runs.replay.replay_step`, with ``actor_rollout_ref.model.path`` pointing at the policy)
 trains on it. Its header's paths are placeholders and its time 0, so the file does not change from one
 generation to the next. Regenerate both with ``python -m tests.helpers.vl_recording``;
 tests/testing_kit/test_vision_policy.py checks the committed files are what this writes.
@@ -224,7 +224,7 @@ def recording_lines(events: dict[str, Any], policy_dir: Path) -> list[dict[str, 
     from transformers import AutoTokenizer
 
     from agl_core.config import load_config
-    from agl_core.recording import RecordingWriter
+    from agl_core.files.recording import RecordingWriter
 
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(

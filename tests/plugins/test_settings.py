@@ -171,7 +171,7 @@ def test_agl_check_refuses_a_wrong_setting_naming_the_key(tmp_path, capsys, monk
 
 
 def test_train_resolves_the_settings_of_its_config(tmp_path, monkeypatch):
-    from agl_core.run_config import resolve_config
+    from agl_core.runs.run_config import resolve_config
 
     monkeypatch.setenv("AGL_DISABLE_PLUGIN_AUTOLOAD", "1")
     _, m = resolve_config("examples/corridor/config.yaml", ["agentlightning.plugins.windowed.window_k=4"], [Windowed()])

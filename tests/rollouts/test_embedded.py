@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agl_core.config import ConfigError, load_config
-from agl_core.datasets import env_from_map
+from agl_core.files.datasets import env_from_map
 from agl_core.plugins import PluginManager
 from agl_core.rollouts.agents import ThreadEnviron, load_agent_class
 from agl_core.rollouts.embedded import EmbeddedRolloutSource

@@ -11,8 +11,15 @@ import pytest
 from agl_core.cli import main
 from agl_core.config import ConfigError, load_config
 from agl_core.data import CompletedRollout, Triplet
+from agl_core.files.recording import (
+    FORMAT,
+    FORMAT_VERSION,
+    RECORDING_FILE,
+    RecordingError,
+    RecordingWriter,
+    read_recording,
+)
 from agl_core.plugins import PluginManager
-from agl_core.recording import FORMAT, FORMAT_VERSION, RECORDING_FILE, RecordingError, RecordingWriter, read_recording
 from agl_core.stages.pipeline import StepPipeline
 from agl_core.testing.harness import run_training, tiny_policy
 from agl_core.testing.recorded import gateway_trace_rollouts, recorded_steps, run_pipeline

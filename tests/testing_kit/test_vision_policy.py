@@ -95,7 +95,7 @@ def test_the_committed_recording_is_the_events_rollouts_for_this_policy(vision_p
     """``agl replay`` reads the recording: its rollouts are the events' (image URLs included), its
     header fits the policy the fixture builds (the tokenizer's fingerprint), and it is what the
     generator writes."""
-    from agl_core.recording import read_recording
+    from agl_core.files.recording import read_recording
 
     recording = read_recording(RECORDING_FILE)
     rollouts = parsed_rollouts(load_vl_events())

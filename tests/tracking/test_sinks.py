@@ -12,9 +12,9 @@ from agl_core.cli import main
 from agl_core.config import REDACTED, ConfigError, load_config
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginManager, RegistryError
+from agl_core.runs.train import run
 from agl_core.stages.pipeline import StepPipeline
 from agl_core.stages.samples import TRAJECTORY_SAMPLE_SIZE, trajectory_sample
-from agl_core.train import run
 from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.scripted_backend import (
     KEY,

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from agl_backend_verl.config import load_verl_config, load_verl_config_mapping, verl_base
 from agl_backend_verl.moved_keys import MOVED, REMOVED
 from agl_core.config import ConfigError, default_config
-from agl_core.run_config import resolve_config
+from agl_core.runs.run_config import resolve_config
 from tests.helpers.paths import FIXTURES
 
 pytestmark = pytest.mark.verl

@@ -15,7 +15,7 @@ pytest.importorskip("verl")
 from agl_core.cli import main  # noqa: E402
 from agl_core.config import ConfigError  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
-from agl_core.run_config import resolve_config  # noqa: E402
+from agl_core.runs.run_config import resolve_config  # noqa: E402
 from tests.helpers.verl_configs import write_config  # noqa: E402
 
 

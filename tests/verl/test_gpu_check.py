@@ -22,7 +22,7 @@ pytest.importorskip("verl")
 from omegaconf import OmegaConf  # noqa: E402
 
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV  # noqa: E402
-from agl_core.run_config import resolve_config  # noqa: E402
+from agl_core.runs.run_config import resolve_config  # noqa: E402
 from tests.helpers.paths import REPO_ROOT  # noqa: E402
 
 GPU_CHECK = REPO_ROOT / "scripts" / "gpu_check.py"

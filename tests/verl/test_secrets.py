@@ -26,7 +26,7 @@ from agl_backend_verl.config import load_verl_config  # noqa: E402
 from agl_backend_verl.cpu import CPU_KEYS  # noqa: E402
 from agl_core import hookimpl  # noqa: E402
 from agl_core.plugins import DISABLE_AUTOLOAD_ENV, PluginError  # noqa: E402
-from agl_core.train import run  # noqa: E402
+from agl_core.runs.train import run  # noqa: E402
 from tests.helpers.gateway_fixtures import Plan, SimulatedController, always  # noqa: E402
 from tests.helpers.gateway_server import GatewayServer  # noqa: E402
 from tests.helpers.verl_local_workers import local_trainer_class  # noqa: E402

@@ -185,7 +185,7 @@ def test_verls_v1_trainer_trains_the_recorded_multimodal_step_as_the_torch_backe
     import shutil
 
     from agl_backend_verl.cpu import CPU_KEYS
-    from agl_core.replay import replay_step
+    from agl_core.runs.replay import replay_step
     from tests.helpers.vl_recording import RECORDING_FILE
 
     shutil.copy(RECORDING_FILE, tmp_path / "rollouts.jsonl")

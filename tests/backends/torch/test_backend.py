@@ -13,7 +13,7 @@ from agl_core.backends.torch.backend import TorchBackend
 from agl_core.backends.torch.model_ops import response_log_probs, token_entropy
 from agl_core.plugins import PluginManager
 from agl_core.plugins.registry import RegistryError
-from agl_core.train import run
+from agl_core.runs.train import run
 from tests.helpers.torch_runs import CONFIG, SAMPLES, Running, served_log_probs, tensors_of, torch_config
 
 # The metrics every step of the reference backend reports.

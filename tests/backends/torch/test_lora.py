@@ -14,8 +14,8 @@ from agl_core.backends.torch.checks import check_torch_config
 from agl_core.backends.torch.model_ops import response_log_probs
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
+from agl_core.runs.train import run
 from agl_core.serving.weights import save_served, served_state_dict
-from agl_core.train import run
 from tests.helpers.torch_runs import (
     CONFIG,
     SAMPLES,

@@ -9,7 +9,7 @@ import torch
 
 from agl_core import hookimpl
 from agl_core.backends.checkpoints import latest_checkpoint
-from agl_core.train import run
+from agl_core.runs.train import run
 from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.torch_runs import CONFIG, resume_overrides
 
@@ -85,7 +85,7 @@ def _expected_batches(overrides, steps):
     """The dataset rows each step trains on, from the data order alone (no run needed)."""
     from agl_core.backends.data_order import DataOrder
     from agl_core.config import load_config
-    from agl_core.datasets import load_dataset
+    from agl_core.files.datasets import load_dataset
 
     config = load_config(CONFIG, overrides)
     order = DataOrder(

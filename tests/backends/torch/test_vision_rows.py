@@ -169,7 +169,7 @@ def test_agl_replay_trains_on_the_recorded_multimodal_step(vision_policy_dir, tm
     given by path, the torch backend's replay_step."""
     import shutil
 
-    from agl_core.replay import replay_step
+    from agl_core.runs.replay import replay_step
     from tests.helpers.vl_recording import RECORDING_FILE
 
     shutil.copy(RECORDING_FILE, tmp_path / "rollouts.jsonl")

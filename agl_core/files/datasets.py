@@ -22,7 +22,7 @@ from typing import Any, overload
 
 from agl_core.config import ConfigError
 from agl_core.errors import FileFormatError
-from agl_core.jsonl import read_json_objects
+from agl_core.files.jsonl import read_json_objects
 
 __all__ = ["ParquetRows", "check_datasets", "env_from_map", "load_dataset"]
 

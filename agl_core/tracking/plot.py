@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from agl_core.errors import FileFormatError
-from agl_core.jsonl import read_json_objects
+from agl_core.files.jsonl import read_json_objects
 
 PANELS = (
     ("training/reward", "reward"),

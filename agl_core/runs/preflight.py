@@ -16,9 +16,9 @@ from typing import Any
 import attrs
 from omegaconf import OmegaConf
 
-from agl_core.datasets import check_datasets
+from agl_core.files.datasets import check_datasets
 from agl_core.plugins import PluginManager
-from agl_core.run_config import registered_backend
+from agl_core.runs.run_config import registered_backend
 from agl_core.tracking import SinkFactory, sink_names
 
 __all__ = ["Preflight", "preflight"]

@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from agl_core.config import REDACTED, SECRET_KEYS, ConfigError, default_config, redacted
 from agl_core.data import CompletedRollout
 from agl_core.errors import AglError
-from agl_core.jsonl import read_json_objects
+from agl_core.files.jsonl import read_json_objects
 
 __all__ = [
     "FORMAT",

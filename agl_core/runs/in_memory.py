@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from agl_core.config import ConfigError, ConfigFile
 from agl_core.errors import UsageTypeError
-from agl_core.run_config import resolve_config
-from agl_core.train import run_resolved
+from agl_core.runs.run_config import resolve_config
+from agl_core.runs.train import run_resolved
 
 __all__ = ["IN_MEMORY", "run_ppo", "write_dataset"]
 

@@ -19,8 +19,8 @@ from agl_core.backends.untrained import UntrainedSteps
 from agl_core.config import ConfigFile
 from agl_core.data import StepSamples
 from agl_core.plugins import PluginManager
-from agl_core.preflight import preflight
-from agl_core.run_config import registered_backend, resolve_config
+from agl_core.runs.preflight import preflight
+from agl_core.runs.run_config import registered_backend, resolve_config
 from agl_core.tracking import MetricSink, SinkContext, open_sinks
 from agl_core.tracking.run_log import RunLog
 
@@ -106,8 +106,8 @@ def run(
 ) -> Path:
     """Train as the config says; return the run directory (metrics, samples, plot, checkpoints).
 
-    The config is resolved (:func:`~agl_core.run_config.resolve_config`) and checked
-    (:func:`~agl_core.preflight.preflight`: an unknown name in ``trainer.logger`` is an error naming
+    The config is resolved (:func:`~agl_core.runs.run_config.resolve_config`) and checked
+    (:func:`~agl_core.runs.preflight.preflight`: an unknown name in ``trainer.logger`` is an error naming
     the key and the registered sinks) before the backend is built; the sinks are opened when the
     backend reports its first step, after its own checks."""
     config, manager = resolve_config(config_path, overrides, plugins)
@@ -115,7 +115,7 @@ def run(
 
 
 def run_resolved(config: Any, manager: PluginManager, show_progress: bool = True) -> Path:
-    """:func:`run` of a config :func:`~agl_core.run_config.resolve_config` returned, with its plugin manager."""
+    """:func:`run` of a config :func:`~agl_core.runs.run_config.resolve_config` returned, with its plugin manager."""
     checked = preflight(config, manager)
     backend = registered_backend(manager, config.agentlightning.backend).factory(config, manager)
     log = MetricsLog(

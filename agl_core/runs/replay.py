@@ -1,4 +1,4 @@
-"""``agl replay``: re-run one recorded step of a run, from the recording (:mod:`agl_core.recording`)."""
+"""``agl replay``: re-run one recorded step of a run, from the recording (:mod:`agl_core.files.recording`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 from agl_core.backends.untrained import NothingTrainedError, untrained_reason
 from agl_core.errors import UsageError
 from agl_core.fields import thaw
-from agl_core.recording import read_recording
-from agl_core.run_config import registered_backend, resolve_config
+from agl_core.files.recording import read_recording
+from agl_core.runs.run_config import registered_backend, resolve_config
 
 __all__ = ["replay_step"]
 
@@ -27,7 +27,7 @@ def replay_step(
     The config is the recording's (all of it on the recorded run's own backend, the keys the core
     schema knows on another), then ``overrides``; the dataset is the step's recorded samples, written
     to ``scratch``. A recording of another model or tokenizer than the config's is refused
-    (:class:`~agl_core.recording.RecordingError`), as is a backend that cannot replay a step; a
+    (:class:`~agl_core.files.recording.RecordingError`), as is a backend that cannot replay a step; a
     replayed step that trained nothing raises :class:`~agl_core.NothingTrainedError`."""
     from omegaconf import OmegaConf
 
