@@ -63,6 +63,7 @@ __all__ = [
     "Mismatch",
     "NothingTrainedError",
     "OnStep",
+    "PLAIN_UPDATE_KEYS",
     "PaddedBatch",
     "PerRolloutAggregator",
     "PluginError",
@@ -98,6 +99,7 @@ __all__ = [
     "VllmEngineError",
     "__version__",
     "aggregate_trajectories",
+    "check_plain_update",
     "broadcast",
     "check_rollout_source",
     "common_prefix_length",
@@ -234,6 +236,8 @@ _MODULES: dict[str, str] = {
     "ConfigCheck": "agl_core.backends.contract",
     "ConfigLoader": "agl_core.backends.contract",
     "OnStep": "agl_core.backends.contract",
+    "PLAIN_UPDATE_KEYS": "agl_core.backends.contract",
+    "check_plain_update": "agl_core.backends.contract",
     "LoopSettings": "agl_core.backends.loop",
     "NothingTrainedError": "agl_core.backends.untrained",
     "Step": "agl_core.backends.loop",
@@ -252,7 +256,16 @@ _MODULES: dict[str, str] = {
 
 if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.backends.checkpoints import restore_source_state, save_source_state
-    from agl_core.backends.contract import Backend, BackendFactory, BackendSpec, ConfigCheck, ConfigLoader, OnStep
+    from agl_core.backends.contract import (
+        PLAIN_UPDATE_KEYS,
+        Backend,
+        BackendFactory,
+        BackendSpec,
+        ConfigCheck,
+        ConfigLoader,
+        OnStep,
+        check_plain_update,
+    )
     from agl_core.backends.loop import LoopSettings, Step, run_steps
     from agl_core.backends.loop_backend import LoopBackend, Served
     from agl_core.backends.rollout_source import check_rollout_source, open_rollout_source

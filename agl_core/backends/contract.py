@@ -23,11 +23,12 @@ are validated against the core schema (:func:`agl_core.config.load_config`). The
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
+from omegaconf import OmegaConf
 
-from agl_core.config import load_config
+from agl_core.config import ConfigError, load_config
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -37,7 +38,42 @@ if TYPE_CHECKING:
     from agl_core.plugins import PluginManager
     from agl_core.plugins.registry import RegistryEntry
 
-__all__ = ["Backend", "BackendFactory", "BackendSpec", "ConfigCheck", "ConfigLoader", "OnStep", "backend_spec"]
+__all__ = [
+    "PLAIN_UPDATE_KEYS",
+    "Backend",
+    "BackendFactory",
+    "BackendSpec",
+    "ConfigCheck",
+    "ConfigLoader",
+    "OnStep",
+    "backend_spec",
+    "check_plain_update",
+]
+
+PLAIN_UPDATE_KEYS: dict[str, Any] = {
+    "actor_rollout_ref.actor.use_kl_loss": False,
+    "actor_rollout_ref.actor.use_dynamic_bsz": False,
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision": None,
+    "actor_rollout_ref.model.lora_rank": 0,
+    "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+    "agentlightning.engine": "builtin",
+}
+"""The values of a backend whose update is the plain one of :mod:`agl_core.backends.ppo` (no reference
+policy, one pass per mini-batch, a constant learning rate, float32, every weight trained, agl's own
+engine); every other value needs what the torch backend adds to it (:func:`check_plain_update`)."""
+
+
+def check_plain_update(config: DictConfig, backend: str) -> None:
+    """Refuse, naming the key, a value of :data:`PLAIN_UPDATE_KEYS` (or a learning-rate warmup) that
+    ``backend``, a backend with the plain update, does not implement: its ``check_config``."""
+    for key, value in PLAIN_UPDATE_KEYS.items():
+        if OmegaConf.select(config, key) != value:
+            raise ConfigError(key, f"backend {backend!r} trains with {value!r} only; the torch backend has the others")
+    if int(config.actor_rollout_ref.actor.optim.lr_warmup_steps) > 0:
+        raise ConfigError("actor_rollout_ref.actor.optim.lr_warmup_steps", f"backend {backend!r} has no lr warmup")
+
 
 OnStep = Callable[[int, int, Mapping[str, float], "StepSamples"], None]
 """``on_step(step, total_steps, metrics, samples)``: called after every training step with the step's

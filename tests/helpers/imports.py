@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import ast
 
+# Modules of agl_core that are public as a whole (their __all__, CHANGELOG.md's stability policy).
+PUBLIC_MODULES = ("agl_core", "agl_core.backends.ppo")
+
 
 def private_imports(source: str) -> list[str]:
-    """Imports of agl modules other than ``agl_core`` and the public test helpers ``agl_core.testing[.x]``."""
+    """Imports of agl modules other than the public ones (:data:`PUBLIC_MODULES`) and the test helpers
+    ``agl_core.testing[.x]``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -19,7 +23,7 @@ def private_imports(source: str) -> list[str]:
             parts = module.split(".")
             if parts[0] not in ("agl_core", "agl_hooks", "agl_backend_verl"):
                 continue
-            public = module == "agl_core" or (
+            public = module in PUBLIC_MODULES or (
                 parts[:2] == ["agl_core", "testing"] and not any(p.startswith("_") for p in parts)
             )
             if not public:

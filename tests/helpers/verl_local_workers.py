@@ -45,7 +45,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from agl_backend_verl.agent_loop import RolloutLoopManager
 from agl_backend_verl.run import fit_reports
 from agl_backend_verl.trainer import StepReport, trainer_class
-from agl_core.backends.torch.model_ops import chosen_log_probs, response_distributions, token_entropy
+from agl_core.backends.ppo import chosen_log_probs, response_distributions, token_entropy
 
 # What verl's TrainingWorker adds to the loss function's metrics of every mini-batch
 # (verl/workers/engine_workers.py, TrainingWorker._postprocess_output and train_batch): the summed

@@ -6,7 +6,7 @@ rows) through :class:`~agl_core.stages.pipeline.StepPipeline`, then the torch ba
 :meth:`~agl_core.backends.torch.update.ActorUpdate.batch` (old and reference log-probs of the tiny
 Qwen2 of the fixtures; the old ones are perturbed so that ratios clip). verl's side gets the same
 batch as its trainer hands it to the actor (``left_right_2_no_padding``), model outputs from
-``agl_core.backends.torch.model_ops`` in its engine's layout, its ``ActorConfig`` built from agl's
+``agl_core.backends.ppo`` in its engine's layout, its ``ActorConfig`` built from agl's
 verl config with ``omega_conf_to_dataclass``, and splits the mini-batch into micro-batches as its
 engine does (:mod:`tests.helpers.verl_local_workers`). Tolerance: 1e-5 relative in fp32 for the loss, every
 metric and the gradient (each gradient element within 1e-5 of the largest).

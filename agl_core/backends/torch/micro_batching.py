@@ -15,7 +15,7 @@ pass over trees is also bounded by ``agentlightning.torch.max_tree_tokens``: its
 its length in elements, where a chain needs none.
 
 Vision-language rows cut the same way: their ``(B, 4, L)`` position ids along the last dimension,
-their per-row image inputs (:data:`~agl_core.backends.torch.model_ops.MULTI_MODAL_INPUTS`, or any
+their per-row image inputs (:data:`~agl_core.backends.ppo.MULTI_MODAL_INPUTS`, or any
 non-tensor column: :meth:`MicroBatch.cut_rows`) by row, in the micro-batch's row order, which is the
 order the forward concatenates their images in.
 """
@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 import torch
 
-from agl_core.backends.torch.model_ops import MULTI_MODAL_INPUTS
+from agl_core.backends.ppo import MULTI_MODAL_INPUTS
 from agl_core.backends.torch.prefix_packing import PackedForward, RowLengths, packed_forward, row_packs
 from agl_core.stages.micro_batches import check_budget, micro_batches
 from agl_core.stages.prefix_sharing import PackCost

@@ -4,7 +4,7 @@
 transformers model is built in). ``mixed_precision.param_dtype`` is the dtype the forward passes compute
 in, by autocast over weights that stay in ``model_dtype`` (verl: FSDP's mixed-precision parameter
 dtype, which its engine also autocasts to). Whatever the compute dtype, the log-softmax, log-probs,
-log-prob ratios, advantages and the loss are float32 (:mod:`agl_core.backends.torch.model_ops` casts
+log-prob ratios, advantages and the loss are float32 (:mod:`agl_core.backends.ppo` casts
 the logits up), as in verl.
 
 One difference from verl's defaults: verl's FSDP engine computes in bf16 when ``mixed_precision`` is

@@ -5,7 +5,7 @@ A micro-batch of packs is one forward pass over the packs right-padded to the lo
 of chains needs no mask: causal attention is a chain's attention, and a real token never attends to
 the padding after it, so the attention runs its causal kernel. A micro-batch with a tree gets the
 tree mask as a 4-D boolean ``[packs, 1, L, L]`` mask (transformers hands a 4-D mask to the attention
-as it is; :func:`~agl_core.backends.torch.model_ops.model_attention_mask` gives it the form the
+as it is; :func:`~agl_core.backends.ppo.model_attention_mask` gives it the form the
 attention implementation applies), padding attending only to itself, and each token's depth
 as its position id. Logits are computed only at the columns that predict some row's response token
 (``logits_to_keep``), and a row's response token ``t`` reads its log-prob from the token before it in

@@ -1,4 +1,5 @@
-"""The torch backend's actor update: AdamW with verl's lr schedules, PPO epochs over mini-batches.
+"""The torch backend's actor update: AdamW with verl's lr schedules, PPO epochs over mini-batches,
+each step composed of the update toolkit's parts (:mod:`agl_core.backends.ppo`).
 
 Per mini-batch, the loss is the one verl's ``ppo_loss`` builds (:meth:`ActorUpdate.loss`): the
 configured policy loss − ``actor.entropy_coeff`` × the entropy + ``actor.kl_loss_coef`` × the KL to
@@ -25,7 +26,7 @@ placeholder tokens and mrope positions belong to its row, which a shared prefix 
 takes the padded path, and ``perf/n_rows_unshared_images`` counts the step's image rows.
 
 Vision-language rows (a ``VisionSpec`` given): tensors carry mrope position ids and each row's image
-inputs (:mod:`agl_core.backends.torch.model_ops`), which every forward pass of the step hands to the
+inputs (:mod:`agl_core.backends.ppo`), which every forward pass of the step hands to the
 model, so the vision tower is trained with the rest of the policy.
 
 Only the model's trainable parameters are optimised and clipped (:func:`trainable_parameters`: all of
@@ -53,26 +54,27 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from agl_core.backends.torch.lora import base_policy
-from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
-from agl_core.backends.torch.model_ops import (
+from agl_core.backends.ppo import (
     MULTI_MODAL_INPUTS,
-    chosen_log_probs,
     has_images,
-    low_var_kl,
+    mean_over_steps,
+    mini_batches,
+    optimizer_step,
     packed_distributions,
-    per_row,
+    ppo_loss,
     response_distributions,
     response_log_probs,
-    token_entropy,
+    step_metrics,
 )
+from agl_core.backends.torch.lora import base_policy
+from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
 from agl_core.backends.torch.precision import Precision
 from agl_core.backends.torch.prefix_packing import PackedForward, check_packable, pack_cost
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
 from agl_core.serving.weights import is_adapted
 from agl_core.stages.pipeline import PreparedBatch
-from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean, policy_loss_spec
+from agl_core.stages.policy_loss import LossSettings, PolicyLoss, policy_loss_spec
 from agl_core.stages.tensorize import tensorize
 
 if TYPE_CHECKING:
@@ -82,8 +84,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch", "lr_lambda", "make_optimizer", "trainable_parameters"]
 
-# The loss terms, which add up over micro-batches; the other metrics are means over trained tokens.
-ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/loss"})
 UPDATE_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 OLD_LOG_PROB_BUDGET_KEY = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
 REF_LOG_PROB_BUDGET_KEY = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
@@ -245,25 +245,20 @@ class ActorUpdate:
         self.device, self.pad_token_id, self.vision = device, pad_token_id, vision
 
     def __call__(self, prepared: PreparedBatch) -> dict[str, float]:
-        """Update on ``prepared`` (which has a shaped batch); the actor metrics, averaged over the
-        mini-batch updates except the ``actor/n_*`` counts."""
+        """Update on ``prepared`` (which has a shaped batch); the actor metrics, means over the
+        optimizer steps, counts summed (:func:`~agl_core.backends.ppo.mean_over_steps`)."""
         assert prepared.shaped is not None
         started = time.perf_counter()
         batch = self.batch(prepared)
         log_prob_s = time.perf_counter() - started
-        n_rows = len(prepared.shaped.rows)
-        per_mini = n_rows // prepared.shaped.n_mini_batches
-        sums: dict[str, float] = {}
-        n_updates = 0
-        for _ in range(self.settings.ppo_epochs):
-            for start in range(0, n_rows, per_mini):
-                for name, value in self.mini_batch_step(batch.rows(slice(start, start + per_mini))).items():
-                    sums[name] = sums.get(name, 0.0) + float(value)
-                n_updates += 1
-        padded, real = sums.pop("perf/n_padded_tokens"), sums.pop("perf/n_real_tokens")
-        row_tokens = sums.pop("perf/n_row_tokens")
-        metrics = {k: v if k.startswith("actor/n_") else v / n_updates for k, v in sums.items()}
-        metrics["actor/n_updates"] = float(n_updates)
+        steps = [
+            self.mini_batch_step(batch.rows(rows))
+            for _ in range(self.settings.ppo_epochs)
+            for rows in mini_batches(len(prepared.shaped.rows), prepared.shaped.n_mini_batches)
+        ]
+        metrics = mean_over_steps(steps)
+        padded, real = metrics.pop("perf/n_padded_tokens"), metrics.pop("perf/n_real_tokens")
+        row_tokens = metrics.pop("perf/n_row_tokens")
         metrics["perf/total_num_tokens"] = float(int(batch.tensors["attention_mask"].sum()))
         metrics["perf/padded_per_real_tokens"] = padded / real
         metrics["perf/computed_per_row_tokens"] = real / row_tokens
@@ -343,7 +338,6 @@ class ActorUpdate:
             ]
             if loss_settings.batch_num_tokens is None:
                 loss_settings = attrs.evolve(loss_settings, batch_num_tokens=int(mini.mask.sum()))
-        n_tokens = float(mini.mask.sum())
         metrics = {
             "actor/n_micro_batches": float(len(parts)),
             "perf/n_padded_tokens": 0.0,
@@ -351,48 +345,35 @@ class ActorUpdate:
             "perf/n_row_tokens": float(mini.tensors["attention_mask"].sum()),
         }
         self.optimizer.zero_grad(set_to_none=True)
+        losses = []
         for part in parts:
             loss, part_metrics = self.loss(part, loss_settings)
             loss.backward()
-            share = float(part.mask.sum()) / n_tokens
-            for name, value in part_metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + (value if name in ADDITIVE_METRICS else value * share)
+            losses.append((part_metrics, float(part.mask.sum())))
             elements, computed = part.computed
             metrics["perf/n_padded_tokens"] += elements
             metrics["perf/n_real_tokens"] += computed
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            metrics["actor/n_skipped_nonfinite_grad"] = 1.0
-        return {**metrics, "actor/grad_norm": float(grad_norm)}
+        metrics.update(step_metrics(losses))
+        return {**metrics, **optimizer_step(self.optimizer, self.parameters, self.settings.grad_clip)}
 
     def loss(self, mini: UpdateBatch, settings: LossSettings | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The policy loss on ``mini`` − the entropy bonus + the KL term (see the module docstring), and
         the metrics of every term; ``settings`` (a micro-batch's) replaces the configured loss settings."""
         settings = self.settings.loss if settings is None else settings
-        index = None if mini.packed is None else mini.packed.index
         with self.settings.precision.autocast(self.device):
             if mini.packed is None:
                 distributions = response_distributions(self.model, mini.tensors)
             else:
                 distributions = packed_distributions(self.model, mini.packed)
-        log_prob = chosen_log_probs(distributions, mini.tensors["responses"], index)
-        pg_loss, pg_metrics = self.loss_fn(mini.old_log_prob, log_prob, mini.advantages, mini.mask, settings)
-        entropy = self.entropy_loss(distributions, index, mini.mask, settings)
-        loss = pg_loss - self.settings.entropy_coeff * entropy
-        metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy_loss": entropy.item()}
-        if mini.ref_log_prob is not None:
-            kl = batch_token_mean(low_var_kl(log_prob, mini.ref_log_prob), mini.mask, settings)
-            loss = loss + self.settings.kl_loss_coef * kl
-            metrics.update({"actor/kl_loss": kl.item(), "actor/kl_coef": self.settings.kl_loss_coef})
-        metrics["actor/loss"] = loss.item()
-        return loss, metrics
-
-    def entropy_loss(
-        self, distributions: torch.Tensor, index: torch.Tensor | None, mask: torch.Tensor, settings: LossSettings
-    ) -> torch.Tensor:
-        """The token-mean entropy, without a gradient when ``entropy_coeff`` is 0 (it is only reported);
-        ``index``: a packed pass's, which ``distributions`` are read through."""
-        with torch.set_grad_enabled(self.settings.entropy_coeff > 0):
-            return batch_token_mean(per_row(token_entropy(distributions), index), mask, settings)
+        return ppo_loss(
+            self.loss_fn,
+            settings,
+            distributions,
+            mini.tensors,
+            mini.old_log_prob,
+            mini.advantages,
+            entropy_coeff=self.settings.entropy_coeff,
+            ref_log_prob=mini.ref_log_prob,
+            kl_loss_coef=self.settings.kl_loss_coef,
+            index=None if mini.packed is None else mini.packed.index,
+        )

@@ -6,7 +6,7 @@ a backend. The driver (the ``agl train`` process) keeps a copy of the policy tha
 worker processes (:mod:`agl_ddp_backend.worker`) train it in ``DistributedDataParallel``: every
 update goes to all of them, rank 0 sends the new weights back, and the driver serves them.
 
-What it does not implement is refused with an error naming the key (:data:`REQUIRED`).
+What it does not implement is refused with an error naming the key (:data:`agl_core.PLAIN_UPDATE_KEYS`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from agl_core import (
     AglError,
@@ -32,23 +32,13 @@ from agl_core import (
     PolicyServer,
     PreparedBatch,
     Served,
+    check_plain_update,
     hookimpl,
     tensorize,
 )
 from agl_ddp_backend.worker import RESPONSE_KEYS, UpdateSettings, pack, serve_rank, unpack
 
-__all__ = ["REQUIRED", "DdpBackend", "DdpSettings", "check_ddp_config"]
-
-REQUIRED = {  # every other value of these keys needs what only the torch backend has
-    "actor_rollout_ref.actor.use_kl_loss": False,
-    "actor_rollout_ref.actor.use_dynamic_bsz": False,
-    "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
-    "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision": None,
-    "actor_rollout_ref.model.lora_rank": 0,
-    "actor_rollout_ref.model.enable_gradient_checkpointing": False,
-    "agentlightning.engine": "builtin",
-}
+__all__ = ["DdpBackend", "DdpSettings", "check_ddp_config"]
 
 
 @attrs.frozen
@@ -59,12 +49,8 @@ class DdpSettings:
 
 
 def check_ddp_config(config: DictConfig) -> None:
-    """What ``agl check`` refuses before a ``ddp`` run: values of :data:`REQUIRED` keys it does not implement."""
-    for key, value in REQUIRED.items():
-        if OmegaConf.select(config, key) != value:
-            raise ConfigError(key, f"backend 'ddp' trains with {value!r} only; the torch backend has the others")
-    if int(config.actor_rollout_ref.actor.optim.lr_warmup_steps) > 0:
-        raise ConfigError("actor_rollout_ref.actor.optim.lr_warmup_steps", "backend 'ddp' has no lr warmup")
+    """What ``agl check`` refuses before a ``ddp`` run: what the plain update does not implement."""
+    check_plain_update(config, "ddp")
 
 
 class RankError(AglError):

@@ -9,7 +9,6 @@ the gradients DDP averages over the ranks are the one-process gradient of the wh
 from __future__ import annotations
 
 import io
-import math
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +18,16 @@ import torch
 import torch.distributed as dist
 
 from agl_core import LossSettings, PolicyLoss
+from agl_core.backends.ppo import (
+    mean_over_steps,
+    mini_batches,
+    optimizer_step,
+    ppo_loss,
+    rank_rows,
+    response_distributions,
+    response_log_probs,
+    step_metrics,
+)
 
 RESPONSE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
@@ -66,22 +75,6 @@ def serve_rank(
         dist.destroy_process_group()
 
 
-def log_softmax(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Log-probabilities over the vocabulary at every response position, ``[rows, response_len, vocab]``."""
-    width = tensors["responses"].shape[1]
-    logits = model(
-        input_ids=tensors["input_ids"],
-        attention_mask=tensors["attention_mask"],
-        position_ids=tensors["position_ids"],
-        use_cache=False,
-    ).logits[:, -width - 1 : -1]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def chosen(distributions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    return distributions.gather(-1, responses[..., None]).squeeze(-1)
-
-
 class Rank:
     """The policy, its optimizer and the update of one rank."""
 
@@ -97,60 +90,40 @@ class Rank:
         )
 
     def update(self, tensors: dict[str, torch.Tensor], advantages: torch.Tensor, n_mini_batches: int):
-        """PPO epochs over the mini-batches; the metrics averaged over the optimizer steps, and (rank
-        0) the new weights."""
-        rows = advantages.shape[0]
-        size = rows // n_mini_batches
-        shares = [list(range(start + self.rank, start + size, self.world)) for start in range(0, rows, size)]
-        old = torch.zeros(advantages.shape)
+        """PPO epochs over the mini-batches, this rank training its rows of each (:func:`rank_rows`);
+        the update's metrics, and (rank 0) the new weights."""
+        slices = mini_batches(advantages.shape[0], n_mini_batches)
+        shares = [rank_rows(rows, self.rank, self.world) for rows in slices]
         mine = [i for share in shares for i in share]
+        old = torch.zeros(advantages.shape)
         with torch.no_grad():
             self.model.module.eval()
-            old[mine] = chosen(log_softmax(self.model.module, _rows(tensors, mine)), tensors["responses"][mine])
+            old[mine] = response_log_probs(self.model.module, _rows(tensors, mine))
         self.model.module.train()
-        sums: dict[str, float] = {}
-        for _ in range(self.settings.ppo_epochs):
-            for start, share in zip(range(0, rows, size), shares):
-                n_tokens = int(tensors["response_mask"][start : start + size].sum())
-                for name, value in self.step(_rows(tensors, share), advantages[share], old[share], n_tokens).items():
-                    sums[name] = sums.get(name, 0.0) + value
-        n_steps = self.settings.ppo_epochs * len(shares)
-        metrics = {name: value / n_steps for name, value in sums.items()}
-        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        steps = [
+            self.step(_rows(tensors, share), advantages[share], old[share], int(tensors["response_mask"][rows].sum()))
+            for _ in range(self.settings.ppo_epochs)
+            for rows, share in zip(slices, shares)
+        ]
+        metrics = {**mean_over_steps(steps), "actor/lr": float(self.optimizer.param_groups[0]["lr"])}
         return metrics, self.weights() if self.rank == 0 else None
 
     def step(
         self, part: dict[str, torch.Tensor], advantages: torch.Tensor, old: torch.Tensor, n_tokens: int
     ) -> dict[str, float]:
-        """One optimizer step on this rank's rows of a mini-batch of ``n_tokens`` trained tokens."""
+        """One optimizer step on this rank's rows of a mini-batch of ``n_tokens`` trained tokens; its
+        metrics are the mini-batch's, gathered from every rank."""
         settings = attrs.evolve(self.settings.loss, dp_size=self.world, batch_num_tokens=n_tokens)
-        mask = part["response_mask"].bool()
-        distributions = log_softmax(self.model, part)
-        log_prob = chosen(distributions, part["responses"])
-        pg_loss, pg_metrics = self.loss_fn(old, log_prob, advantages, mask, settings)
-        with torch.set_grad_enabled(self.settings.entropy_coeff > 0):  # else it is only reported
-            token_entropy = -(distributions.exp() * distributions).sum(-1)
-            entropy = torch.where(mask, token_entropy, 0.0).sum() / n_tokens * self.world
-        loss = pg_loss - self.settings.entropy_coeff * entropy
+        distributions = response_distributions(self.model, part)
+        loss, metrics = ppo_loss(
+            self.loss_fn, settings, distributions, part, old, advantages, entropy_coeff=self.settings.entropy_coeff
+        )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
-        if math.isfinite(float(grad_norm)):
-            self.optimizer.step()
-        # the loss terms are each rank's share x dp_size: their mean over the ranks is the mini-batch's;
-        # the loss's own metrics are token means: weighted by each rank's tokens
-        names = sorted(pg_metrics)
-        tokens = float(mask.sum())
-        totals = torch.tensor(
-            [pg_loss.item(), entropy.item(), loss.item(), tokens, *(tokens * float(pg_metrics[n]) for n in names)],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(totals)
-        metrics = {"actor/pg_loss": totals[0], "actor/entropy_loss": totals[1], "actor/loss": totals[2]}
-        metrics = {name: float(value) / self.world for name, value in metrics.items()}
-        metrics.update({name: float(totals[4 + i] / max(float(totals[3]), 1.0)) for i, name in enumerate(names)})
-        metrics["actor/grad_norm"] = float(grad_norm)
-        return metrics
+        ranks: list[Any] = [None] * self.world
+        dist.all_gather_object(ranks, (metrics, float(part["response_mask"].sum())))
+        stepped = optimizer_step(self.optimizer, self.model.parameters(), self.settings.grad_clip)
+        return {**step_metrics(ranks, 1 / self.world), **stepped}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: value.detach().clone() for name, value in self.model.module.state_dict().items()}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from agl_core import hookimpl
+from agl_core.backends.ppo import response_log_probs, token_entropy
 from agl_core.backends.torch.backend import TorchBackend
-from agl_core.backends.torch.model_ops import response_log_probs, token_entropy
 from agl_core.plugins import PluginManager
 from agl_core.plugins.registry import RegistryError
 from agl_core.runs.train import run

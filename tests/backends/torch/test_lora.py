@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from agl_core.backends.checkpoints import latest_checkpoint
+from agl_core.backends.ppo import response_log_probs
 from agl_core.backends.torch.backend import TorchBackend, load_policy
 from agl_core.backends.torch.checks import check_torch_config
-from agl_core.backends.torch.model_ops import response_log_probs
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
 from agl_core.runs.train import run

@@ -9,15 +9,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agl_core.backends.torch.backend import load_policy
-from agl_core.backends.torch.micro_batching import split_shared
-from agl_core.backends.torch.model_ops import (
+from agl_core.backends.ppo import (
     chosen_log_probs,
     packed_distributions,
     per_row,
     response_distributions,
     token_entropy,
 )
+from agl_core.backends.torch.backend import load_policy
+from agl_core.backends.torch.micro_batching import split_shared
 from agl_core.backends.torch.prefix_packing import check_packable, pack_cost
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate, UpdateBatch
 from agl_core.config import ConfigError, load_config

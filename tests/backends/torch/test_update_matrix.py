@@ -210,8 +210,8 @@ def test_every_accepted_cell_computes_a_plain_per_row_forwards_log_probs_and_gra
 def test_eager_attention_in_float64_gives_padded_rows_their_per_row_log_probs(family_folders):
     """transformers' eager attention, given the 2-D mask, leaves a left-padding token attending to
     nothing; in float64 that is NaN, and it reached every real token of the row."""
+    from agl_core.backends.ppo import response_log_probs
     from agl_core.backends.torch.backend import load_policy
-    from agl_core.backends.torch.model_ops import response_log_probs
 
     model = load_policy(family_folders["llama"][0], torch.device("cpu"), dtype=torch.float64)
     model.set_attn_implementation("eager")

@@ -1,0 +1,273 @@
+"""The PPO update a loop backend composes: what its model computes from the rows, and one optimizer
+step of verl's actor update on it. The torch backend (:mod:`agl_core.backends.torch.update`) and
+``examples/ddp_backend`` are both written with it; ``docs/architecture.md`` ("The update toolkit")
+states the formulas that the backend contract checks a backend's update against.
+
+What the model computes. Logits are computed only where a response token is predicted
+(``logits_to_keep``): for padded rows the last ``response_len + 1`` columns
+(:func:`response_distributions`), for rows packed with their shared prefixes computed once the
+columns their :class:`~agl_core.backends.torch.prefix_packing.PackedForward` keeps
+(:func:`packed_distributions`), which each row then reads through the pass's ``index``.
+
+The step (:func:`mini_batches`, :func:`ppo_loss`, :func:`optimizer_step`, :func:`step_metrics`,
+:func:`mean_over_steps`): the policy loss − ``entropy_coeff`` × the entropy (+ ``kl_loss_coef`` ×
+the low-variance KL to the reference policy), the entropy and KL being token means over the
+mini-batch (``LossSettings.batch_num_tokens``, ``dp_size``); gradients clipped at ``grad_clip``, the
+step skipped and counted when their norm is not finite; the loss terms of a step's parts
+(micro-batches, data-parallel ranks) add up, its other metrics are token-weighted means, and an
+update's metrics are means over its optimizer steps, counts summed.
+
+Vision-language rows (:func:`agl_core.stages.tensorize.tensorize` with a ``VisionSpec``) carry
+``position_ids`` as ``[rows, 4, L]`` (verl's layout: text positions, then mrope's temporal, height and
+width ones), which the model takes as ``[4, rows, L]``, and their images under
+:data:`MULTI_MODAL_INPUTS`: one dict per row, whose ``pixel_values`` and ``image_grid_thw`` the forward
+concatenates in row order, the order their placeholder tokens have in the flattened batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean
+
+if TYPE_CHECKING:
+    from agl_core.backends.torch.prefix_packing import PackedForward
+
+__all__ = [
+    "ADDITIVE_METRICS",
+    "MULTI_MODAL_INPUTS",
+    "attention_implementation",
+    "chosen_log_probs",
+    "has_images",
+    "low_var_kl",
+    "mean_over_steps",
+    "mini_batches",
+    "model_attention_mask",
+    "model_inputs",
+    "optimizer_step",
+    "packed_distributions",
+    "per_row",
+    "ppo_loss",
+    "rank_rows",
+    "response_distributions",
+    "response_log_probs",
+    "step_metrics",
+    "token_entropy",
+]
+
+ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/loss"})
+"""The loss terms: a step's parts add up to them; every other metric of a step is a token mean."""
+
+
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
+"""The batch entry (beside the tensors) holding each row's image inputs: a numpy object array of dicts,
+``{}`` for a text row, else ``pixel_values`` and ``image_grid_thw``."""
+
+
+def has_images(tensors: Mapping[str, Any]) -> bool:
+    """Whether a row of the batch has images."""
+    rows = tensors.get(MULTI_MODAL_INPUTS)
+    return rows is not None and any(row for row in rows)
+
+
+def model_inputs(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The forward's inputs of a padded batch: ids, mask, positions (mrope ones as ``[4, rows, L]``)
+    and its rows' images, concatenated in row order."""
+    positions = tensors["position_ids"]
+    inputs = {
+        "input_ids": tensors["input_ids"],
+        "attention_mask": tensors["attention_mask"],
+        "position_ids": positions.transpose(0, 1) if positions.ndim == 3 else positions,
+    }
+    rows = [row for row in np.asarray(tensors.get(MULTI_MODAL_INPUTS, ())).tolist() if row]
+    if rows:
+        device = inputs["input_ids"].device
+        for name in ("pixel_values", "image_grid_thw"):
+            inputs[name] = torch.cat([torch.as_tensor(row[name]) for row in rows]).to(device)
+    return inputs
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation of ``model``, or of the model a ``DistributedDataParallel`` wraps."""
+    return getattr(getattr(model, "module", model).config, "_attn_implementation", None)
+
+
+def model_attention_mask(model: torch.nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A 4-D boolean mask (True: attend) as the model's attention applies it. ``sdpa`` takes it as it
+    is; ``eager`` adds its mask to the attention scores, so it gets 0 where a token attends and the
+    lowest value of the model's dtype elsewhere (a boolean mask added to the scores masks nothing)."""
+    if mask is None or attention_implementation(model) != "eager":
+        return mask
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Padded rows' 4-D causal mask ``[rows, 1, L, L]`` in which a padding token attends to itself.
+    Given the 2-D mask, transformers' eager attention leaves a left-padding token attending to nothing:
+    its softmax in float64 is NaN, and the NaN reaches every real token through the zero weights."""
+    valid = attention_mask.bool()
+    length = valid.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    itself = torch.eye(length, dtype=torch.bool, device=valid.device)
+    return ((causal & valid[:, None, :]) | itself)[:, None]
+
+
+def response_distributions(model: torch.nn.Module, tensors: Mapping[str, Any]) -> torch.Tensor:
+    """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``, in
+    float32 whatever dtype the model computes in."""
+    width = tensors["responses"].shape[1]
+    inputs = model_inputs(tensors)
+    if attention_implementation(model) == "eager":
+        inputs["attention_mask"] = model_attention_mask(model, padded_attention_mask(inputs["attention_mask"]))
+    logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :-1, :]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def packed_distributions(model: torch.nn.Module, packed: PackedForward) -> torch.Tensor:
+    """Log-softmax over the vocabulary at the columns ``packed`` keeps of each of its packs,
+    ``[packs × kept columns, vocab]`` (what ``packed.index`` points into), in float32."""
+    logits = model(
+        input_ids=packed.input_ids,
+        attention_mask=model_attention_mask(model, packed.attention_mask),
+        position_ids=packed.position_ids,
+        use_cache=False,
+        logits_to_keep=packed.keep,
+    ).logits
+    return torch.log_softmax(logits.flatten(0, 1).float(), dim=-1)
+
+
+def per_row(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Per-position ``values`` as ``[rows, response_len]``: as they are (``index`` ``None``: already
+    per row), or read through a packed pass's ``index``."""
+    return values if index is None else values[index]
+
+
+def chosen_log_probs(
+    distributions: torch.Tensor, responses: torch.Tensor, index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The log-probs of the ``responses`` tokens, ``[rows, response_len]``, from
+    :func:`response_distributions` (or :func:`packed_distributions` read through its ``index``)."""
+    if index is None:
+        return distributions.gather(-1, responses[..., None]).squeeze(-1)
+    return distributions[index, responses]
+
+
+def response_log_probs(
+    model: torch.nn.Module, tensors: Mapping[str, Any], packed: PackedForward | None = None
+) -> torch.Tensor:
+    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``: from the padded
+    rows, or from ``packed`` (the same rows with their shared prefixes computed once)."""
+    if packed is None:
+        return chosen_log_probs(response_distributions(model, tensors), tensors["responses"])
+    return chosen_log_probs(packed_distributions(model, packed), tensors["responses"], packed.index)
+
+
+def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """The policy's entropy at every position, from its log-softmax ``[..., vocab]``."""
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(policy ‖ reference) per token, clamped as verl does."""
+    diff = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
+    return torch.clamp(torch.exp(diff) - diff - 1, min=-10, max=10)
+
+
+# -- one optimizer step ----------------------------------------------------------------------------
+
+
+def mini_batches(n_rows: int, n_mini_batches: int) -> list[slice]:
+    """The rows of each of a batch's ``n_mini_batches`` mini-batches: consecutive slices of equal size
+    (the step pipeline shapes a batch so that they divide it)."""
+    size = n_rows // n_mini_batches
+    return [slice(start, start + size) for start in range(0, n_rows, size)]
+
+
+def rank_rows(rows: slice, rank: int, world: int) -> list[int]:
+    """The rows of a mini-batch that data-parallel rank ``rank`` of ``world`` trains: every
+    ``world``-th from its ``rank``-th (its loss is then its share of the mini-batch's, ``dp_size=world``)."""
+    return list(range(rows.start + rank, rows.stop, world))
+
+
+def ppo_loss(
+    loss_fn: PolicyLoss,
+    settings: LossSettings,
+    distributions: torch.Tensor,
+    rows: Mapping[str, Any],
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    entropy_coeff: float = 0.0,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_loss_coef: float = 0.0,
+    index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's actor loss on ``rows`` (their ``responses`` and ``response_mask``) from the policy's
+    ``distributions`` over them (read through ``index`` for a packed pass), and its metrics:
+    ``loss_fn``'s loss − ``entropy_coeff`` × the entropy, + ``kl_loss_coef`` × the KL to the reference
+    when ``ref_log_prob`` is given; the entropy and the KL are token means under ``settings`` (verl's
+    ``agg_loss`` ``token-mean``), whatever the policy loss's own reduction. The entropy carries no
+    gradient when ``entropy_coeff`` is 0 (it is only reported)."""
+    mask = rows["response_mask"]
+    log_prob = chosen_log_probs(distributions, rows["responses"], index)
+    pg_loss, pg_metrics = loss_fn(old_log_prob, log_prob, advantages, mask, settings)
+    with torch.set_grad_enabled(entropy_coeff > 0):
+        entropy = batch_token_mean(per_row(token_entropy(distributions), index), mask, settings)
+    loss = pg_loss - entropy_coeff * entropy
+    metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy_loss": entropy.item()}
+    if ref_log_prob is not None:
+        kl = batch_token_mean(low_var_kl(log_prob, ref_log_prob), mask, settings)
+        loss = loss + kl_loss_coef * kl
+        metrics.update({"actor/kl_loss": kl.item(), "actor/kl_coef": kl_loss_coef})
+    metrics["actor/loss"] = loss.item()
+    return loss, metrics
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, parameters: Iterable[torch.nn.Parameter], grad_clip: float
+) -> dict[str, float]:
+    """Clip the accumulated gradients of ``parameters`` to norm ``grad_clip`` and step ``optimizer``,
+    unless the norm is not finite: that step is skipped and counted (``actor/n_skipped_nonfinite_grad``)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    metrics = {"actor/grad_norm": float(grad_norm)}
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        metrics["actor/n_skipped_nonfinite_grad"] = 1.0
+    return metrics
+
+
+def step_metrics(parts: Iterable[tuple[Mapping[str, float], float]], additive_scale: float = 1.0) -> dict[str, float]:
+    """One optimizer step's metrics from its parts' ``(metrics, trained tokens)`` (micro-batches, or
+    data-parallel ranks): the loss terms (:data:`ADDITIVE_METRICS`) add up, times ``additive_scale``
+    (``1 / dp_size`` for ranks, whose terms are each their share × ``dp_size``); every other metric
+    is weighted by its part's share of the step's trained tokens."""
+    parts = list(parts)
+    n_tokens = max(sum(tokens for _, tokens in parts), 1.0)
+    out: dict[str, float] = {}
+    for metrics, tokens in parts:
+        for name, value in metrics.items():
+            weight = additive_scale if name in ADDITIVE_METRICS else tokens / n_tokens
+            out[name] = out.get(name, 0.0) + float(value) * weight
+    return out
+
+
+def mean_over_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """An update's metrics from its optimizer steps': each metric's mean over the steps, a count (a
+    name whose last part starts with ``n_``) summed; and ``actor/n_updates``, the steps."""
+    sums: dict[str, float] = {}
+    for metrics in steps:
+        for name, value in metrics.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    out = {name: value if _is_count(name) else value / len(steps) for name, value in sums.items()}
+    out["actor/n_updates"] = float(len(steps))
+    return out
+
+
+def _is_count(name: str) -> bool:
+    return name.rpartition("/")[2].startswith("n_")
