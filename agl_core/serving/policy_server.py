@@ -120,6 +120,7 @@ class PolicyServer:
 
     @property
     def base_url(self) -> str:
+        """The OpenAI base URL agents call, ``http://HOST:PORT/v1`` (once started)."""
         if self._httpd is None:
             raise RuntimeError("the policy server is not started")
         host = LOOPBACK if self._host == EVERY_INTERFACE else self._host
@@ -133,6 +134,8 @@ class PolicyServer:
         return int(self._httpd.server_address[1])
 
     def start(self) -> None:
+        """Start the HTTP server and the generation thread (idempotent), serving the weights given at
+        construction as version 0 until :meth:`push_weights`."""
         if self._httpd is not None:
             return
         self._httpd = LocalHTTPServer((self._host, self._port), _handler_for(self))
@@ -144,11 +147,13 @@ class PolicyServer:
             thread.start()
 
     def push_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Generate with ``model``'s current weights (copied) as ``version`` from the next request on."""
         with self._weights_lock, torch.no_grad():
             self._model.load_state_dict(served_state_dict(model))
             self.version = version
 
     def close(self) -> None:
+        """Stop serving: the HTTP server and the generation thread end (idempotent)."""
         if self._httpd is None:
             return
         self._httpd.shutdown()

@@ -280,7 +280,9 @@ class ContractRun:
 
 
 class BackendContract:
-    """Base test class: subclass it, set ``backend_name`` (and ``plugins``), and pytest runs the contract."""
+    """Base test class: subclass it, set ``backend_name`` (and ``plugins``), and pytest runs the contract.
+
+    What it checks and to which tolerances: :mod:`agl_core.testing.backend_contract`'s docstring."""
 
     #: the registry name of the backend under test.
     backend_name: ClassVar[str] = ""
