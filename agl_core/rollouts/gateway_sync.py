@@ -497,6 +497,8 @@ class GatewayRolloutSource(RolloutSource):
     def _register(self, endpoints: list[str], version: int) -> None:
         if not self.model_name:
             raise ConfigError("actor_rollout_ref.model.path", "needed to register models with the gateway")
+        if self.serving_since is None:
+            self._clear_previous_pause()
         previous = self.registered
         if previous is None or not set(previous[0]) <= set(endpoints):
             # stale endpoints (a previous run's too: its engines are gone); the gateway only clears all at once
@@ -505,6 +507,23 @@ class GatewayRolloutSource(RolloutSource):
         self.registered = (list(endpoints), int(version))
         if self.serving_since is None:
             self.serving_since = time.time()
+
+    def _clear_previous_pause(self) -> None:
+        """Resume the gateway's proxy if an earlier run left it paused. An async run pauses it around
+        each weight update; one that ended inside an update (killed, or a Ray node lost) leaves it
+        paused, and every model call of this run's agents would be refused (429) until this run's
+        own first update resumed it: its first step's rollouts all failed. Counted in
+        ``training/gateway/n_pauses_cleared``."""
+        try:
+            paused = bool(self.client.proxy_state().get("paused"))
+        except GatewayError as exc:
+            if not exc.not_found:
+                raise
+            return  # a gateway without the proxy's pause routes cannot have been paused
+        if paused:
+            logger.warning("the gateway's proxy was left paused by an earlier run; resuming it")
+            self.client.resume()
+            self.counts["training/gateway/n_pauses_cleared"] += 1
 
     def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
         """Register ``endpoints`` with ``version`` (upserted, so unchanged endpoints are never absent)."""

@@ -196,6 +196,21 @@ def test_pause_drain_resume_around_the_weight_update(gateway):
     source.close()
 
 
+def test_a_run_resumes_a_proxy_an_earlier_run_left_paused(gateway):
+    """An async run that ended inside a weight update (killed, a Ray node lost) leaves the proxy
+    paused; the next run's first registration resumes it, so its agents' calls are not refused."""
+    earlier = gateway_source(async_config(gateway), plugin_manager())
+    earlier.before_weight_update()  # and the run ends here, never resuming
+    earlier.close()
+    source = gateway_source(async_config(gateway), plugin_manager())
+    source.after_weight_update(["http://127.0.0.1:7010/v1"], 3)
+    assert not source.client.proxy_state()["paused"]
+    assert source.counts["training/gateway/n_pauses_cleared"] == 1
+    source.after_weight_update(["http://127.0.0.1:7010/v1"], 4)  # only a run's first registration looks
+    assert source.counts["training/gateway/n_pauses_cleared"] == 1
+    source.close()
+
+
 def test_drain_is_bounded_while_calls_stay_in_flight(gateway):
     """A model call that does not return keeps the proxy's in-flight count up: the drain gives up
     at its deadline, while the call is still in flight."""
