@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_source import REPO_ROOT, extract  # noqa: E402
 
-BEFORE = "a2df547"  # a fresh daemon thread for every lifecycle call
+BEFORE = "902f1ac"  # a fresh daemon thread for every lifecycle call
 PLUGIN_COUNTS = (0, 1, 10)
 
 
