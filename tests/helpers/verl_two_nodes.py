@@ -95,7 +95,8 @@ def node_lost_scenario(
     reported and checkpointed, while step 2's groups run. The run must end by itself with one
     ``agl: error:`` line naming Ray and what was lost; on a cluster made whole again (a new worker
     node) the run resumed from step 1's checkpoint trains steps 2 and 3, each once, with the groups
-    that were in flight resumed or re-created and counted: ``(problems, report lines)``."""
+    that were in flight resumed or re-created, counted and trained (no rollout of the first resumed
+    step fails: the proxy the lost run left paused is resumed): ``(problems, report lines)``."""
     run_dir = stack.work / "node-lost-run"
     keys = (*device_keys, *two_node_keys(cluster), *ASYNC_KEYS, *NODE_LOST_KEYS, *overrides)
     lines: list[str] = []
@@ -121,7 +122,7 @@ def node_lost_scenario(
         problems.append(f"steps reported {steps}: each of 1, 2, 3 once was expected (nothing trained twice)")
     resumed = [row for row in every if row["step"] >= 2]
     lines += report_lines("resumed on the restored cluster", resumed, time.perf_counter() - started)
-    problems += check_rows(resumed, [2, 3], after_kill=[2])
+    problems += check_rows(resumed, [2, 3])
     if (
         resumed
         and resumed[0].get("training/async/n_resumed_groups", 0)

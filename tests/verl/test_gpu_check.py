@@ -136,6 +136,8 @@ def test_check_rows_wants_the_steps_with_finite_metrics_and_every_rollout_traced
     assert "steps logged: [1]" in problems[0]
     assert f"traced {BATCH * N - 2}" in problems[1]
     assert "actor/pg_loss = None" in problems[2]
+    # a failed rollout is a problem, also in a resumed run's first step (its groups run again)
+    assert "failed 1" in check_rows([{**good, "step": 1, "training/rollouts/n_failed": 1.0}], [1])[0]
     assert (
         "lacks ['actor/lr']" in check_rows([{k: v for k, v in {"step": 1, **good}.items() if k != "actor/lr"}], [1])[0]
     )
