@@ -23,6 +23,7 @@ are validated against the core schema (:func:`agl_core.config.load_config`). The
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -50,16 +51,18 @@ __all__ = [
     "check_plain_update",
 ]
 
-PLAIN_UPDATE_KEYS: dict[str, Any] = {
-    "actor_rollout_ref.actor.use_kl_loss": False,
-    "actor_rollout_ref.actor.use_dynamic_bsz": False,
-    "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
-    "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision": None,
-    "actor_rollout_ref.model.lora_rank": 0,
-    "actor_rollout_ref.model.enable_gradient_checkpointing": False,
-    "agentlightning.engine": "builtin",
-}
+PLAIN_UPDATE_KEYS: Mapping[str, Any] = MappingProxyType(
+    {
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        "actor_rollout_ref.actor.use_dynamic_bsz": False,
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision": None,
+        "actor_rollout_ref.model.lora_rank": 0,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+        "agentlightning.engine": "builtin",
+    }
+)
 """The values of a backend whose update is the plain one of :mod:`agl_core.backends.ppo` (no reference
 policy, one pass per mini-batch, a constant learning rate, float32, every weight trained, agl's own
 engine); every other value needs what the torch backend adds to it (:func:`check_plain_update`)."""
