@@ -33,7 +33,7 @@ class ReplayRolloutSource(RolloutSource):
     def __init__(self, config: DictConfig, tokenizer: Any):
         self.recording: Recording = read_recording(str(config.agentlightning.replay))
         self.recording.check(config, tokenizer)
-        self.told: int | None = None  # the weight version of the last after_weight_update not yet followed by a step
+        self.told = False  # after_weight_update was called since the last step
 
     def collect(self, samples: Sequence[Mapping[str, Any]], *, step: int, is_train: bool) -> RolloutBatch:
         if not is_train:
@@ -42,13 +42,13 @@ class ReplayRolloutSource(RolloutSource):
                 f"{self.recording.path} holds training steps only: a replayed run cannot validate "
                 "(unset data.val_files, or set trainer.val_before_train=false and trainer.test_freq=-1)",
             )
-        if self.told is None:  # a backend tells its source of the weights each step's rollouts come from
+        if not self.told:  # a backend tells its source of the weights each step's rollouts come from
             raise UsageError(
                 f"step {step} asked the replay source for rollouts, but the backend did not call "
                 "after_weight_update(endpoints, version) with the weights they come from since the last step: "
                 "a backend tells its rollout source of the weights it starts from and of every step's new ones"
             )
-        self.told = None
+        self.told = False
         rollouts = self.recording.rollouts(step)
         return RolloutBatch(rollouts, {"training/replay/n_rollouts_replayed": float(len(rollouts))})
 
@@ -56,7 +56,7 @@ class ReplayRolloutSource(RolloutSource):
         return {}
 
     def after_weight_update(self, endpoints: Sequence[str], version: int) -> None:
-        self.told = version
+        self.told = True
 
     def close(self) -> None:
         pass

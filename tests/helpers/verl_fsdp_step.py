@@ -227,6 +227,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
 
     from agl_backend_verl.dispatch import dispatch_order, mini_batch_major_order
     from agl_backend_verl.transfer import training_rows
+    from agl_core.backends.ppo import mini_batches
     from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
     from agl_core.files.recording import read_recording
     from agl_core.stages.tensorize import tensorize
@@ -239,7 +240,6 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     rollouts = read_recording(case["recording"]).rollouts(case["step"])
     torch_prepared, verl_prepared = _pipelines(config, plugins, tokenizer, rollouts, case["step"])
     n_rows, n_mini = len(torch_prepared.shaped.rows), torch_prepared.shaped.n_mini_batches
-    per_mini = n_rows // n_mini
 
     # The torch backend's update objects; its batch (old and reference log-probs) is handed to both sides.
     model, ref = policy_and_reference(case["model_dir"])
@@ -287,9 +287,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     torch_grads = _capture_grads(
         update.optimizer, lambda: {n: p.grad.detach().clone() for n, p in update.model.named_parameters()}
     )
-    torch_minis = [
-        update.mini_batch_step(batch.rows(slice(start, start + per_mini))) for start in range(0, n_rows, per_mini)
-    ]
+    torch_minis = [update.mini_batch_step(batch.rows(rows)) for rows in mini_batches(n_rows, n_mini)]
     torch_after = {n: p.detach().clone() for n, p in update.model.named_parameters()}
     names = SHARED_METRICS + ("actor/loss",)
     # verl's trainer averages each metric over the mini-batches (reduce_metrics), as the torch backend does

@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import torch
 
+from agl_core.backends.ppo import attention_implementation
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
 from agl_core.stages.prefix_sharing import PackCost, PrefixPacks, prefix_packs
@@ -80,7 +81,7 @@ class RowLengths:
 def check_packable(model: torch.nn.Module) -> None:
     """Refuse, naming :data:`SHARE_KEY`, a model whose attention a tree mask does not describe."""
     config = model.config
-    implementation = getattr(config, "_attn_implementation", None)
+    implementation = attention_implementation(model)
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(
             SHARE_KEY,
