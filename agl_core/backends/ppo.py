@@ -9,13 +9,17 @@ What the model computes. Logits are computed only where a response token is pred
 columns their :class:`~agl_core.backends.torch.prefix_packing.PackedForward` keeps
 (:func:`packed_distributions`), which each row then reads through the pass's ``index``.
 
-The step (:func:`mini_batches`, :func:`ppo_loss`, :func:`optimizer_step`, :func:`step_metrics`,
-:func:`mean_over_steps`): the policy loss − ``entropy_coeff`` × the entropy (+ ``kl_loss_coef`` ×
-the low-variance KL to the reference policy), the entropy and KL being token means over the
-mini-batch (``LossSettings.batch_num_tokens``, ``dp_size``); gradients clipped at ``grad_clip``, the
-step skipped and counted when their norm is not finite; the loss terms of a step's parts
-(micro-batches, data-parallel ranks) add up, its other metrics are token-weighted means, and an
-update's metrics are means over its optimizer steps, counts summed.
+The optimizer (:func:`make_optimizer`, :func:`lr_schedule`): AdamW over the trainable parameters and
+verl's learning-rate schedules, as ``actor_rollout_ref.actor.optim`` says.
+
+The step (:func:`mini_batches`, :func:`micro_batches`, :func:`frozen_log_probs`, :func:`ppo_loss`,
+:func:`optimizer_step`, :func:`step_metrics`, :func:`mean_over_steps`): the policy loss −
+``entropy_coeff`` × the entropy (+ ``kl_loss_coef`` × the low-variance KL to the reference policy),
+the entropy and KL being token means over the mini-batch (``LossSettings.batch_num_tokens``,
+``dp_size``); gradients clipped at ``grad_clip``, the step skipped and counted when their norm is not
+finite; the loss terms of a step's parts (micro-batches, data-parallel ranks) add up, its other
+metrics are token-weighted means, and an update's metrics are means over its optimizer steps, counts
+summed.
 
 Vision-language rows (:func:`agl_core.stages.tensorize.tensorize` with a ``VisionSpec``) carry
 ``position_ids`` as ``[rows, 4, L]`` (verl's layout: text positions, then mrope's temporal, height and
@@ -26,15 +30,19 @@ concatenates in row order, the order their placeholder tokens have in the flatte
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from agl_core.config import ConfigError
 from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from agl_core.backends.torch.prefix_packing import PackedForward
 
 __all__ = [
@@ -42,9 +50,14 @@ __all__ = [
     "MULTI_MODAL_INPUTS",
     "attention_implementation",
     "chosen_log_probs",
+    "frozen_log_probs",
     "has_images",
     "low_var_kl",
+    "lr_lambda",
+    "lr_schedule",
+    "make_optimizer",
     "mean_over_steps",
+    "micro_batches",
     "mini_batches",
     "model_attention_mask",
     "model_inputs",
@@ -57,6 +70,7 @@ __all__ = [
     "response_log_probs",
     "step_metrics",
     "token_entropy",
+    "trainable_parameters",
 ]
 
 ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/loss"})
@@ -167,6 +181,19 @@ def response_log_probs(
     return chosen_log_probs(packed_distributions(model, packed), tensors["responses"], packed.index)
 
 
+def frozen_log_probs(
+    model: torch.nn.Module, tensors: Mapping[str, Any], packed: PackedForward | None = None
+) -> torch.Tensor:
+    """:func:`response_log_probs` of the policy as it is before an update (the old log-probs): under
+    ``eval()`` and ``no_grad``, the model back in ``train()`` for the steps."""
+    with torch.no_grad():
+        model.eval()
+        try:
+            return response_log_probs(model, tensors, packed)
+        finally:
+            model.train()
+
+
 def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
     """The policy's entropy at every position, from its log-softmax ``[..., vocab]``."""
     return -(log_probs.exp() * log_probs).sum(-1)
@@ -178,6 +205,53 @@ def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tens
     return torch.clamp(torch.exp(diff) - diff - 1, min=-10, max=10)
 
 
+# -- the optimizer -----------------------------------------------------------------------------------
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an update trains: all of them, or a LoRA model's adapter weights."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def make_optimizer(model: torch.nn.Module, optim: DictConfig) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters as ``actor_rollout_ref.actor.optim`` says."""
+    return torch.optim.AdamW(
+        trainable_parameters(model),
+        lr=float(optim.lr),
+        betas=tuple(optim.betas),
+        weight_decay=float(optim.weight_decay),
+    )
+
+
+def lr_lambda(optim: DictConfig, total_steps: int) -> Callable[[int], float]:
+    """verl's schedules: linear warmup over ``lr_warmup_steps``, then constant or cosine down to
+    ``min_lr_ratio``."""
+    kind = optim.lr_scheduler_type
+    if kind not in ("constant", "cosine"):
+        raise ConfigError(
+            "actor_rollout_ref.actor.optim.lr_scheduler_type", f"must be constant or cosine, got {kind!r}"
+        )
+    warmup = max(0, int(optim.lr_warmup_steps))
+    floor = float(optim.min_lr_ratio)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def lr_schedule(
+    optimizer: torch.optim.Optimizer, optim: DictConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``optimizer``'s learning rate over ``total_steps`` updates (:func:`lr_lambda`), stepped once per update."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
+
+
 # -- one optimizer step ----------------------------------------------------------------------------
 
 
@@ -186,6 +260,15 @@ def mini_batches(n_rows: int, n_mini_batches: int) -> list[slice]:
     (the step pipeline shapes a batch so that they divide it)."""
     size = n_rows // n_mini_batches
     return [slice(start, start + size) for start in range(0, n_rows, size)]
+
+
+def micro_batches(rows: Sequence[int], size: int | None) -> list[Sequence[int]]:
+    """``rows`` (a mini-batch's, or a rank's share of it) in consecutive micro-batches of at most
+    ``size`` rows (``actor.ppo_micro_batch_size_per_gpu``), whose gradients one optimizer step
+    accumulates; ``None``: one pass over them all."""
+    if size is None:
+        return [rows]
+    return [rows[start : start + size] for start in range(0, len(rows), size)]
 
 
 def rank_rows(rows: slice, rank: int, world: int) -> list[int]:

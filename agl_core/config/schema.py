@@ -301,6 +301,9 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = checked(0.001, finite(0))
     entropy_coeff: float = checked(0.0, finite(0))  # weight of the entropy bonus subtracted from the policy loss
+    # Micro-batches of this many rows (per process): each mini-batch's optimizer step accumulates
+    # gradients over them; null: one pass. verl's key: its token budget replaces it under use_dynamic_bsz.
+    ppo_micro_batch_size_per_gpu: int | None = checked(None, integer().or_null())
     # Token-budget micro-batches (agl_core.stages.micro_batches): each mini-batch's optimizer step
     # accumulates gradients over groups of at most this many padded tokens.
     use_dynamic_bsz: bool = checked(False, boolean())

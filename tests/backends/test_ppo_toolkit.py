@@ -8,8 +8,20 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from agl_core.backends.ppo import mean_over_steps, mini_batches, optimizer_step, rank_rows, step_metrics
+from agl_core.backends.ppo import (
+    frozen_log_probs,
+    lr_schedule,
+    make_optimizer,
+    mean_over_steps,
+    micro_batches,
+    mini_batches,
+    optimizer_step,
+    rank_rows,
+    step_metrics,
+)
+from agl_core.config import ConfigError
 
 
 def test_mini_batches_are_consecutive_equal_slices_and_ranks_share_them_round_robin():
@@ -17,6 +29,62 @@ def test_mini_batches_are_consecutive_equal_slices_and_ranks_share_them_round_ro
     assert slices == [slice(0, 4), slice(4, 8)]
     assert [rank_rows(slices[1], rank, 2) for rank in range(2)] == [[4, 6], [5, 7]]
     assert sorted(i for rows in slices for rank in range(3) for i in rank_rows(rows, rank, 3)) == list(range(8))
+
+
+def test_micro_batches_cut_a_share_into_consecutive_groups_of_at_most_the_size():
+    assert micro_batches([4, 6, 8, 10, 12], 2) == [[4, 6], [8, 10], [12]]
+    assert micro_batches(range(3), None) == [range(3)]  # null: one pass
+
+
+def test_the_old_log_probs_are_taken_without_gradient_in_eval_mode_and_training_mode_is_restored():
+    seen = []
+
+    class Policy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logits = torch.nn.Parameter(torch.zeros(1, 3, 5))
+            self.config = type("Config", (), {"_attn_implementation": "sdpa"})()
+
+        def forward(self, input_ids, logits_to_keep, **_):
+            seen.append((self.training, torch.is_grad_enabled()))
+            return type("Output", (), {"logits": self.logits.expand(input_ids.shape[0], logits_to_keep, 5)})
+
+    policy = Policy().train()
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": ids, "responses": ids[:, :2]}
+    log_probs = frozen_log_probs(policy, tensors)
+    assert seen == [(False, False)] and policy.training and not log_probs.requires_grad
+    assert torch.allclose(log_probs, torch.full((2, 2), -math.log(5)))
+
+
+def test_the_optimizer_and_schedule_follow_the_optim_keys_and_refuse_an_unknown_schedule_by_key():
+    optim = OmegaConf.create(
+        {"lr": 0.1, "betas": [0.8, 0.9], "weight_decay": 0.0, "lr_scheduler_type": "cosine"}
+        | {"lr_warmup_steps": 2, "min_lr_ratio": 0.5}
+    )
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)  # a frozen weight (LoRA's base) is not optimised
+    optimizer = make_optimizer(model, optim)
+    assert optimizer.param_groups[0]["params"] == [model.weight] and optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    schedule = lr_schedule(optimizer, optim, total_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs == pytest.approx(
+        [
+            0.05,
+            0.1,
+            0.1,
+            0.1 * (0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi / 4))),
+            0.075,
+            0.1 * (0.5 + 0.25 * (1 + math.cos(3 * math.pi / 4))),
+        ]
+    )
+    with pytest.raises(ConfigError) as error:
+        lr_schedule(optimizer, OmegaConf.merge(optim, {"lr_scheduler_type": "linear"}), 6)
+    assert error.value.key == "actor_rollout_ref.actor.optim.lr_scheduler_type"
 
 
 def test_a_steps_loss_terms_add_up_and_its_other_metrics_are_token_weighted():

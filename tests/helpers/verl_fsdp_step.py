@@ -227,8 +227,8 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
 
     from agl_backend_verl.dispatch import dispatch_order, mini_batch_major_order
     from agl_backend_verl.transfer import training_rows
-    from agl_core.backends.ppo import mini_batches
-    from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
+    from agl_core.backends.ppo import make_optimizer, mini_batches
+    from agl_core.backends.torch.update import ActorSettings, ActorUpdate
     from agl_core.files.recording import read_recording
     from agl_core.stages.tensorize import tensorize
     from tests.helpers.verl_ppo import policy_and_reference
@@ -247,7 +247,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
         for name, p in model.named_parameters():
             p.copy_(before[name])
     actor_config = config.actor_rollout_ref.actor
-    optimizer, _ = make_optimizer(model, actor_config.optim, 1)
+    optimizer = make_optimizer(model, actor_config.optim)
     loss_fn = plugins.policy_losses.get(actor_config.policy_loss.loss_mode)
     if case["planted"]:
         configured = loss_fn

@@ -402,12 +402,12 @@ def local_workers(config: Any, endpoints: Sequence[str], *, dp_size: int = 1) ->
     from verl.trainer.ppo.utils import need_critic
     from verl.utils.config import omega_conf_to_dataclass
 
+    from agl_core.backends.ppo import make_optimizer
     from agl_core.backends.torch.backend import load_policy
-    from agl_core.backends.torch.update import make_optimizer
 
     path = str(config.actor_rollout_ref.model.path)
     model = load_policy(path, torch.device("cpu"))
-    optimizer, _ = make_optimizer(model, config.actor_rollout_ref.actor.optim, 1)
+    optimizer = make_optimizer(model, config.actor_rollout_ref.actor.optim)
     actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     calls: list[tuple] = []
     ref = load_policy(path, torch.device("cpu"), frozen=True)

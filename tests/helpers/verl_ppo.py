@@ -8,8 +8,9 @@ import torch
 
 from agl_backend_verl.config import load_verl_config
 from agl_backend_verl.dataproto import to_dataproto
+from agl_core.backends.ppo import make_optimizer
 from agl_core.backends.torch.backend import load_policy
-from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
+from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.plugins import PluginManager
 from agl_core.stages.pipeline import StepPipeline
@@ -85,7 +86,7 @@ def torch_update(config, models, tokenizer, rollouts):
     """The torch backend's actor update on the pipeline's batch, and that batch's first mini-batch."""
     model, ref = models
     actor = config.actor_rollout_ref.actor
-    optimizer, _ = make_optimizer(model, actor.optim, 1)
+    optimizer = make_optimizer(model, actor.optim)
     plugins = PluginManager(load_entrypoints=False)
     loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
     settings = ActorSettings.from_config(config.actor_rollout_ref)

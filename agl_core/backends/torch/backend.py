@@ -38,10 +38,11 @@ import torch
 
 from agl_core.backends.contract import OnStep
 from agl_core.backends.loop_backend import LoopBackend, Served
+from agl_core.backends.ppo import lr_schedule, make_optimizer
 from agl_core.backends.torch.checkpoint import ADAPTER_DIR, MODEL_DIR, load_weights, save_weights
 from agl_core.backends.torch.checks import check_device, model_folder
 from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
-from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
+from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.models import IMAGE_PROCESSOR_FILE, is_vision_policy, load_policy_model
 from agl_core.serving.vllm_engine import VllmEngineError
@@ -119,7 +120,8 @@ class TorchBackend(LoopBackend):
             config.actor_rollout_ref, torch_config.share_prefixes, torch_config.max_tree_tokens
         )
         self.model, ref_model = build_policy(config, folder, device, settings.precision.param_dtype)
-        self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim, self.total_steps)
+        self.optimizer = make_optimizer(self.model, actor.optim)
+        self.scheduler = lr_schedule(self.optimizer, actor.optim, self.total_steps)
         self.vision = None
         if is_vision_policy(folder):
             from agl_core.stages.vision import VisionSpec

@@ -45,9 +45,8 @@ per token of the rows trained: below 1 as far as prefixes are shared, 1 without 
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +57,7 @@ from agl_core.backends.ppo import (
     MULTI_MODAL_INPUTS,
     has_images,
     mean_over_steps,
+    micro_batches,
     mini_batches,
     optimizer_step,
     packed_distributions,
@@ -65,6 +65,7 @@ from agl_core.backends.ppo import (
     response_distributions,
     response_log_probs,
     step_metrics,
+    trainable_parameters,
 )
 from agl_core.backends.torch.lora import base_policy
 from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
@@ -82,56 +83,19 @@ if TYPE_CHECKING:
 
     from agl_core.stages.vision import VisionSpec
 
-__all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch", "lr_lambda", "make_optimizer", "trainable_parameters"]
+__all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch"]
 
 UPDATE_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 OLD_LOG_PROB_BUDGET_KEY = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
 REF_LOG_PROB_BUDGET_KEY = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
 
 
-def lr_lambda(optim: DictConfig, total_steps: int) -> Callable[[int], float]:
-    """verl's schedules: linear warmup over ``lr_warmup_steps``, then constant or cosine down to
-    ``min_lr_ratio``."""
-    kind = optim.lr_scheduler_type
-    if kind not in ("constant", "cosine"):
-        raise ConfigError(
-            "actor_rollout_ref.actor.optim.lr_scheduler_type", f"must be constant or cosine, got {kind!r}"
-        )
-    warmup = max(0, int(optim.lr_warmup_steps))
-    floor = float(optim.min_lr_ratio)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters an update trains: all of them, or a LoRA model's adapter weights."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def make_optimizer(
-    model: torch.nn.Module, optim: DictConfig, total_steps: int
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over ``model``'s trainable parameters as ``actor_rollout_ref.actor.optim`` says, and its lr
-    schedule over ``total_steps``."""
-    params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(
-        params, lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay)
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
-
-
 @attrs.frozen
 class ActorSettings:
     """The ``actor_rollout_ref`` values one update reads. The token budgets are ``None`` when their
-    ``use_dynamic_bsz`` switch is off (one pass over the mini-batch, or over the batch for log-probs)."""
+    ``use_dynamic_bsz`` switch is off (one pass over the mini-batch, or over the batch for log-probs);
+    the update's micro-batch rows (``actor.ppo_micro_batch_size_per_gpu``) are ``None`` when unset or
+    when a token budget replaces them (verl's rule)."""
 
     ppo_epochs: int
     entropy_coeff: float
@@ -139,6 +103,7 @@ class ActorSettings:
     grad_clip: float
     loss: LossSettings
     update_max_tokens: int | None = None
+    update_micro_rows: int | None = None
     old_log_prob_max_tokens: int | None = None
     ref_log_prob_max_tokens: int | None = None
     precision: Precision = Precision()
@@ -159,6 +124,9 @@ class ActorSettings:
             grad_clip=float(actor.grad_clip),
             loss=LossSettings.from_actor_config(actor),
             update_max_tokens=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
+            update_micro_rows=None
+            if actor.use_dynamic_bsz or actor.ppo_micro_batch_size_per_gpu is None
+            else int(actor.ppo_micro_batch_size_per_gpu),
             old_log_prob_max_tokens=int(rollout.log_prob_max_token_len_per_gpu)
             if rollout.log_prob_use_dynamic_bsz
             else None,
@@ -228,12 +196,14 @@ class ActorUpdate:
         pad_token_id: int,
         vision: VisionSpec | None = None,
     ):
-        if settings.update_max_tokens is not None and not policy_loss_spec(loss_fn).additive_over_micro_batches:
-            raise ConfigError(
-                "actor_rollout_ref.actor.use_dynamic_bsz",
-                "the policy loss declares additive_over_micro_batches=False, so micro-batches would change its update;"
-                " turn it off",
-            )
+        split_by = "use_dynamic_bsz" if settings.update_max_tokens is not None else "ppo_micro_batch_size_per_gpu"
+        if split_by != "ppo_micro_batch_size_per_gpu" or settings.update_micro_rows is not None:
+            if not policy_loss_spec(loss_fn).additive_over_micro_batches:
+                raise ConfigError(
+                    f"actor_rollout_ref.actor.{split_by}",
+                    "the policy loss declares additive_over_micro_batches=False, so micro-batches would change its"
+                    " update; turn it off",
+                )
         if ref_model is model and not is_adapted(model):
             raise UsageError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
         if settings.share_prefixes:
@@ -327,17 +297,21 @@ class ActorUpdate:
         return split(tensors, max_tokens, key)
 
     def mini_batch_step(self, mini: UpdateBatch) -> dict[str, float]:
-        """One optimizer step on ``mini``, its gradients accumulated over token-budget micro-batches
-        when ``update_max_tokens`` is set; its metrics (the loss terms summed over the micro-batches,
-        the other metrics weighted by their share of the trained tokens, as one pass would give them)."""
-        loss_settings, parts = self.settings.loss, [mini]
+        """One optimizer step on ``mini``, its gradients accumulated over micro-batches: of
+        ``update_micro_rows`` rows, each cut in token-budget micro-batches when ``update_max_tokens``
+        is set or into packs when prefixes are shared; its metrics (the loss terms summed over the
+        micro-batches, the other metrics weighted by their share of the trained tokens, as one pass
+        would give them)."""
+        loss_settings = self.settings.loss
+        parts = [mini]
+        if self.settings.update_micro_rows is not None:
+            groups = micro_batches(range(len(mini.mask)), self.settings.update_micro_rows)
+            parts = [mini.rows(slice(group.start, group.stop)) for group in groups]
         if self.settings.update_max_tokens is not None or self.shares(mini.tensors):
-            parts = [
-                mini.cut(micro)
-                for micro in self.split(mini.tensors, self.settings.update_max_tokens, UPDATE_BUDGET_KEY)
-            ]
-            if loss_settings.batch_num_tokens is None:
-                loss_settings = attrs.evolve(loss_settings, batch_num_tokens=int(mini.mask.sum()))
+            budget = self.settings.update_max_tokens
+            parts = [part.cut(micro) for part in parts for micro in self.split(part.tensors, budget, UPDATE_BUDGET_KEY)]
+        if len(parts) > 1 and loss_settings.batch_num_tokens is None:
+            loss_settings = attrs.evolve(loss_settings, batch_num_tokens=int(mini.mask.sum()))
         metrics = {
             "actor/n_micro_batches": float(len(parts)),
             "perf/n_padded_tokens": 0.0,

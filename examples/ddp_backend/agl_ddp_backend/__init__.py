@@ -20,14 +20,13 @@ from typing import Any
 
 import attrs
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from agl_core import (
     AglError,
     BackendSpec,
     ConfigError,
     LoopBackend,
-    LossSettings,
     PluginManager,
     PolicyServer,
     PreparedBatch,
@@ -36,7 +35,7 @@ from agl_core import (
     hookimpl,
     tensorize,
 )
-from agl_ddp_backend.worker import RESPONSE_KEYS, UpdateSettings, pack, serve_rank, unpack
+from agl_ddp_backend.worker import RESPONSE_KEYS, pack, serve_rank, unpack
 
 __all__ = ["DdpBackend", "DdpSettings", "check_ddp_config"]
 
@@ -72,27 +71,16 @@ class DdpBackend(LoopBackend):
             raise ConfigError(
                 "agentlightning.plugins.ddp.processes", f"is {processes}, more than the {rows} rows of a mini-batch"
             )
-        actor = config.actor_rollout_ref.actor
-        settings = UpdateSettings(
-            lr=float(actor.optim.lr),
-            betas=tuple(actor.optim.betas),
-            weight_decay=float(actor.optim.weight_decay),
-            grad_clip=float(actor.grad_clip),
-            ppo_epochs=int(actor.ppo_epochs),
-            entropy_coeff=float(actor.entropy_coeff),
-            loss=LossSettings.from_actor_config(actor),
-        )
-        loss = plugins.policy_losses.get(actor.policy_loss.loss_mode)
-        self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
+        actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
+        loss = plugins.policy_losses.get(config.actor_rollout_ref.actor.policy_loss.loss_mode)
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        self.server: PolicyServer | None = None
-        self._sampler_state: object | None = None
+        self.server = PolicyServer(self.model, self.tokenizer, folder, seed=int(config.trainer.seed))
         self._store = tempfile.mkdtemp(prefix="agl-ddp-")
         context = torch.multiprocessing.get_context("spawn")
         self.pipes, self.processes = [], []
         for rank in range(processes):
             here, there = context.Pipe()
-            args = (rank, processes, f"{self._store}/store", folder, settings, loss, there)
+            args = (rank, processes, f"{self._store}/store", folder, actor, loss, there)
             self.processes.append(context.Process(target=serve_rank, args=args, daemon=True))
             self.processes[-1].start()
             self.pipes.append(here)
@@ -117,7 +105,7 @@ class DdpBackend(LoopBackend):
 
     def update(self, prepared: PreparedBatch) -> dict[str, float]:
         assert prepared.shaped is not None
-        padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
+        padded = tensorize(prepared.shaped.rows, pad_token_id=self.tokenizer.pad_token_id or 0)
         tensors = {name: padded.tensors[name] for name in RESPONSE_KEYS}
         advantages = prepared.advantages(tensors["responses"].shape[1])
         metrics, weights = self._call("update", tensors, advantages, prepared.shaped.n_mini_batches)
@@ -125,31 +113,22 @@ class DdpBackend(LoopBackend):
         return metrics
 
     def serve(self, version: int) -> Served:
-        if self.server is None:
-            name, seed = str(self.config.actor_rollout_ref.model.path), int(self.config.trainer.seed)
-            self.server = PolicyServer(self.model, self.tokenizer, name, seed=seed)
-            self.server.start()
-            if self._sampler_state is not None:
-                self.server.restore_sampler_state(self._sampler_state)
+        self.server.start()
         self.server.push_weights(self.model, version)
         return Served([self.server.base_url])
 
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
         self.model.save_pretrained(folder / "model")
         self.tokenizer.save_pretrained(folder / "model")
-        assert self.server is not None
         return {"optimizer": self._call("optimizer_state"), "sampler_rng": self.server.sampler_state()}
 
     def load_checkpoint(self, folder: Path, state: Mapping[str, Any]) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+        self.model = type(self.model).from_pretrained(folder / "model", dtype=torch.float32)
         self._call("load", self.model.state_dict(), state["optimizer"])
-        self._sampler_state = state["sampler_rng"]
+        self.server.restore_sampler_state(state["sampler_rng"])
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        self.server.close()
         for pipe, process in zip(self.pipes, self.processes):
             if process.is_alive():
                 pipe.send_bytes(pack(("stop", ())))

@@ -11,38 +11,29 @@ from __future__ import annotations
 import io
 import traceback
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from agl_core import LossSettings, PolicyLoss
 from agl_core.backends.ppo import (
+    frozen_log_probs,
+    make_optimizer,
     mean_over_steps,
+    micro_batches,
     mini_batches,
     optimizer_step,
     ppo_loss,
     rank_rows,
     response_distributions,
-    response_log_probs,
     step_metrics,
 )
 
 RESPONSE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-
-
-@attrs.frozen
-class UpdateSettings:
-    """The ``actor_rollout_ref.actor`` values a rank reads."""
-
-    lr: float
-    betas: tuple[float, float]
-    weight_decay: float
-    grad_clip: float
-    ppo_epochs: int
-    entropy_coeff: float
-    loss: LossSettings
 
 
 def pack(value: Any) -> bytes:
@@ -56,15 +47,13 @@ def unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def serve_rank(
-    rank: int, world: int, store: str, model_dir: str, settings: UpdateSettings, loss: PolicyLoss, pipe: Any
-):
+def serve_rank(rank: int, world: int, store: str, model_dir: str, actor: dict[str, Any], loss: PolicyLoss, pipe: Any):
     """A rank's process: answer the driver's packed ``(command, args)`` with ``(True, result)`` or
     ``(False, traceback)`` until ``stop``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        worker = Rank(rank, world, model_dir, settings, loss)
+        worker = Rank(rank, world, model_dir, actor, loss)
         while (message := unpack(pipe.recv_bytes()))[0] != "stop":
             command, args = message
             try:
@@ -76,18 +65,17 @@ def serve_rank(
 
 
 class Rank:
-    """The policy, its optimizer and the update of one rank."""
+    """The policy, its optimizer and the update of one rank, as ``actor`` (``actor_rollout_ref.actor``) says."""
 
-    def __init__(self, rank: int, world: int, model_dir: str, settings: UpdateSettings, loss: PolicyLoss):
+    def __init__(self, rank: int, world: int, model_dir: str, actor: dict[str, Any], loss: PolicyLoss):
         from transformers import AutoModelForCausalLM
 
-        self.rank, self.world, self.settings, self.loss_fn = rank, world, settings, loss
-        self.model = torch.nn.parallel.DistributedDataParallel(
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        )
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
-        )
+        self.rank, self.world, self.actor = rank, world, OmegaConf.create(actor)
+        self.loss_settings = LossSettings.from_actor_config(self.actor)
+        self.loss = partial(ppo_loss, loss, entropy_coeff=self.actor.entropy_coeff)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = torch.nn.parallel.DistributedDataParallel(model)
+        self.optimizer = make_optimizer(model, self.actor.optim)
 
     def update(self, tensors: dict[str, torch.Tensor], advantages: torch.Tensor, n_mini_batches: int):
         """PPO epochs over the mini-batches, this rank training its rows of each (:func:`rank_rows`);
@@ -96,37 +84,33 @@ class Rank:
         shares = [rank_rows(rows, self.rank, self.world) for rows in slices]
         mine = [i for share in shares for i in share]
         old = torch.zeros(advantages.shape)
-        with torch.no_grad():
-            self.model.module.eval()
-            old[mine] = response_log_probs(self.model.module, _rows(tensors, mine))
-        self.model.module.train()
+        old[mine] = frozen_log_probs(self.model.module, _rows(tensors, mine))
         steps = [
-            self.step(_rows(tensors, share), advantages[share], old[share], int(tensors["response_mask"][rows].sum()))
-            for _ in range(self.settings.ppo_epochs)
+            self.step(tensors, advantages, old, share, int(tensors["response_mask"][rows].sum()))
+            for _ in range(self.actor.ppo_epochs)
             for rows, share in zip(slices, shares)
         ]
         metrics = {**mean_over_steps(steps), "actor/lr": float(self.optimizer.param_groups[0]["lr"])}
-        return metrics, self.weights() if self.rank == 0 else None
+        weights = {name: value.detach().clone() for name, value in self.model.module.state_dict().items()}
+        return metrics, weights if self.rank == 0 else None
 
-    def step(
-        self, part: dict[str, torch.Tensor], advantages: torch.Tensor, old: torch.Tensor, n_tokens: int
-    ) -> dict[str, float]:
-        """One optimizer step on this rank's rows of a mini-batch of ``n_tokens`` trained tokens; its
-        metrics are the mini-batch's, gathered from every rank."""
-        settings = attrs.evolve(self.settings.loss, dp_size=self.world, batch_num_tokens=n_tokens)
-        distributions = response_distributions(self.model, part)
-        loss, metrics = ppo_loss(
-            self.loss_fn, settings, distributions, part, old, advantages, entropy_coeff=self.settings.entropy_coeff
-        )
+    def step(self, tensors: dict, advantages: torch.Tensor, old: torch.Tensor, share: list[int], n_tokens: int):
+        """One optimizer step on this rank's rows ``share`` of a mini-batch of ``n_tokens`` trained
+        tokens, in micro-batches; its metrics are the mini-batch's, gathered from every part of every rank."""
+        settings = attrs.evolve(self.loss_settings, dp_size=self.world, batch_num_tokens=n_tokens)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        parts = []
+        for rows in micro_batches(share, self.actor.ppo_micro_batch_size_per_gpu):
+            part = _rows(tensors, rows)
+            loss, metrics = self.loss(
+                settings, response_distributions(self.model, part), part, old[rows], advantages[rows]
+            )
+            loss.backward()
+            parts.append((metrics, float(part["response_mask"].sum())))
         ranks: list[Any] = [None] * self.world
-        dist.all_gather_object(ranks, (metrics, float(part["response_mask"].sum())))
-        stepped = optimizer_step(self.optimizer, self.model.parameters(), self.settings.grad_clip)
-        return {**step_metrics(ranks, 1 / self.world), **stepped}
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {name: value.detach().clone() for name, value in self.model.module.state_dict().items()}
+        dist.all_gather_object(ranks, parts)
+        stepped = optimizer_step(self.optimizer, self.model.parameters(), self.actor.grad_clip)
+        return {**step_metrics([part for rank in ranks for part in rank], 1 / self.world), **stepped}
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

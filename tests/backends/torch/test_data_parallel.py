@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+from agl_core.backends.ppo import make_optimizer
 from agl_core.backends.torch.backend import load_policy
-from agl_core.backends.torch.update import ActorSettings, ActorUpdate, make_optimizer
+from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.config import load_config
 from agl_core.data import CompletedRollout, Triplet
 from agl_core.plugins import PluginManager
@@ -87,7 +88,7 @@ def actor_update(cfg, model, ref, dp_size: int = 1, batch_num_tokens: int | None
         settings, loss=attrs.evolve(settings.loss, dp_size=dp_size, batch_num_tokens=batch_num_tokens)
     )
     loss_fn = PluginManager(load_entrypoints=False).policy_losses.get(actor.policy_loss.loss_mode)
-    optimizer, _ = make_optimizer(model, actor.optim, 1)
+    optimizer = make_optimizer(model, actor.optim)
     return ActorUpdate(model, ref if actor.use_kl_loss else None, optimizer, loss_fn, settings, torch.device("cpu"), 0)
 
 

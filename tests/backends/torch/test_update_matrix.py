@@ -4,7 +4,8 @@ each row alone computes, its response log-probs and the gradients of its policy 
 Hypothesis draws the cells: rows (chains, branches, repeats, truncations:
 :mod:`tests.helpers.training_rows`) × model family (llama, qwen2, gpt2, and qwen2-vl on text rows) ×
 attention implementation (sdpa, eager) × compute dtype (float32, bf16 autocast) × LoRA × gradient
-checkpointing × prefix sharing (with the default tree bound, and one that splits the drawn trees). The
+checkpointing × prefix sharing (with the default tree bound, and one that splits the drawn trees) ×
+micro-batches of rows (``actor.ppo_micro_batch_size_per_gpu``: one pass, one row, two rows). The
 policy is built as the backend builds it (:func:`~agl_core.backends.torch.backend.build_policy` from
 the config keys), its attention set, and :class:`~agl_core.backends.torch.update.ActorUpdate`
 computes the old log-probs and one SGD step; the reference runs each row alone, unpadded, with no mask and no
@@ -99,6 +100,7 @@ class Cell:
     checkpointing: bool
     share: bool
     max_tree_tokens: int
+    micro_rows: int | None
 
     def overrides(self) -> list[str]:
         out = [
@@ -107,6 +109,7 @@ class Cell:
             f"actor_rollout_ref.model.enable_gradient_checkpointing={self.checkpointing}",
             f"agentlightning.torch.share_prefixes={self.share}",
             f"agentlightning.torch.max_tree_tokens={self.max_tree_tokens}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={self.micro_rows or 'null'}",
         ]
         if self.lora:
             out += ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
@@ -127,6 +130,7 @@ cells = st.builds(
     checkpointing=st.booleans(),
     share=st.booleans(),
     max_tree_tokens=st.sampled_from([8192, 40]),  # the default, and a bound that splits drawn trees
+    micro_rows=st.sampled_from([None, 1, 2]),
 )
 
 
@@ -198,7 +202,9 @@ def test_every_accepted_cell_computes_a_plain_per_row_forwards_log_probs_and_gra
     torch.testing.assert_close(log_probs[responses], reference[responses], rtol=0, atol=log_prob_tolerance)
 
     batch = UpdateBatch(tensors, advantages * tensors["response_mask"], reference, None)
-    gradients, _ = applied_gradients(update, batch)
+    gradients, metrics = applied_gradients(update, batch)
+    if cell.micro_rows is not None:  # every micro-batch of rows is one pass at least (more when packed)
+        assert metrics["actor/n_micro_batches"] >= -(-len(rows) // cell.micro_rows)
     scale = max(float(g.abs().max()) for g in reference_gradients.values())
     assert scale > 0
     for name, gradient in reference_gradients.items():
