@@ -5,7 +5,8 @@ verl runs the policy loss inside its Ray workers, which look it up by name in
 advantage-estimator registry) from agl's plugin manager, so built-ins and third-party plugins
 (entry points in group ``agl``) are both there. It also registers verl's CPU mode
 (:mod:`agl_backend_verl.cpu`), and patches verl for vision-language rows
-(:mod:`agl_backend_verl.mrope_positions`). It runs on import, and two paths import it in every process that
+(:mod:`agl_backend_verl.mrope_positions`) and for a TRL without the value-head model verl imports
+(:mod:`agl_backend_verl.trl_value_head`). It runs on import, and two paths import it in every process that
 imports verl:
 
 1. the entry point ``agl`` in group ``verl.plugins``, which ``import verl`` loads in verl 0.9 — so it
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from agl_backend_verl import mrope_positions
+from agl_backend_verl import mrope_positions, trl_value_head
 from agl_backend_verl.cpu import register as register_cpu_mode
 from agl_backend_verl.policy_loss import as_verl_policy_loss
 from agl_core import AdvantageSettings, PluginManager, TrainingRow, UsageError
@@ -184,3 +185,8 @@ try:
 except Exception as exc:
     REGISTRATION_ERROR.append(exc)
     logger.exception("patching verl's maybe_fix_3d_position_ids failed")
+try:
+    trl_value_head.apply()
+except Exception as exc:
+    REGISTRATION_ERROR.append(exc)
+    logger.exception("patching verl's is_trl_available failed")
