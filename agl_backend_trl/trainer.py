@@ -1,0 +1,116 @@
+"""TRL's ``GRPOTrainer`` training agl's rows with agl's loss: :class:`AglGRPOTrainer`.
+
+What is TRL's: the model (``peft_config`` LoRA, dropout, the reference model of ``beta``), the
+accelerator that wraps it, the optimizer and lr schedule (``create_optimizer_and_scheduler``),
+``training_step`` (the loss's backward through the accelerator) and the callbacks. What is agl's,
+in the methods overridden where TRL expects a subclass to change them:
+
+- ``_prepare_inputs``: TRL generates and scores completions there; agl's mini-batch comes from its
+  agents, aggregated, credited and shaped by the step pipeline, so it is handed through as it is;
+- ``_compute_loss`` (``compute_loss`` calls it): agl's actor loss
+  (:func:`agl_core.backends.ppo.ppo_loss`: the ``loss_mode`` plugin's loss, entropy bonus, KL term)
+  instead of TRL's ``loss_type``; its metrics, under agl's names, are kept for the step;
+- ``get_decay_parameter_names``: every trained weight decays, as ``torch.optim.AdamW`` over all of
+  them decays them in agl's other backends (transformers leaves biases and norms out).
+
+One optimizer step (:meth:`AglGRPOTrainer.mini_batch_step`) is TRL's ``training_step`` on a mini-batch,
+then :func:`agl_core.backends.ppo.optimizer_step` (clipping at ``actor.grad_clip``, a step with a
+non-finite gradient norm skipped and counted), with the callbacks' optimizer events around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from agl_core import AglError, LossSettings, PolicyLoss
+from agl_core.backends.ppo import (
+    optimizer_step,
+    ppo_loss,
+    response_distributions,
+    response_log_probs,
+    step_metrics,
+    trainable_parameters,
+)
+
+__all__ = ["AglGRPOTrainer", "agents_reward"]
+
+
+def agents_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
+    """The trainer's one reward function, never called: agl's agents report the rewards, and the
+    trainer never generates (TRL requires a reward source)."""
+    raise AglError("backend 'trl' takes its rewards from agl's agents; TRL's reward functions are not called")
+
+
+class AglGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose loss is ``loss_fn`` under ``loss_settings`` (agl's), over inputs
+    ``{"rows": tensors, "old_log_prob", "advantages", "ref_log_prob"}`` (a padded mini-batch)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_fn: PolicyLoss,
+        loss_settings: LossSettings,
+        entropy_coeff: float,
+        grad_clip: float,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, reward_funcs=agents_reward, **kwargs)
+        self.loss_fn, self.loss_settings = loss_fn, loss_settings
+        self.entropy_coeff, self.grad_clip = entropy_coeff, grad_clip
+        self.current_gradient_accumulation_steps = 1  # set by Trainer's own loop, which agl's replaces
+        self._parts: list[tuple[dict[str, float], float]] = []
+
+    # -- TRL's methods, overridden -----------------------------------------------------------------
+
+    def _prepare_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """agl's prepared mini-batch, as it is (TRL would generate completions here)."""
+        return inputs
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """agl's actor loss on the mini-batch (TRL's ``loss_type`` is never used)."""
+        rows = inputs["rows"]
+        loss, metrics = ppo_loss(
+            self.loss_fn,
+            self.loss_settings,
+            response_distributions(model, rows),
+            rows,
+            inputs["old_log_prob"],
+            inputs["advantages"],
+            entropy_coeff=self.entropy_coeff,
+            ref_log_prob=inputs["ref_log_prob"],
+            kl_loss_coef=self.beta,
+        )
+        self._parts.append((metrics, float(rows["response_mask"].sum())))
+        return loss
+
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """Every parameter's name: weight decay applies to all of them, as in agl's other backends."""
+        return [name for name, _ in model.named_parameters()]
+
+    # -- agl's step, on TRL's parts ----------------------------------------------------------------
+
+    def reference_log_probs(self, rows: Mapping[str, Any]) -> torch.Tensor | None:
+        """The reference policy's response log-probs (``beta`` > 0): TRL's reference model, or the
+        LoRA model with its adapters disabled (how TRL gets its reference under PEFT)."""
+        if self.beta == 0.0:
+            return None
+        if self.ref_model is not None:
+            return response_log_probs(self.ref_model, rows)
+        with self.accelerator.unwrap_model(self.model).disable_adapter():
+            return response_log_probs(self.model_wrapped, rows)
+
+    def mini_batch_step(self, inputs: Mapping[str, Any]) -> dict[str, float]:
+        """One optimizer step on a mini-batch: TRL's ``training_step`` (agl's loss, backward), then
+        the toolkit's clipped step; its metrics (:func:`~agl_core.backends.ppo.step_metrics`)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._parts = []
+        self.training_step(self.model_wrapped, dict(inputs), None)
+        metrics = step_metrics(self._parts)
+        self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+        metrics.update(optimizer_step(self.optimizer, trainable_parameters(self.model), self.grad_clip))
+        self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+        return metrics

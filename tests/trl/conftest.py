@@ -1,0 +1,42 @@
+"""What the trl tests share: the corridor's policy, and the trl backend's plugin module in code."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import TrainerCallback
+
+from agl_backend_trl import plugin
+from tests.helpers.corridor_policy import shared_corridor_policy
+
+CONFIG = "examples/corridor/config.yaml"
+
+
+@pytest.fixture(scope="session")
+def corridor_policy():
+    """The corridor's tiny policy (seed 0, the recording's), built once per session."""
+    return shared_corridor_policy()
+
+
+@pytest.fixture(scope="session")
+def trl_plugin():
+    """The module registering backend ``trl`` (given in code: the tests do not rely on the entry point)."""
+    return plugin
+
+
+def corridor_overrides(policy, run_dir, *extra):
+    """The corridor example's config on ``policy``, writing under ``run_dir``, with the trl backend."""
+    return [
+        "agentlightning.backend=trl",
+        f"actor_rollout_ref.model.path={policy}",
+        f"trainer.default_local_dir={run_dir}",
+        *extra,
+    ]
+
+
+class StepsSeen(TrainerCallback):
+    """A TRL callback (``trl.callbacks``) noting ``state.global_step`` at every ``on_step_end``."""
+
+    seen: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        StepsSeen.seen.append(state.global_step)

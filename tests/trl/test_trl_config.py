@@ -1,0 +1,140 @@
+"""The ``trl`` section: each key pair's rule, refusals by name, and ``agl check`` of a trl run."""
+
+from __future__ import annotations
+
+import pytest
+
+from agl_backend_trl.config import check_trl_config, grpo_config, load_trl_config
+from agl_core.cli import main
+from agl_core.config import ConfigError
+from tests.trl.conftest import CONFIG, corridor_overrides
+
+# TRL key, a value agl's default config makes it, a value that disagrees, the agl key named in the refusal.
+PAIRS = [
+    ("learning_rate", 1e-3, 5e-4, "actor_rollout_ref.actor.optim.lr"),
+    ("num_generations", 8, 4, "actor_rollout_ref.rollout.n"),
+    ("beta", 0.0, 0.04, "actor_rollout_ref.actor.use_kl_loss/kl_loss_coef"),
+    ("max_completion_length", 512, 256, "data.max_response_length"),
+    ("scale_rewards", "group", "none", "algorithm.norm_adv_by_std_in_grpo"),
+]
+
+
+def load(policy, tmp_path, *extra):
+    return load_trl_config(CONFIG, corridor_overrides(policy, tmp_path / "run", *extra))
+
+
+@pytest.mark.parametrize(("key", "same", "other", "agl_key"), PAIRS, ids=[p[0] for p in PAIRS])
+def test_a_trl_key_agl_also_has_is_refused_unless_it_says_the_same(
+    corridor_policy, tmp_path, key, same, other, agl_key
+):
+    config = load(corridor_policy, tmp_path, f"trl.{key}={same}")
+    assert getattr(grpo_config(config, tmp_path), key) == same
+    with pytest.raises(ConfigError, match=rf"config key trl\.{key}: .*{agl_key}"):
+        load(corridor_policy, tmp_path, f"trl.{key}={other}")
+
+
+def test_the_agl_key_sets_the_trl_value(corridor_policy, tmp_path):
+    """agl's keys win: TRL's trainer gets their values (the KL coefficient as beta only with use_kl_loss)."""
+    config = load(
+        corridor_policy,
+        tmp_path,
+        "actor_rollout_ref.actor.optim.lr=5e-4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.04",
+        "data.max_response_length=256",
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "trl.beta=0.04",
+        "trl.scale_rewards=false",
+    )
+    args = grpo_config(config, tmp_path)
+    assert (args.learning_rate, args.num_generations, args.beta, args.max_completion_length, args.scale_rewards) == (
+        5e-4,
+        4,
+        0.04,
+        256,
+        "none",
+    )
+
+
+def test_trls_loss_type_is_refused_whatever_its_value(corridor_policy, tmp_path):
+    with pytest.raises(ConfigError, match=r"config key trl\.loss_type: .*agl's loss replaces TRL's.*loss_mode"):
+        load(corridor_policy, tmp_path, "trl.loss_type=grpo")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "trl.lerning_rate=0.1",
+            r"trl\.lerning_rate: is not a key of TRL's GRPOConfig; did you mean trl\.learning_rate",
+        ),
+        ("trl.use_vllm=true", r"trl\.use_vllm: is not proven"),
+        ("trl.deepspeed=ds.json", r"trl\.deepspeed: is not proven"),
+        ("trl.fsdp=full_shard", r"trl\.fsdp: is not proven"),
+        ("trl.temperature=0.7", r"trl\.temperature: is TRL's generation or reward setting"),
+        ("trl.max_steps=10", r"trl\.max_steps: is TRL's training-loop setting"),
+        ("trl.callbacks=[nowhere]", r"trl\.callbacks: must be a list of import paths"),
+    ],
+)
+def test_a_refused_or_unknown_trl_key_is_named(corridor_policy, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load(corridor_policy, tmp_path, override)
+
+
+def test_honoured_keys_reach_trls_config(corridor_policy, tmp_path):
+    config = load(corridor_policy, tmp_path, "trl.lr_scheduler_type=cosine", "trl.warmup_steps=2", "trl.optim=sgd")
+    check_trl_config(config)
+    args = grpo_config(config, tmp_path)
+    assert (args.lr_scheduler_type.value, args.warmup_steps, args.optim.value) == ("cosine", 2, "sgd")
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_dynamic_bsz"),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        ),
+        ("agentlightning.engine=vllm", "agentlightning.engine"),
+    ],
+)
+def test_agl_keys_the_backend_does_not_implement_are_refused(corridor_policy, tmp_path, override, key):
+    with pytest.raises(ConfigError, match=rf"config key {key}: backend 'trl' trains with"):
+        check_trl_config(load(corridor_policy, tmp_path, override))
+
+
+def run_check(capsys, *args):
+    code = main(["check", CONFIG, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_agl_check_checks_a_trl_run_before_anything_starts(corridor_policy, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, out, err = run_check(capsys, *corridor_overrides(corridor_policy, run_dir, "trl.warmup_steps=1"))
+    assert code == 0, err
+    assert "# agl check: backend 'trl': its own checks passed" in out and "warmup_steps: 1" in out
+    assert not run_dir.exists(), "nothing was trained or written"
+    code, _, err = run_check(capsys, *corridor_overrides(corridor_policy, run_dir, "trl.use_vllm=true"))
+    assert code == 2 and "config key trl.use_vllm: is not proven" in err, err
+
+
+@pytest.mark.parametrize(("installed", "said"), [(None, "TRL is not installed"), ("1.13.0", "TRL 1.13.0 is installed")])
+def test_a_trl_other_than_the_supported_one_is_refused_naming_the_backend_key(monkeypatch, installed, said):
+    import importlib.metadata
+
+    from agl_backend_trl.config import grpo_config_class
+
+    def version(name):
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(
+        ConfigError, match=f"config key agentlightning.backend: backend 'trl' needs TRL 1.16.x and {said}"
+    ):
+        grpo_config_class()

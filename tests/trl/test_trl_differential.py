@@ -1,0 +1,134 @@
+"""One recorded corridor step trained on ``trl`` equals the torch backend's update of it.
+
+Step 2 of tests/fixtures/corridor_recording goes through the same step pipeline into each backend's
+``update`` from the same weights, in one process, fp32. Compared: the old log-probs each computes
+(max abs difference ≤ 1e-6); the update's loss terms and gradient norm (means over its optimizer
+steps: relative ≤ 1e-5, or absolute ≤ 1e-6 for a term near 0, as in the backend contract); the
+updated policy's log-probs of the same rows (max abs ≤ 1e-4, the contract's served tolerance). The
+weights' largest difference is reported, not bounded: AdamW moves a weight by about ``lr`` (1e-3)
+whatever its gradient, so where a gradient is near AdamW's eps its float rounding becomes a
+difference of up to ``lr`` in that weight (tests/helpers/step_comparison.py says the same).
+
+Cases: ``token_mean`` (verl's vanilla token-mean PPO loss) over 2 mini-batches; ``per_rollout_mean``
+over 2 mini-batches × 2 PPO epochs with the entropy bonus and the KL term (TRL's reference model);
+``per_rollout_mean`` with LoRA (TRL's ``peft_config``). A planted difference (trl on ``token_mean``
+against torch on ``per_rollout_mean``) is beyond the tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agl_backend_trl.backend import TrlBackend
+from agl_backend_trl.config import load_trl_config
+from agl_core.backends.ppo import response_log_probs
+from agl_core.backends.torch.backend import TorchBackend
+from agl_core.config import load_config
+from agl_core.files.recording import read_recording
+from agl_core.plugins import PluginManager
+from agl_core.stages.tensorize import tensorize
+from tests.helpers.paths import RECORDED_CORRIDOR
+from tests.trl.conftest import CONFIG, corridor_overrides
+
+STEP = 2
+LOG_PROB_ATOL, METRIC_RTOL, METRIC_ATOL, AFTER_ATOL = 1e-6, 1e-5, 1e-6, 1e-4
+METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+TWO_MINI_BATCHES = ("actor_rollout_ref.actor.ppo_mini_batch_size=2",)
+CASES = {
+    "token_mean-2_mini_batches": ("token_mean", "token_mean", (*TWO_MINI_BATCHES,)),
+    "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy": (
+        "per_rollout_mean",
+        "per_rollout_mean",
+        (
+            *TWO_MINI_BATCHES,
+            "actor_rollout_ref.actor.ppo_epochs=2",
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        ),
+    ),
+    "per_rollout_mean-lora": (
+        "per_rollout_mean",
+        "per_rollout_mean",
+        ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"),
+    ),
+    "planted-token_mean_vs_per_rollout_mean": ("token_mean", "per_rollout_mean", (*TWO_MINI_BATCHES,)),
+}
+
+
+def _backend(kind, loss, policy, folder, extra, trl_plugin):
+    overrides = [
+        *corridor_overrides(policy, folder, *extra),
+        f"agentlightning.backend={kind}",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
+        "trainer.total_training_steps=3",
+    ]
+    config = load_trl_config(CONFIG, overrides) if kind == "trl" else load_config(CONFIG, overrides)
+    plugins = PluginManager.from_config(config, (), load_entrypoints=False)
+    return (TrlBackend if kind == "trl" else TorchBackend)(config, plugins)
+
+
+def _weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _compare(trl_loss, torch_loss, extra, policy, folder, trl_plugin):
+    rollouts = read_recording(RECORDED_CORRIDOR).rollouts(STEP)
+    out = {}
+    sides = {}
+    for kind, loss in (("trl", trl_loss), ("torch", torch_loss)):
+        backend = _backend(kind, loss, policy, folder / kind, extra, trl_plugin)
+        backend.step = STEP
+        prepared = backend.pipeline.prepare(rollouts, STEP)
+        rows = tensorize(prepared.shaped.rows, pad_token_id=backend.pad_token_id).tensors
+        with torch.no_grad():
+            old = response_log_probs(backend.model.eval(), rows)
+        metrics = backend.update(prepared)
+        with torch.no_grad():
+            after = response_log_probs(backend.model.eval(), rows)
+        sides[kind] = (old, after, metrics, _weights(backend.model), prepared.shaped.n_mini_batches)
+    (trl_old, trl_after, trl_metrics, trl_weights, n_mini) = sides["trl"]
+    (torch_old, torch_after, torch_metrics, torch_weights, _) = sides["torch"]
+    out["log_prob"] = float((trl_old - torch_old).abs().max())
+    out["log_prob_after"] = float((trl_after - torch_after).abs().max())
+    for name in METRICS:
+        out[name] = abs(trl_metrics[name] - torch_metrics[name]) / max(
+            abs(torch_metrics[name]), METRIC_ATOL / METRIC_RTOL
+        )
+    out["weights"] = max(float((trl_weights[k] - torch_weights[k]).abs().max()) for k in torch_weights)
+    out["n_updates"] = (trl_metrics["actor/n_updates"], torch_metrics["actor/n_updates"], n_mini)
+    return out
+
+
+@pytest.fixture(scope="module")
+def differences(corridor_policy, trl_plugin, tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("trl-differential")
+    return {
+        case: _compare(trl_loss, torch_loss, extra, corridor_policy, root / case, trl_plugin)
+        for case, (trl_loss, torch_loss, extra) in CASES.items()
+    }
+
+
+def beyond(measured):
+    too_far = {k: v for k, v in measured.items() if k in METRICS and not v <= METRIC_RTOL}
+    if not measured["log_prob"] <= LOG_PROB_ATOL:
+        too_far["log_prob"] = measured["log_prob"]
+    if not measured["log_prob_after"] <= AFTER_ATOL:
+        too_far["log_prob_after"] = measured["log_prob_after"]
+    return too_far
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("planted")])
+def test_one_recorded_step_on_trl_equals_the_torch_backends(differences, case):
+    measured = differences[case]
+    print(case, measured)
+    trl_updates, torch_updates, n_mini = measured["n_updates"]
+    assert trl_updates == torch_updates == n_mini * (2 if "2_epochs" in case else 1)
+    assert beyond(measured) == {}, f"{case}: beyond the tolerances: {beyond(measured)}"
+
+
+def test_a_planted_loss_difference_is_caught(differences):
+    measured = differences["planted-token_mean_vs_per_rollout_mean"]
+    assert {"actor/pg_loss", "log_prob_after"} <= set(beyond(measured)), measured

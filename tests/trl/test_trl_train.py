@@ -1,0 +1,72 @@
+"""``agl train`` with ``backend=trl`` on the corridor example: a short run exits, serves a new weight
+version after every step, and a stopped run resumed from its checkpoint continues at the next step
+with the optimizer and lr schedule the checkpoint holds; a TRL callback (``trl.callbacks``) sees every step."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from agl_backend_trl.backend import TrlBackend
+from agl_core import hookimpl
+from agl_core.backends.checkpoints import read_state
+from agl_core.plugins import PluginManager
+from agl_core.runs.train import run
+from tests.trl.conftest import CONFIG, StepsSeen, corridor_overrides
+
+SMALL = (
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "trainer.save_freq=1",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trl.callbacks=[tests.trl.conftest:StepsSeen]",
+)
+
+
+class Versions:
+    """The weight versions served, in order."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    @hookimpl
+    def agl_on_weights_served(self, version: int) -> None:
+        self.seen.append(version)
+
+
+def train(policy, run_dir, steps):
+    versions = Versions()
+    overrides = corridor_overrides(policy, run_dir, *SMALL, f"trainer.total_training_steps={steps}")
+    run(CONFIG, overrides, [versions], show_progress=False)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return versions.seen, [line["step"] for line in lines if "actor/grad_norm" in line]
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint(corridor_policy, tmp_path):
+    run_dir = tmp_path / "run"
+    versions, steps = train(corridor_policy, run_dir, 2)
+    assert versions == [0, 1, 2] and steps == [1, 2]
+    assert StepsSeen.seen == [1, 2], "the TRL callback saw each step end"
+    assert (run_dir / "global_step_2" / "model" / "model.safetensors").is_file()
+
+    versions, steps = train(corridor_policy, run_dir, 3)
+    assert versions == [2, 3], "the resumed run serves the checkpoint's weights, then step 3's"
+    assert steps == [1, 2, 3], "the resumed run appends step 3 to the run's metrics"
+
+    from agl_backend_trl.config import load_trl_config
+
+    config = load_trl_config(
+        CONFIG, corridor_overrides(corridor_policy, run_dir, *SMALL, "trainer.total_training_steps=3")
+    )
+    backend = TrlBackend(config, PluginManager.from_config(config, (), load_entrypoints=False))
+    assert backend.resume() and backend.step == 3
+    saved = read_state(run_dir / "global_step_3")
+    loaded = backend.trainer.optimizer.state_dict()
+    assert loaded["state"].keys() == saved["optimizer"]["state"].keys()
+    for index, state in saved["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(loaded["state"][index][name], value), (index, name)
+    assert backend.trainer.lr_scheduler.state_dict() == saved["scheduler"]
