@@ -9,8 +9,8 @@ as Agent Lightning v1.0 does. Any other name is looked up in agl's advantage-est
 With ``algorithm.enable_rollout_level_advantage: false`` every row is its own sample instead (as in
 verl's own trainer). Either way advantages are computed on every collected row, before batch
 shaping drops any, except ``gae``'s (:func:`needs_values`): it needs the critic's ``values`` of
-the trained rows, so the pipeline gets zeros in their place and the trainer runs
-:func:`advantages_from_values` once the critic has scored the batch, as verl's own trainer orders it
+the trained rows, so the pipeline gets zeros in their place and the trainer runs verl's
+``_compute_advantage`` once the critic has scored the batch, as verl's own trainer orders it
 (values → advantages → critic update → actor update). Under ``gae`` the shaping metric
 ``training/n_zero_adv_groups`` therefore counts every kept group.
 """
@@ -120,29 +120,12 @@ def needs_values(config: DictConfig) -> bool:
     return str(config.algorithm.adv_estimator) == "gae"
 
 
-def advantages_from_values(batch: DataProto, config: DictConfig) -> DataProto:
-    """verl's ``compute_advantage`` on the trained batch once it holds the critic's ``values``:
-    ``advantages`` and ``returns`` per token, each row its own sample."""
-    from verl.trainer.ppo.ray_trainer import compute_advantage
-
-    algorithm = config.algorithm
-    return compute_advantage(
-        batch,
-        adv_estimator=algorithm.adv_estimator,
-        gamma=algorithm.gamma,
-        lam=algorithm.lam,
-        num_repeat=config.actor_rollout_ref.rollout.n,
-        norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
-        config=verl_algorithm_config(config),
-    )
-
-
 def compute_advantages(
     rows: Sequence[TrainingRow], config: DictConfig, plugins: PluginManager, pad_token_id: int = 0
 ) -> Advantages:
     """Advantages of every row by ``algorithm.adv_estimator`` (see the module docstring)."""
     name = str(config.algorithm.adv_estimator)
-    if needs_values(config):  # computed after the critic's values (advantages_from_values)
+    if needs_values(config):  # computed after the critic's values (the trainer's _compute_advantage)
         zeros = tuple(np.zeros(row.response_mask.shape, dtype=np.float32) for row in rows)
         return Advantages(per_row=zeros)
     samples = list(rows) if config.algorithm[ROLLOUT_LEVEL_KEY] else as_samples(rows)
