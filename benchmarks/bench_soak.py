@@ -93,6 +93,14 @@ class Faults:
     max_off_policy_threshold: int | None = 2  # the async staleness bound (trainer.v1.sampler)
     max_off_policy_strategy: str = "drop"
 
+    def agent_env(self) -> dict[str, str]:
+        """The agents' fault rates (``benchmarks/soak_agent.py`` reads them from its environment)."""
+        return {
+            "SOAK_CRASH_RATE": str(self.crash_rate),
+            "SOAK_SLOW_RATE": str(self.slow_rate),
+            "SOAK_SLOW_SECONDS": str(self.slow_seconds),
+        }
+
     def restart_after(self, step: int) -> bool:
         return self.restart_every > 0 and step % self.restart_every == self.restart_every // 2
 
@@ -378,11 +386,7 @@ def soak(
     out.mkdir(parents=True, exist_ok=True)
     policy = build(out / "policy", seed=0)
     run_dir = out / "run"
-    os.environ.update(
-        SOAK_CRASH_RATE=str(faults.crash_rate),
-        SOAK_SLOW_RATE=str(faults.slow_rate),
-        SOAK_SLOW_SECONDS=str(faults.slow_seconds),
-    )  # the controller passes its environment to the agents
+    os.environ.update(faults.agent_env())  # the controller passes its environment to the agents
     os.environ[DISABLE_AUTOLOAD_ENV] = "1"  # agl's own plugins and this one only, whatever else is installed
     gateway = GatewayServer(key="soak-key", model_name=str(policy))
     controller = Controller(gateway, pool, log_path=out / "controller.log")
