@@ -65,7 +65,7 @@ def test_a_verl_type_error_names_the_key(tmp_path, no_autoload):
 
 
 def test_an_unknown_backend_lists_the_registered_ones(tmp_path, no_autoload):
-    with pytest.raises(Exception, match=r"unknown backend 'vrel'.*registered: torch, verl"):
+    with pytest.raises(Exception, match=r"unknown backend 'vrel'.*registered: torch, trl, verl"):
         resolve_config(str(write_config(tmp_path)), ["agentlightning.backend=vrel"], no_autoload)
 
 
