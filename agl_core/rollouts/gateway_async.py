@@ -9,9 +9,11 @@ pending) and the samples waiting in the backlog. A resumed run restores them bef
 pending rollouts the gateway still holds are polled again under their ids (those that finished
 while no trainer ran are read then); those it no longer holds (a gateway restart, or a run killed
 after the checkpoint that had read and deleted them) are re-created with the same request under a
-fresh id, as after a gateway restart. A pending rollout that failed before the resumed run registered
-its engines (the gateway's ``updated_at`` against this process's clock: agents could then only reach
-the stopped run's engines) is re-created the same way, per ``gateway.restart_policy``
+fresh id, as after a gateway restart. A pending rollout that failed before the resumed run
+registered its engines, or whose attempt was already running when the run restored it (the
+gateway's ``updated_at`` against this process's clock: its agent could reach only the stopped run's
+engines, and a call in flight to them fails when the proxy gives up, possibly after the new
+registration), is re-created the same way, per ``gateway.restart_policy``
 (``training/async/n_resumed_failed_unserved``). Nothing carried is dropped or trained twice, and the
 restore is counted (``training/async/n_resumed_*``, ``training/rollouts/n_lost``, ``n_reenqueued``).
 
@@ -246,7 +248,11 @@ class AsyncGatewayRolloutSource(GatewayRolloutSource):
         self.backlog = list(state["backlog"]) + self.backlog
         self.cursor = 0  # what finished while no trainer ran is in the terminal log from its start
         kept = len(self.pending)
-        self._handle_lost(self._unknown_to_gateway(list(self.pending)))
+        statuses = self._statuses(list(self.pending))
+        for rid, status in statuses.items():
+            if status is not None and status.get("state") == "running":
+                self.pending[rid].running_since = status.get("updated_at")  # its attempt's start
+        self._handle_lost([rid for rid, status in statuses.items() if status is None])
         self.counts["training/async/n_resumed_groups"] += len(state["groups"])
         self.counts["training/async/n_resumed_pending_rollouts"] += kept
         self.counts["training/async/n_resumed_finished_rollouts"] += sum(len(g["done"]) for g in state["groups"])

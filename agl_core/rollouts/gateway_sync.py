@@ -80,6 +80,7 @@ class _Pending:
     deadline: float  # monotonic
     reenqueues: int = 0
     restored: bool = False  # taken over from a checkpoint (async mode's restore)
+    running_since: float | None = None  # restored while running: the gateway's time its attempt started
 
 
 @attrs.define
@@ -241,15 +242,20 @@ class GatewayRolloutSource(RolloutSource):
 
     def _unknown_to_gateway(self, rollout_ids: list[str]) -> list[str]:
         """Which of ``rollout_ids`` the gateway no longer holds (one read each)."""
-        lost = []
+        return [rid for rid, status in self._statuses(rollout_ids).items() if status is None]
+
+    def _statuses(self, rollout_ids: list[str]) -> dict[str, dict[str, Any] | None]:
+        """Each rollout's lifecycle status at the gateway (``state``, ``updated_at``...; one read
+        each); ``None`` for one the gateway no longer holds."""
+        statuses: dict[str, dict[str, Any] | None] = {}
         for rid in rollout_ids:
             try:
-                self.client.get_rollout(rid)
+                statuses[rid] = self.client.get_rollout(rid)["rollout"]["status"]
             except GatewayError as exc:
                 if not exc.not_found:
                     raise
-                lost.append(rid)
-        return lost
+                statuses[rid] = None
+        return statuses
 
     def _handle_lost(self, lost: list[str]) -> None:
         """Re-create each lost rollout under a fresh id (so a stale agent of the old one cannot write
@@ -273,14 +279,15 @@ class GatewayRolloutSource(RolloutSource):
 
     def _failed_unserved(self, rid: str, failed_at: Any) -> bool:
         """Whether restored rollout ``rid`` failed (at ``failed_at``, the gateway's ``updated_at``)
-        before this source registered its engines: while no trainer ran, its agent could only reach
-        the engines of the run that stopped, so the failure says nothing of the policy."""
+        before this source registered its engines, or in an attempt that started before: while no
+        trainer ran, its agent could only reach the engines of the run that stopped (a call in
+        flight to them fails when the proxy gives up on it, which may be after this source
+        registered), so the failure says nothing of the policy."""
+        pending = self.pending[rid]
         return (
-            self.pending[rid].restored
+            pending.restored
             and self.serving_since is not None
-            and isinstance(failed_at, (int, float))
-            and not isinstance(failed_at, bool)
-            and failed_at < self.serving_since
+            and any(_before(moment, self.serving_since) for moment in (failed_at, pending.running_since))
         )
 
     # -- finishing ----------------------------------------------------------------------------
@@ -536,3 +543,8 @@ class GatewayRolloutSource(RolloutSource):
         self.pending.clear()
         self._pool.shutdown()
         self.client.close()
+
+
+def _before(moment: Any, since: float) -> bool:
+    """Whether ``moment`` (a gateway timestamp, possibly absent) is a number before ``since``."""
+    return isinstance(moment, (int, float)) and not isinstance(moment, bool) and moment < since

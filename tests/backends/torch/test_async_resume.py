@@ -202,24 +202,29 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
 
 
 def test_a_restored_rollout_that_failed_while_no_trainer_ran_is_run_again(gateway):  # noqa: F811
-    """A rollout in flight at the checkpoint whose agent failed before the resumed run registered its
-    engines (it could only reach the stopped run's) is re-created; one that fails afterwards is a
-    failure like any other."""
+    """Rollouts in flight at the checkpoint whose agents could reach only the stopped run's engines
+    are re-created: one that failed before the resumed run registered its engines, and those whose
+    attempt was already running when the run restored them and that fail afterwards (a call in
+    flight to the stopped engines fails when the proxy gives up on it). One that failed after the
+    registration while not running at the restore is a failure like any other."""
     from agl_core.rollouts.gateway import gateway_source
     from agl_core.rollouts.gateway_client import GatewayClient
     from tests.helpers.gateway_fixtures import async_config, patch_rollout, plugin_manager
 
-    hold = {"on": True}  # while on, sample 1's agents never finish: they are in flight at the checkpoint
+    hold = {"on": True}  # while on, samples 1 and 3's agents never finish: they are in flight at the checkpoint
 
     def plan(rollout):
-        return Plan(state=None) if hold["on"] and rollout["input"]["id"] == 1 else Plan()
+        return Plan(state=None) if hold["on"] and rollout["input"]["id"] in (1, 3) else Plan()
 
     with SimulatedController(gateway, plan), GatewayClient(gateway.url, gateway.key) as client:
         before = gateway_source(async_config(gateway), plugin_manager())
-        first = before.collect([{"id": 0}, {"id": 1}, {"id": 2}], step=1, is_train=True)
+        first = before.collect([{"id": 0}, {"id": 1}, {"id": 2}, {"id": 3}], step=1, is_train=True)
         assert {r.input["id"] for r in first.rollouts} == {0, 2}
         state = before.state()
-        unserved, later = (p["request"]["rollout_id"] for p in state["pending"])
+        by_sample = {}
+        for pending in state["pending"]:
+            by_sample.setdefault(pending["request"]["input"]["id"], []).append(pending["request"]["rollout_id"])
+        (unserved, later), running = by_sample[1], by_sample[3]
         before.pending.clear()  # the run is killed
         before.close()
         hold["on"] = False
@@ -228,12 +233,17 @@ def test_a_restored_rollout_that_failed_while_no_trainer_ran_is_run_again(gatewa
 
         after = gateway_source(async_config(gateway), plugin_manager())
         after.after_weight_update(["http://127.0.0.1:1/v1"], 1)
-        assert after.restore(state) == 1
+        time.sleep(0.05)  # and past the registration before the next failure
         patch_rollout(client, later, state="failed", error_message="the agent raised")
+        assert after.restore(state) == 2
+        for rid in running:  # their attempts started before the registration; they fail after it
+            patch_rollout(client, rid, state="failed", error_message="upstream model server request failed")
         second = after.collect([], step=2, is_train=True)
         after.close()
     m = second.metrics
-    assert m["training/async/n_resumed_failed_unserved"] == 1
-    assert (m["training/rollouts/n_reenqueued"], m["training/rollouts/n_failed"]) == (1, 1)
-    (trained,) = second.rollouts  # the re-created one, under a fresh id; the later failure is skipped
-    assert trained.input["id"] == 1 and trained.rollout_id not in (unserved, later) and trained.state == "succeeded"
+    assert m["training/async/n_resumed_failed_unserved"] == 3
+    assert (m["training/rollouts/n_reenqueued"], m["training/rollouts/n_failed"]) == (3, 1)
+    # the re-created ones, under fresh ids; the later failure is skipped
+    assert sorted(r.input["id"] for r in second.rollouts) == [1, 3, 3]
+    assert not {r.rollout_id for r in second.rollouts} & {unserved, later, *running}
+    assert {r.state for r in second.rollouts} == {"succeeded"}
