@@ -14,26 +14,35 @@ its copy of the policy made before TRL patches the model's forward (``add_fused_
 that serving reads only the weights pushed to it. A checkpoint holds the model (a LoRA run: the
 adapter) as transformers' ``Trainer.save_model`` writes it, and the optimizer, lr schedule and
 sampler states in the loop's ``trainer_state.pt``; a resume loads the model with ``Trainer``'s own loader.
+
+Several processes (``torchrun --nproc-per-node N -m agl_core.cli train ...``, accelerate's
+data-parallel process model: DDP over gloo on CPU with ``trl.use_cpu``, over NCCL on GPUs): process
+0 runs the loop (rollouts, hooks, serving, metrics, checkpoints); the others wait in
+:meth:`TrlBackend.follow` and do what it tells them (:meth:`~TrlBackend.train` each step's rows,
+:meth:`~TrlBackend.load_checkpoint` on a resume) until it stops. Each trains its share of every
+mini-batch; DDP averages the gradients, so N processes make the one-process update.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.utils import DistributedType, broadcast_object_list
 
 from agl_backend_trl.config import callback_classes, check_trl_config, grpo_config
 from agl_backend_trl.trainer import AglGRPOTrainer
 from agl_core import ConfigError, LoopBackend, LossSettings, PolicyServer, Served, load_policy_model, tensorize
-from agl_core.backends.ppo import frozen_log_probs, mean_over_steps, mini_batches
+from agl_core.backends.ppo import frozen_log_probs, mean_over_steps, mini_batches, rank_rows
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from agl_core import PluginManager, PreparedBatch
+    from agl_core import CompletedRollout, PluginManager, PreparedBatch
 
 __all__ = ["ADAPTER_DIR", "MODEL_DIR", "TrlBackend", "lora_config"]
 
@@ -42,6 +51,8 @@ logger = logging.getLogger(__name__)
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: the adapter only, as in the torch backend's checkpoints
 RESPONSE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+"""accelerate's process models this backend trains in: one process, or data-parallel (DDP) processes."""
 
 
 def lora_config(model_cfg: DictConfig) -> Any:
@@ -77,14 +88,18 @@ class TrlBackend(LoopBackend):
         folder = str(config.actor_rollout_ref.model.path)
         super().__init__(config, plugins, AutoTokenizer.from_pretrained(folder))
         actor = config.actor_rollout_ref.actor
+        args = grpo_config(config, self.run_dir)
+        check_processes(args, int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n))
+        self.rank, self.world = args.process_index, args.world_size
         self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         torch.manual_seed(int(config.trainer.seed))
         model = load_policy_model(folder, dtype=torch.float32)
         # made before TRL patches the model's forward: the served copy must not call back into the policy
-        self.server = PolicyServer(model, self.tokenizer, folder, seed=int(config.trainer.seed))
+        seed = int(config.trainer.seed)
+        self.server = PolicyServer(model, self.tokenizer, folder, seed=seed) if self.rank == 0 else None
         self.trainer = AglGRPOTrainer(
             model,
-            args=grpo_config(config, self.run_dir),
+            args=args,
             train_dataset=Dataset.from_dict({"prompt": [""]}),  # agl's DataOrder feeds the steps
             processing_class=self.tokenizer,
             callbacks=[cls() for cls in callback_classes(config)],
@@ -113,49 +128,70 @@ class TrlBackend(LoopBackend):
     # -- the step loop's interface --------------------------------------------------------------
 
     def update(self, prepared: PreparedBatch) -> dict[str, float]:
-        """PPO epochs over the mini-batches on TRL's trainer, then the lr schedule's step."""
+        """:meth:`train` on the prepared rows, in every process."""
         assert prepared.shaped is not None
+        padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
+        rows = {name: padded.tensors[name] for name in RESPONSE_KEYS}
+        batch = (rows, prepared.advantages(rows["responses"].shape[1]), prepared.shaped.n_mini_batches, self.step)
+        self.tell("train", *batch, float(self.data.epoch))
+        return self.train(*batch, float(self.data.epoch))
+
+    def train(
+        self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, n_mini_batches: int, step: int, epoch: float
+    ) -> dict[str, float]:
+        """Step ``step``'s PPO epochs over the mini-batches of ``rows`` on TRL's trainer, this process
+        training its rows of each, then the lr schedule's step; the update's metrics, with
+        ``actor/n_processes`` (the data-parallel processes that trained it)."""
         trainer = self.trainer
         if not self._began:
             trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
             self._began = True
-        trainer.state.global_step = self.step - 1
+        trainer.state.global_step = step - 1
         trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)
-        padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
-        rows = {name: padded.tensors[name].to(self.device) for name in RESPONSE_KEYS}
-        old_log_prob = frozen_log_probs(trainer.model_wrapped, rows)
+        rows = {name: value.to(self.device) for name, value in rows.items()}
+        advantages = advantages.to(self.device)
+        parts = mini_batches(len(advantages), n_mini_batches)
+        shares = [rank_rows(part, self.rank, self.world) for part in parts]
+        old_log_prob = [frozen_log_probs(self.model, _pick(rows, share)) for share in shares]
         with torch.no_grad():
-            ref_log_prob = trainer.reference_log_probs(rows)
-        advantages = prepared.advantages(rows["responses"].shape[1]).to(self.device)
+            ref_log_prob = [trainer.reference_log_probs(_pick(rows, share)) for share in shares]
         steps = [
             trainer.mini_batch_step(
                 {
-                    "rows": {name: value[part] for name, value in rows.items()},
-                    "old_log_prob": old_log_prob[part],
-                    "advantages": advantages[part],
-                    "ref_log_prob": None if ref_log_prob is None else ref_log_prob[part],
-                }
+                    "rows": _pick(rows, share),
+                    "old_log_prob": old_log_prob[i],
+                    "advantages": advantages[share],
+                    "ref_log_prob": ref_log_prob[i],
+                },
+                n_tokens=int(rows["response_mask"][part].sum()),
             )
             for _ in range(int(self.config.actor_rollout_ref.actor.ppo_epochs))
-            for part in mini_batches(len(prepared.shaped.rows), prepared.shaped.n_mini_batches)
+            for i, (part, share) in enumerate(zip(parts, shares))
         ]
-        metrics = {**mean_over_steps(steps), "actor/lr": float(trainer.lr_scheduler.get_last_lr()[0])}
+        metrics = {
+            **mean_over_steps(steps),
+            "actor/lr": float(trainer.lr_scheduler.get_last_lr()[0]),
+            "actor/n_processes": float(self.world),
+        }
         if metrics["actor/n_updates"] > metrics.get("actor/n_skipped_nonfinite_grad", 0.0):
             trainer.lr_scheduler.step()  # the schedule advances with the optimizer only
-        trainer.state.global_step = self.step
-        trainer.state.epoch = float(self.data.epoch)
+        trainer.state.global_step = step
+        trainer.state.epoch = epoch
         trainer.callback_handler.on_step_end(trainer.args, trainer.state, trainer.control)
         trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, logs=metrics)
         return metrics
 
     def serve(self, version: int) -> Served:
         """Push the policy's weights to the in-process server (started by the first call; idempotent)."""
+        assert self.server is not None, "process 0 serves"
         self.server.start()
         self.server.push_weights(self.model, version)
         return Served([self.server.base_url])
 
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
-        """The model (or adapter) as ``Trainer.save_model`` writes it; optimizer, schedule, sampler state."""
+        """The model (or adapter) as ``Trainer.save_model`` writes it; optimizer, schedule, sampler state
+        (process 0's: DDP keeps every process's the same)."""
+        assert self.server is not None, "process 0 checkpoints"
         self.trainer.save_model(str(Path(folder) / self.weights_dir()))
         return {
             "optimizer": self.trainer.optimizer.state_dict(),
@@ -171,16 +207,81 @@ class TrlBackend(LoopBackend):
                 f"checkpoint {folder} has no {self.weights_dir()}/ folder: it was written by a run "
                 f"{'without' if self.weights_dir() == ADAPTER_DIR else 'with'} LoRA",
             )
+        self.tell("load_checkpoint", folder, state)
         self.trainer._load_from_checkpoint(str(weights))
         self.trainer.optimizer.load_state_dict(state["optimizer"])
         self.trainer.lr_scheduler.load_state_dict(state["scheduler"])
-        self.server.restore_sampler_state(state["sampler_rng"])
+        if self.server is not None:
+            self.server.restore_sampler_state(state["sampler_rng"])
 
     def weights_dir(self) -> str:
         return ADAPTER_DIR if self.config.actor_rollout_ref.model.lora_rank > 0 else MODEL_DIR
 
     def close(self) -> None:
+        self.tell("stop")
         if self._began:
             trainer = self.trainer
             trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
+
+    # -- several processes -----------------------------------------------------------------------
+
+    def fit(self, on_step: Any = None) -> None:
+        """Process 0 runs agl's loop; the others follow it."""
+        if self.rank == 0:
+            return super().fit(on_step)
+        try:
+            self.follow()
+        finally:
+            self.close()
+
+    def tell(self, command: str, *args: Any) -> None:
+        """Process 0: have every other process call ``command(*args)`` too (``stop``: end :meth:`follow`)."""
+        if self.rank == 0 and self.world > 1:
+            broadcast_object_list([(command, args)], from_process=0)
+
+    def follow(self) -> None:
+        """A process other than 0: call what process 0 tells (:meth:`tell`) until it says ``stop``."""
+        while True:
+            message: list[Any] = [None]
+            broadcast_object_list(message, from_process=0)
+            command, args = message[0]
+            if command == "stop":
+                return
+            getattr(self, command)(*args)
+
+    def replay_step(self, rollouts: Sequence[CompletedRollout], step: int) -> dict[str, float]:
+        if self.world > 1:
+            raise ConfigError("agentlightning.backend", "backend 'trl' replays a step in one process only")
+        return super().replay_step(rollouts, step)
+
+
+def check_processes(args: Any, mini_batch_rows: int) -> None:
+    """Refuse a process model this backend does not train in, by what set it: accelerate's DeepSpeed
+    or FSDP (its launch config), a launcher's processes accelerate does not join (CPU without
+    ``trl.use_cpu``), more processes than a mini-batch has rows."""
+    state = args.distributed_state
+    if state.distributed_type not in DATA_PARALLEL:
+        raise ConfigError(
+            "agentlightning.backend",
+            f"backend 'trl' trains in one process or data-parallel (DDP) processes, not accelerate's "
+            f"{state.distributed_type.value} (set by the accelerate launch config): it is not proven yet",
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != args.world_size:
+        raise ConfigError(
+            "trl.use_cpu",
+            f"the launcher started {launched} processes (WORLD_SIZE) but accelerate joins {args.world_size}: "
+            "on a machine without GPUs set trl.use_cpu=true, so that accelerate trains them over gloo",
+        )
+    if args.world_size > mini_batch_rows:
+        raise ConfigError(
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            f"a mini-batch has {mini_batch_rows} rows (ppo_mini_batch_size × rollout.n), fewer than the "
+            f"{args.world_size} processes that each train a share of it",
+        )
+
+
+def _pick(rows: Mapping[str, torch.Tensor], index: list[int]) -> dict[str, torch.Tensor]:
+    return {name: value[index] for name, value in rows.items()}

@@ -135,7 +135,7 @@ _LOSS = (
     "clip_ratio_low/high, entropy_coeff, use_kl_loss)"
 )
 _UNPROVEN = (
-    "is not proven with this backend yet (vLLM generation, DeepSpeed, FSDP, several processes, "
+    "is not proven with this backend yet (vLLM generation, DeepSpeed, FSDP, DDP settings of TRL's, "
     "another dtype than float32, compiled or patched kernels); remove it"
 )
 _LOOP = (
@@ -378,6 +378,7 @@ def grpo_config(config: DictConfig, run_dir: Path) -> GRPOConfig:
         "bf16": False,
         "fp16": False,
         "dataloader_pin_memory": False,
+        "ddp_find_unused_parameters": False,  # every trained weight is in the loss
     }
     try:
         return GRPOConfig(**kwargs)

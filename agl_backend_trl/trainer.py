@@ -13,9 +13,13 @@ in the methods overridden where TRL expects a subclass to change them:
 - ``get_decay_parameter_names``: every trained weight decays, as ``torch.optim.AdamW`` over all of
   them decays them in agl's other backends (transformers leaves biases and norms out).
 
-One optimizer step (:meth:`AglGRPOTrainer.mini_batch_step`) is TRL's ``training_step`` on a mini-batch,
-then :func:`agl_core.backends.ppo.optimizer_step` (clipping at ``actor.grad_clip``, a step with a
-non-finite gradient norm skipped and counted), with the callbacks' optimizer events around it.
+One optimizer step (:meth:`AglGRPOTrainer.mini_batch_step`) is TRL's ``training_step`` on this
+process's share of a mini-batch, then :func:`agl_core.backends.ppo.optimizer_step` (clipping at
+``actor.grad_clip``, a step with a non-finite gradient norm skipped and counted), with the
+callbacks' optimizer events around it. In several processes each trains its rows of the mini-batch
+(:func:`agl_core.backends.ppo.rank_rows`) with its share of the loss (``dp_size``, the mini-batch's
+trained tokens), so the gradients DDP averages are the one-process gradient of the whole mini-batch,
+and the step's metrics are gathered from every process.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
+from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
 from agl_core import AglError, LossSettings, PolicyLoss
@@ -46,8 +52,9 @@ def agents_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
 
 
 class AglGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` whose loss is ``loss_fn`` under ``loss_settings`` (agl's), over inputs
-    ``{"rows": tensors, "old_log_prob", "advantages", "ref_log_prob"}`` (a padded mini-batch)."""
+    """``GRPOTrainer`` whose loss is ``loss_fn`` (agl's), over inputs ``{"rows": tensors,
+    "old_log_prob", "advantages", "ref_log_prob", "settings"}``: this process's rows of a padded
+    mini-batch, and the ``loss_settings`` for the whole mini-batch."""
 
     def __init__(
         self,
@@ -75,7 +82,7 @@ class AglGRPOTrainer(GRPOTrainer):
         rows = inputs["rows"]
         loss, metrics = ppo_loss(
             self.loss_fn,
-            self.loss_settings,
+            inputs["settings"],
             response_distributions(model, rows),
             rows,
             inputs["old_log_prob"],
@@ -100,16 +107,22 @@ class AglGRPOTrainer(GRPOTrainer):
             return None
         if self.ref_model is not None:
             return response_log_probs(self.ref_model, rows)
-        with self.accelerator.unwrap_model(self.model).disable_adapter():
-            return response_log_probs(self.model_wrapped, rows)
+        model = self.accelerator.unwrap_model(self.model)
+        with model.disable_adapter():
+            return response_log_probs(model, rows)
 
-    def mini_batch_step(self, inputs: Mapping[str, Any]) -> dict[str, float]:
-        """One optimizer step on a mini-batch: TRL's ``training_step`` (agl's loss, backward), then
-        the toolkit's clipped step; its metrics (:func:`~agl_core.backends.ppo.step_metrics`)."""
+    def mini_batch_step(self, inputs: Mapping[str, Any], n_tokens: int) -> dict[str, float]:
+        """One optimizer step on this process's rows of a mini-batch of ``n_tokens`` trained tokens
+        (over every process): TRL's ``training_step`` (agl's loss, backward), then the toolkit's
+        clipped step; the mini-batch's metrics (:func:`~agl_core.backends.ppo.step_metrics`), from
+        every process's part."""
+        world = self.accelerator.num_processes
+        settings = attrs.evolve(self.loss_settings, dp_size=world, batch_num_tokens=n_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         self._parts = []
-        self.training_step(self.model_wrapped, dict(inputs), None)
-        metrics = step_metrics(self._parts)
+        self.training_step(self.model_wrapped, {**inputs, "settings": settings}, None)
+        parts = gather_object(self._parts) if world > 1 else self._parts
+        metrics = step_metrics(parts, 1 / world)
         self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
         metrics.update(optimizer_step(self.optimizer, trainable_parameters(self.model), self.grad_clip))
         self.callback_handler.on_optimizer_step(self.args, self.state, self.control)

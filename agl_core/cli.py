@@ -64,9 +64,12 @@ def _train(args: argparse.Namespace) -> int:
     from agl_core.runs.train import run
 
     dump_stacks_on_sigusr1()
-    run_dir = run(args.config, _overrides(args))
-    written = run_contents(run_dir)
-    print(f"agl: run finished; {written} in {run_dir}" if written else f"agl: run finished; nothing in {run_dir}")
+    # under a launcher (torchrun), the processes other than rank 0 follow it and report nothing
+    reports = int(os.environ.get("RANK", "0")) == 0
+    run_dir = run(args.config, _overrides(args), show_progress=reports)
+    if reports:
+        written = run_contents(run_dir)
+        print(f"agl: run finished; {written} in {run_dir}" if written else f"agl: run finished; nothing in {run_dir}")
     return 0
 
 

@@ -93,9 +93,24 @@ def test_train_says_what_the_run_wrote(tmp_path, capsys, monkeypatch, checkpoint
     (tmp_path / "metrics.png").write_bytes(b"png")
     if checkpoints:
         (tmp_path / "global_step_1").mkdir()
-    monkeypatch.setattr(agl_core.runs.train, "run", lambda config, overrides: tmp_path)
+    monkeypatch.setattr(agl_core.runs.train, "run", lambda config, overrides, show_progress: tmp_path)
     assert main(["train", CONFIG, "trainer.save_freq=0"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"agl: run finished; {said} in {tmp_path}"
+
+
+def test_under_a_launcher_only_rank_0_reports(tmp_path, capsys, monkeypatch):
+    """torchrun's processes other than rank 0 follow it: no progress bar, nothing said at the end."""
+    import agl_core.runs.train
+
+    shown = []
+    monkeypatch.setattr(
+        agl_core.runs.train, "run", lambda config, overrides, show_progress: shown.append(show_progress) or tmp_path
+    )
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", CONFIG]) == 0
+    assert shown == [False, True]
+    assert capsys.readouterr().out.splitlines() == [f"agl: run finished; nothing in {tmp_path}"]
 
 
 def test_the_run_log_replaces_lines_of_steps_a_restart_redoes(tmp_path):

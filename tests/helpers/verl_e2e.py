@@ -4,11 +4,13 @@ workers and replicas. :func:`scenario` is the check: 2 sync steps, then async st
 from verl's step-2 checkpoint, the run killed once step 3 is checkpointed and resumed from it (its
 groups in flight restored). ``tests/verl/test_two_nodes_e2e.py`` runs it in verl's CPU mode
 (:data:`agl_backend_verl.cpu.CPU_KEYS`) on two nodes; ``scripts/gpu_check.py`` runs it with the GPU
-keys of ``run_verl.sh`` (vLLM).
+keys of ``run_verl.sh`` (vLLM). The stack, :class:`Run` and the row checks serve any backend's
+``agl train`` through the gateway (``tests/trl/test_trl_real_stack.py`` runs backend ``trl`` with them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -108,25 +110,14 @@ def train_command(
     return ["bash", str(RUN_VERL), *RUN_KEYS, *keys], env
 
 
-class Train:
-    """One ``run_verl.sh`` (``agl train``) in its own process group, so Ray's processes stop with it."""
+class Run:
+    """One ``agl train`` command in its own process group, logging to ``run_dir/<name>.log``; stopped
+    with every process it started (Ray's, a launcher's workers in sessions of their own)."""
 
-    def __init__(
-        self,
-        stack: Stack,
-        run_dir: Path,
-        steps: int,
-        device_keys: Sequence[str],
-        *overrides: str,
-        name: str,
-        n_gpus: int = 1,
-    ):
+    def __init__(self, stack: Stack, run_dir: Path, command: list[str], env: dict[str, str], name: str):
         self.stack, self.run_dir = stack, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log = run_dir / f"{name}.log"
-        command, env = train_command(
-            stack.gateway.url, stack.gateway.key, stack.policy, run_dir, steps, n_gpus, *device_keys, *overrides
-        )
         self.started = time.perf_counter()
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
@@ -179,9 +170,38 @@ class Train:
             self.stop()
 
     def stop(self) -> None:
+        """SIGKILL the run's process group and every process it started, as a lost machine would end them."""
+        import psutil
+
         if self.process.poll() is None:
+            try:
+                started = psutil.Process(self.process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                started = []
             os.killpg(self.process.pid, signal.SIGKILL)
+            for child in started:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             self.process.wait(timeout=60)
+
+
+class Train(Run):
+    """One ``run_verl.sh`` (``agl train`` with backend ``verl``) for ``steps`` steps."""
+
+    def __init__(
+        self,
+        stack: Stack,
+        run_dir: Path,
+        steps: int,
+        device_keys: Sequence[str],
+        *overrides: str,
+        name: str,
+        n_gpus: int = 1,
+    ):
+        command, env = train_command(
+            stack.gateway.url, stack.gateway.key, stack.policy, run_dir, steps, n_gpus, *device_keys, *overrides
+        )
+        super().__init__(stack, run_dir, command, env, name)
 
 
 def rows(run_dir: Path) -> list[dict]:

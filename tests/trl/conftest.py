@@ -1,11 +1,10 @@
-"""What the trl tests share: the corridor's policy, and the trl backend's plugin module in code."""
+"""What the trl tests share: the corridor's policy, its config with the trl backend, a TRL callback."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import TrainerCallback
 
-from agl_backend_trl import plugin
 from tests.helpers.corridor_policy import shared_corridor_policy
 
 CONFIG = "examples/corridor/config.yaml"
@@ -15,12 +14,6 @@ CONFIG = "examples/corridor/config.yaml"
 def corridor_policy():
     """The corridor's tiny policy (seed 0, the recording's), built once per session."""
     return shared_corridor_policy()
-
-
-@pytest.fixture(scope="session")
-def trl_plugin():
-    """The module registering backend ``trl`` (given in code: the tests do not rely on the entry point)."""
-    return plugin
 
 
 def corridor_overrides(policy, run_dir, *extra):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from agl_backend_trl.config import check_trl_config, grpo_config, load_trl_config
@@ -138,3 +140,42 @@ def test_a_trl_other_than_the_supported_one_is_refused_naming_the_backend_key(mo
         ConfigError, match=f"config key agentlightning.backend: backend 'trl' needs TRL 1.16.x and {said}"
     ):
         grpo_config_class()
+
+
+def _launch(world_size, distributed_type="MULTI_CPU"):
+    """The process facts ``check_processes`` reads of a ``GRPOConfig``, as accelerate sets them."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    state = SimpleNamespace(distributed_type=DistributedType[distributed_type])
+    return SimpleNamespace(distributed_state=state, world_size=world_size)
+
+
+@pytest.mark.parametrize(
+    ("launched", "args", "rows", "key"),
+    [
+        ("2", _launch(1, "NO"), 8, "trl.use_cpu"),  # torchrun's processes, each training alone
+        ("2", _launch(2, "DEEPSPEED"), 8, "agentlightning.backend"),
+        ("2", _launch(2, "FSDP"), 8, "agentlightning.backend"),
+        ("4", _launch(4), 2, "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ],
+    ids=["processes-accelerate-does-not-join", "deepspeed", "fsdp", "more-processes-than-rows"],
+)
+def test_a_process_model_the_backend_does_not_train_in_is_refused(monkeypatch, launched, args, rows, key):
+    from agl_backend_trl.backend import check_processes
+
+    monkeypatch.setenv("WORLD_SIZE", launched)
+    with pytest.raises(ConfigError, match=f"config key {re.escape(key)}: "):
+        check_processes(args, rows)
+    monkeypatch.setenv("WORLD_SIZE", str(args.world_size))
+    check_processes(_launch(args.world_size), max(rows, args.world_size))  # data-parallel processes are trained
+
+
+def test_a_replay_in_several_processes_is_refused():
+    from types import SimpleNamespace
+
+    from agl_backend_trl.backend import TrlBackend
+
+    with pytest.raises(ConfigError, match=r"config key agentlightning\.backend: .*one process"):
+        TrlBackend.replay_step(SimpleNamespace(world=2), [], 2)

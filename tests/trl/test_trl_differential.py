@@ -20,93 +20,47 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agl_backend_trl.backend import TrlBackend
-from agl_backend_trl.config import load_trl_config
-from agl_core.backends.ppo import response_log_probs
-from agl_core.backends.torch.backend import TorchBackend
-from agl_core.config import load_config
-from agl_core.files.recording import read_recording
-from agl_core.plugins import PluginManager
-from agl_core.stages.tensorize import tensorize
-from tests.helpers.paths import RECORDED_CORRIDOR
-from tests.trl.conftest import CONFIG, corridor_overrides
+from tests.trl.recorded_step import KL_ENTROPY_EPOCHS, TWO_MINI_BATCHES, build_backend, recorded_step
 
-STEP = 2
 LOG_PROB_ATOL, METRIC_RTOL, METRIC_ATOL, AFTER_ATOL = 1e-6, 1e-5, 1e-6, 1e-4
 METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
-TWO_MINI_BATCHES = ("actor_rollout_ref.actor.ppo_mini_batch_size=2",)
 CASES = {
-    "token_mean-2_mini_batches": ("token_mean", "token_mean", (*TWO_MINI_BATCHES,)),
+    "token_mean-2_mini_batches": ("token_mean", "token_mean", TWO_MINI_BATCHES),
     "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy": (
         "per_rollout_mean",
         "per_rollout_mean",
-        (
-            *TWO_MINI_BATCHES,
-            "actor_rollout_ref.actor.ppo_epochs=2",
-            "actor_rollout_ref.actor.entropy_coeff=0.01",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.1",
-        ),
+        (*TWO_MINI_BATCHES, *KL_ENTROPY_EPOCHS),
     ),
     "per_rollout_mean-lora": (
         "per_rollout_mean",
         "per_rollout_mean",
         ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"),
     ),
-    "planted-token_mean_vs_per_rollout_mean": ("token_mean", "per_rollout_mean", (*TWO_MINI_BATCHES,)),
+    "planted-token_mean_vs_per_rollout_mean": ("token_mean", "per_rollout_mean", TWO_MINI_BATCHES),
 }
 
 
-def _backend(kind, loss, policy, folder, extra, trl_plugin):
-    overrides = [
-        *corridor_overrides(policy, folder, *extra),
-        f"agentlightning.backend={kind}",
-        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
-        "trainer.total_training_steps=3",
-    ]
-    config = load_trl_config(CONFIG, overrides) if kind == "trl" else load_config(CONFIG, overrides)
-    plugins = PluginManager.from_config(config, (), load_entrypoints=False)
-    return (TrlBackend if kind == "trl" else TorchBackend)(config, plugins)
-
-
-def _weights(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _compare(trl_loss, torch_loss, extra, policy, folder, trl_plugin):
-    rollouts = read_recording(RECORDED_CORRIDOR).rollouts(STEP)
-    out = {}
-    sides = {}
-    for kind, loss in (("trl", trl_loss), ("torch", torch_loss)):
-        backend = _backend(kind, loss, policy, folder / kind, extra, trl_plugin)
-        backend.step = STEP
-        prepared = backend.pipeline.prepare(rollouts, STEP)
-        rows = tensorize(prepared.shaped.rows, pad_token_id=backend.pad_token_id).tensors
-        with torch.no_grad():
-            old = response_log_probs(backend.model.eval(), rows)
-        metrics = backend.update(prepared)
-        with torch.no_grad():
-            after = response_log_probs(backend.model.eval(), rows)
-        sides[kind] = (old, after, metrics, _weights(backend.model), prepared.shaped.n_mini_batches)
-    (trl_old, trl_after, trl_metrics, trl_weights, n_mini) = sides["trl"]
-    (torch_old, torch_after, torch_metrics, torch_weights, _) = sides["torch"]
-    out["log_prob"] = float((trl_old - torch_old).abs().max())
-    out["log_prob_after"] = float((trl_after - torch_after).abs().max())
+def _compare(trl_loss, torch_loss, extra, policy, folder):
+    trl = recorded_step(build_backend("trl", trl_loss, policy, folder / "trl", extra))
+    ref = recorded_step(build_backend("torch", torch_loss, policy, folder / "torch", extra))
+    out = {
+        "log_prob": float((trl["old"] - ref["old"]).abs().max()),
+        "log_prob_after": float((trl["after"] - ref["after"]).abs().max()),
+    }
     for name in METRICS:
-        out[name] = abs(trl_metrics[name] - torch_metrics[name]) / max(
-            abs(torch_metrics[name]), METRIC_ATOL / METRIC_RTOL
-        )
-    out["weights"] = max(float((trl_weights[k] - torch_weights[k]).abs().max()) for k in torch_weights)
-    out["n_updates"] = (trl_metrics["actor/n_updates"], torch_metrics["actor/n_updates"], n_mini)
+        want = ref["metrics"][name]
+        out[name] = abs(trl["metrics"][name] - want) / max(abs(want), METRIC_ATOL / METRIC_RTOL)
+    out["weights"] = max(float((trl["weights"][k] - ref["weights"][k]).abs().max()) for k in ref["weights"])
+    out["n_updates"] = (trl["metrics"]["actor/n_updates"], ref["metrics"]["actor/n_updates"], trl["n_mini"])
     return out
 
 
 @pytest.fixture(scope="module")
-def differences(corridor_policy, trl_plugin, tmp_path_factory):
+def differences(corridor_policy, tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("trl-differential")
     return {
-        case: _compare(trl_loss, torch_loss, extra, corridor_policy, root / case, trl_plugin)
+        case: _compare(trl_loss, torch_loss, extra, corridor_policy, root / case)
         for case, (trl_loss, torch_loss, extra) in CASES.items()
     }
 

@@ -1,0 +1,98 @@
+"""Step 2 of the corridor recording through a backend's ``update``, as the trl tests compare it.
+
+:func:`recorded_step` builds the backend (``trl`` or the reference ``torch``) on the corridor's
+policy, runs the step pipeline on the recorded rollouts and the update, and returns what the
+comparisons read. Run as a module under ``torchrun`` (``python -m torch.distributed.run
+--nproc-per-node N -m tests.trl.recorded_step OUT POLICY FOLDER``) it makes the trl update of every
+case of :data:`DATA_PARALLEL_CASES` in N processes: process 0 saves the results to ``OUT``, the
+others follow it (:meth:`agl_backend_trl.backend.TrlBackend.fit`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from agl_backend_trl.backend import TrlBackend
+from agl_backend_trl.config import load_trl_config
+from agl_core.backends.ppo import response_log_probs
+from agl_core.backends.torch.backend import TorchBackend
+from agl_core.config import load_config
+from agl_core.files.recording import read_recording
+from agl_core.plugins import PluginManager
+from agl_core.stages.tensorize import tensorize
+from tests.helpers.paths import RECORDED_CORRIDOR
+from tests.trl.conftest import CONFIG, corridor_overrides
+
+STEP = 2
+TWO_MINI_BATCHES = ("actor_rollout_ref.actor.ppo_mini_batch_size=2",)
+KL_ENTROPY_EPOCHS = (
+    "actor_rollout_ref.actor.ppo_epochs=2",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.1",
+)
+DATA_PARALLEL_CASES = {
+    "token_mean-2_mini_batches": ("token_mean", TWO_MINI_BATCHES),
+    "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy": (
+        "per_rollout_mean",
+        (*TWO_MINI_BATCHES, *KL_ENTROPY_EPOCHS),
+    ),
+    "per_rollout_mean-lora": (
+        "per_rollout_mean",
+        ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"),
+    ),
+}
+"""The cases the data-parallel test trains in one process and in two: ``(loss_mode, overrides)``."""
+
+
+def build_backend(kind: str, loss: str, policy, folder, extra=()):
+    """Backend ``kind`` on the corridor config with ``loss``, writing under ``folder``."""
+    overrides = [
+        *corridor_overrides(policy, folder, *extra),
+        f"agentlightning.backend={kind}",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
+        "trainer.total_training_steps=3",
+    ]
+    config = load_trl_config(CONFIG, overrides) if kind == "trl" else load_config(CONFIG, overrides)
+    plugins = PluginManager.from_config(config, (), load_entrypoints=False)
+    return (TrlBackend if kind == "trl" else TorchBackend)(config, plugins)
+
+
+def recorded_step(backend) -> dict:
+    """The recorded step's update on ``backend``: the old log-probs of its rows, the update's metrics,
+    the log-probs after it, the trained weights and the number of mini-batches."""
+    rollouts = read_recording(RECORDED_CORRIDOR).rollouts(STEP)
+    backend.step = STEP
+    prepared = backend.pipeline.prepare(rollouts, STEP)
+    rows = tensorize(prepared.shaped.rows, pad_token_id=backend.pad_token_id).tensors
+    with torch.no_grad():
+        old = response_log_probs(backend.model.eval(), rows)
+    metrics = backend.update(prepared)
+    with torch.no_grad():
+        after = response_log_probs(backend.model.eval(), rows)
+    weights = {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
+    n_mini = prepared.shaped.n_mini_batches
+    return {"old": old, "after": after, "metrics": metrics, "weights": weights, "n_mini": n_mini}
+
+
+def main(out: str, policy: str, folder: str) -> None:
+    torch.set_num_threads(1)
+    results = {}
+    for case, (loss, extra) in DATA_PARALLEL_CASES.items():
+        backend = build_backend("trl", loss, policy, Path(folder) / case, (*extra, "trl.use_cpu=true"))
+        if backend.rank > 0:
+            backend.fit()  # follows process 0 until it closes
+            continue
+        try:
+            results[case] = {**recorded_step(backend), "world": backend.world}
+        finally:
+            backend.close()
+    if results:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

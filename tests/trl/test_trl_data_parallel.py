@@ -1,0 +1,62 @@
+"""Two processes under torchrun (accelerate's data-parallel process model, DDP over gloo) make the
+update one process makes, on the recorded corridor step.
+
+Each case of :data:`~tests.trl.recorded_step.DATA_PARALLEL_CASES` (token_mean over 2 mini-batches;
+per_rollout_mean over 2 mini-batches × 2 PPO epochs with the entropy bonus and the KL term;
+per_rollout_mean with LoRA) is trained in this process and in two launched by ``torchrun`` (one
+launch for all cases). Compared: the update's loss terms and gradient norm (relative ≤ 1e-5, or
+absolute ≤ 1e-6 near 0) and the updated policy's log-probs (max abs ≤ 1e-5). The two processes'
+sums of the loss run in another order than one process's, so they agree to float rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from agl_core.serving.processes import free_port
+from tests.helpers.paths import REPO_ROOT
+from tests.trl.recorded_step import DATA_PARALLEL_CASES, build_backend, recorded_step
+
+METRIC_RTOL, METRIC_ATOL, AFTER_ATOL = 1e-5, 1e-6, 1e-5
+METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+
+
+@pytest.fixture(scope="module")
+def two_processes(corridor_policy, tmp_path_factory):
+    """Every case's update in two processes (process 0's results)."""
+    root = tmp_path_factory.mktemp("trl-two-processes")
+    out = root / "results.pt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "tests.trl.recorded_step", str(out), str(corridor_policy), str(root / "runs"),
+    ]  # fmt: skip
+    env = {**os.environ, "AGL_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("case", list(DATA_PARALLEL_CASES))
+def test_two_processes_make_the_one_process_update(two_processes, corridor_policy, tmp_path, case):
+    torch.set_num_threads(1)
+    loss, extra = DATA_PARALLEL_CASES[case]
+    one = recorded_step(build_backend("trl", loss, corridor_policy, tmp_path, (*extra, "trl.use_cpu=true")))
+    two = two_processes[case]
+    assert two["world"] == 2
+    assert two["metrics"]["actor/n_updates"] == one["metrics"]["actor/n_updates"]
+    far = {
+        name: (got, want)
+        for name in METRICS
+        if not abs((got := two["metrics"][name]) - (want := one["metrics"][name]))
+        <= max(METRIC_RTOL * abs(want), METRIC_ATOL)
+    }
+    after = float((two["after"] - one["after"]).abs().max())
+    print(case, "log-probs after, max abs:", after, {n: two["metrics"][n] - one["metrics"][n] for n in METRICS})
+    assert far == {}, f"{case}: metrics beyond the tolerances (two processes, one): {far}"
+    assert after <= AFTER_ATOL, f"{case}: the updated policies' log-probs differ by {after}"
