@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,13 +142,16 @@ class TrlBackend(LoopBackend):
     ) -> dict[str, float]:
         """Step ``step``'s PPO epochs over the mini-batches of ``rows`` on TRL's trainer, this process
         training its rows of each, then the lr schedule's step; the update's metrics, with
-        ``actor/n_processes`` (the data-parallel processes that trained it)."""
+        ``actor/n_processes`` (the data-parallel processes that trained it), ``timing/log_prob_s`` (the
+        old and reference log-probs) and ``timing/actor_update_s`` (the PPO epochs), as the torch
+        backend reports them."""
         trainer = self.trainer
         if not self._began:
             trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
             self._began = True
         trainer.state.global_step = step - 1
         trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)
+        started = time.perf_counter()
         rows = {name: value.to(self.device) for name, value in rows.items()}
         advantages = advantages.to(self.device)
         parts = mini_batches(len(advantages), n_mini_batches)
@@ -155,6 +159,7 @@ class TrlBackend(LoopBackend):
         old_log_prob = [frozen_log_probs(self.model, _pick(rows, share)) for share in shares]
         with torch.no_grad():
             ref_log_prob = [trainer.reference_log_probs(_pick(rows, share)) for share in shares]
+        log_probs_done = time.perf_counter()
         steps = [
             trainer.mini_batch_step(
                 {
@@ -172,6 +177,8 @@ class TrlBackend(LoopBackend):
             **mean_over_steps(steps),
             "actor/lr": float(trainer.lr_scheduler.get_last_lr()[0]),
             "actor/n_processes": float(self.world),
+            "timing/log_prob_s": log_probs_done - started,
+            "timing/actor_update_s": time.perf_counter() - log_probs_done,
         }
         if metrics["actor/n_updates"] > metrics.get("actor/n_skipped_nonfinite_grad", 0.0):
             trainer.lr_scheduler.step()  # the schedule advances with the optimizer only
@@ -182,11 +189,13 @@ class TrlBackend(LoopBackend):
         return metrics
 
     def serve(self, version: int) -> Served:
-        """Push the policy's weights to the in-process server (started by the first call; idempotent)."""
+        """Push the policy's weights to the in-process server (started by the first call; idempotent);
+        the push's seconds are ``timing/update_weights_s``."""
         assert self.server is not None, "process 0 serves"
+        started = time.perf_counter()
         self.server.start()
         self.server.push_weights(self.model, version)
-        return Served([self.server.base_url])
+        return Served([self.server.base_url], {"timing/update_weights_s": time.perf_counter() - started})
 
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
         """The model (or adapter) as ``Trainer.save_model`` writes it; optimizer, schedule, sampler state

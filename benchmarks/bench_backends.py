@@ -1,23 +1,27 @@
-"""The corridor task on the torch backend and on verl in each V1 trainer mode, in one run: reward by
-step and step time split, side by side.
+"""The corridor task on the torch backend, the trl backend and verl in each V1 trainer mode, in one
+run, every column on the same rollout path: reward by step and step time split, side by side.
 
-The reference (torch) backend trains with its embedded rollouts (``examples/corridor/config.yaml``
-as shipped); verl trains the same config, policy and seed through the real gateway and controller
-on 127.0.0.1 in verl's CPU mode (``examples/corridor/run_verl.sh`` with
-``agl_backend_verl.cpu.CPU_KEYS``: verl's workers on 2 gloo ranks, the CPU replica), once per
-``trainer.v1.trainer_mode`` (``sync``, ``colocate_async``, ``separate_async``; the last adds the keys
-of :func:`agl_backend_verl.cpu.mode_keys`: its own replica on its own CPU ranks). It prints the
-training reward of every step for each, the first step whose training reward reaches 0.9, then the
-mean seconds per step of generation (``timing/gen_s``: waiting for the step's groups), log-probs
+Every backend trains ``examples/corridor/config.yaml`` with the same policy and seed, its agents on
+one path (``--rollouts``): ``embedded`` (the default: the config's agents in threads of the trainer,
+calling its served policy) or ``gateway`` (the real gateway and ``agl-controller runner_type=local``
+on 127.0.0.1, one agent process per rollout, at most 4 at once; one gateway and controller per
+column). torch and trl (one process) run ``agl train`` as shipped; verl runs
+``examples/corridor/run_verl.sh`` in verl's CPU mode (``agl_backend_verl.cpu.CPU_KEYS``: verl's
+workers on 2 gloo ranks, the CPU replica), once per ``trainer.v1.trainer_mode`` (``sync``,
+``colocate_async``, ``separate_async``; the last adds the keys of
+:func:`agl_backend_verl.cpu.mode_keys`: its own replica on its own CPU ranks). It prints the training
+reward of every step for each, the first step whose training reward reaches 0.9, then the mean
+seconds per step of generation (``timing/gen_s``: waiting for the step's groups), log-probs
 (``timing/log_prob_s``), the update (``timing/actor_update_s``), the weight push
 (``timing/update_weights_s``; the torch backend copies its weights inside the step), the rest of the
 step (idle: checkpoints, hooks, reporting) and the whole step.
 
-Needs the gateway venv (``scripts/gateway_venv.sh``). A long run: the corridor reaches a reward of
-about 0.9 within 50 steps; ``--steps`` sets every run's length, ``--modes`` which verl modes run.
+``--rollouts gateway`` needs the gateway venv (``scripts/gateway_venv.sh``). A long run: the corridor
+reaches a reward of about 0.9 within 50 steps; ``--steps`` sets every run's length, ``--modes`` which
+verl modes run (none: ``--modes``).
 
     python benchmarks/bench_backends.py --steps 60
-    python benchmarks/bench_backends.py --steps 4 --modes sync --work-dir /tmp/bench   # a quick look
+    python benchmarks/bench_backends.py --steps 4 --modes sync --rollouts gateway --work-dir /tmp/bench
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -67,31 +72,50 @@ def run(command: list[str], environment: dict[str, str], log: Path) -> None:
         sys.exit(f"{command[:4]} exited with {code}; see {log}")
 
 
-def torch_run(policy: Path, work: Path, steps: int) -> list[dict]:
-    run_dir = work / "torch"
-    command = [
-        sys.executable, "-m", "agl_core.cli", "train", str(CONFIG), f"actor_rollout_ref.model.path={policy}",
-        f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}", *COMMON,
-    ]  # fmt: skip
-    run(command, env(), work / "torch.log")
+def rollout_path(rollouts: str, policy: Path, folder: Path) -> AbstractContextManager[Stack | None]:
+    """The gateway and controller of one column (``gateway``), or nothing (``embedded``)."""
+    if rollouts == "embedded":
+        return nullcontext()
+    folder.mkdir(parents=True, exist_ok=True)
+    return Stack(policy, folder)
+
+
+def gateway_keys(stack: Stack | None) -> list[str]:
+    """The keys that send a run's agents through ``stack``; none for the embedded agents."""
+    if stack is None:
+        return ["agentlightning.agl_base_url=null"]
+    return [f"agentlightning.agl_base_url={stack.gateway.url}", f"agentlightning.agl_key={stack.gateway.key}"]
+
+
+def agl_run(backend: str, policy: Path, work: Path, steps: int, rollouts: str) -> list[dict]:
+    """``agl train`` of the shipped config on ``backend`` (torch, trl)."""
+    run_dir = work / backend
+    with rollout_path(rollouts, policy, work / f"{backend}-stack") as stack:
+        command = [
+            sys.executable, "-m", "agl_core.cli", "train", str(CONFIG), f"agentlightning.backend={backend}",
+            f"actor_rollout_ref.model.path={policy}", f"trainer.total_training_steps={steps}",
+            f"trainer.default_local_dir={run_dir}", *gateway_keys(stack), *COMMON,
+        ]  # fmt: skip
+        run(command, env(), work / f"{backend}.log")
     return metrics(run_dir)
 
 
-def verl_run(policy: Path, work: Path, steps: int, mode: str) -> list[dict]:
-    run_dir, stack_dir = work / mode, work / f"{mode}-stack"
-    stack_dir.mkdir(parents=True, exist_ok=True)
-    with Stack(policy, stack_dir) as stack:
+def verl_run(policy: Path, work: Path, steps: int, mode: str, rollouts: str) -> list[dict]:
+    """``run_verl.sh`` in verl's CPU mode and trainer mode ``mode`` (its later keys win: the
+    embedded agents' ``agl_base_url: null`` over the script's)."""
+    run_dir = work / mode
+    with rollout_path(rollouts, policy, work / f"{mode}-stack") as stack:
         environment = {
             **env(),
             "MODEL_PATH": str(policy),
-            "AGL_BASE_URL": stack.gateway.url,
-            "AGL_KEY": stack.gateway.key,
+            "AGL_BASE_URL": stack.gateway.url if stack else "http://127.0.0.1:9",  # replaced by the keys
+            "AGL_KEY": stack.gateway.key if stack else "",
             "STEPS": str(steps),
             "RUN_DIR": str(run_dir),
             "PYTHON": sys.executable,
         }
-        keys = [*CPU_KEYS, *mode_keys(mode), *RUN_KEYS.get(mode, ()), f"trainer.v1.trainer_mode={mode}", *COMMON]
-        run(["bash", str(RUN_VERL), *keys], environment, work / f"{mode}.log")
+        keys = [*CPU_KEYS, *mode_keys(mode), *RUN_KEYS.get(mode, ()), f"trainer.v1.trainer_mode={mode}"]
+        run(["bash", str(RUN_VERL), *keys, *gateway_keys(stack), *COMMON], environment, work / f"{mode}.log")
     return metrics(run_dir)
 
 
@@ -136,10 +160,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="training steps of every run (default: 60)")
     parser.add_argument(
         "--modes",
-        nargs="+",
+        nargs="*",
         choices=V1_MODES,
         default=list(V1_MODES),
-        help="the verl trainer modes to run beside the torch backend (default: all three)",
+        help="the verl trainer modes to run beside the torch and trl backends (default: all three)",
+    )
+    parser.add_argument(
+        "--rollouts",
+        choices=("embedded", "gateway"),
+        default="embedded",
+        help="every column's rollout path: agents in the trainer, or the real gateway and controller",
     )
     parser.add_argument(
         "--work-dir", type=Path, help="where the runs' folders, logs and metrics go (default: a new temporary folder)"
@@ -148,12 +178,12 @@ def main() -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="agl-bench-backends-"))
     work.mkdir(parents=True, exist_ok=True)
     policy = build(work / "policy", seed=0)
-    columns = {"torch": torch_run(policy, work, args.steps)}
+    columns = {backend: agl_run(backend, policy, work, args.steps, args.rollouts) for backend in ("torch", "trl")}
     for mode in args.modes:
-        columns[f"verl {mode}"] = verl_run(policy, work, args.steps, mode)
+        columns[f"verl {mode}"] = verl_run(policy, work, args.steps, mode, args.rollouts)
     names = list(columns)
     width = max(len(name) for name in names) + 2
-    print(f"corridor, {args.steps} steps (logs and metrics in {work})\n")
+    print(f"corridor, {args.steps} steps, {args.rollouts} agents (logs and metrics in {work})\n")
     print("training reward by step")
     print(f"{'step':>4}" + "".join(f"{name:>{width}}" for name in names))
     for step in range(1, args.steps + 1):
