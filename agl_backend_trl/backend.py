@@ -38,7 +38,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from agl_backend_trl.config import callback_classes, check_trl_config, grpo_config
 from agl_backend_trl.trainer import AglGRPOTrainer
 from agl_core import ConfigError, LoopBackend, LossSettings, PolicyServer, Served, load_policy_model, tensorize
-from agl_core.backends.ppo import frozen_log_probs, mean_over_steps, mini_batches, rank_rows
+from agl_core.backends.ppo import frozen_log_probs, mean_over_steps, mini_batches, rank_rows, take_rows
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: the adapter only, as in the torch backend's checkpoints
-RESPONSE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 """accelerate's process models this backend trains in: one process, or data-parallel (DDP) processes."""
 
@@ -132,7 +131,7 @@ class TrlBackend(LoopBackend):
         """:meth:`train` on the prepared rows, in every process."""
         assert prepared.shaped is not None
         padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
-        rows = {name: padded.tensors[name] for name in RESPONSE_KEYS}
+        rows = take_rows(padded.tensors, slice(None))
         batch = (rows, prepared.advantages(rows["responses"].shape[1]), prepared.shaped.n_mini_batches, self.step)
         self.tell("train", *batch, float(self.data.epoch))
         return self.train(*batch, float(self.data.epoch))
@@ -156,14 +155,14 @@ class TrlBackend(LoopBackend):
         advantages = advantages.to(self.device)
         parts = mini_batches(len(advantages), n_mini_batches)
         shares = [rank_rows(part, self.rank, self.world) for part in parts]
-        old_log_prob = [frozen_log_probs(self.model, _pick(rows, share)) for share in shares]
+        old_log_prob = [frozen_log_probs(self.model, take_rows(rows, share)) for share in shares]
         with torch.no_grad():
-            ref_log_prob = [trainer.reference_log_probs(_pick(rows, share)) for share in shares]
+            ref_log_prob = [trainer.reference_log_probs(take_rows(rows, share)) for share in shares]
         log_probs_done = time.perf_counter()
         steps = [
             trainer.mini_batch_step(
                 {
-                    "rows": _pick(rows, share),
+                    "rows": take_rows(rows, share),
                     "old_log_prob": old_log_prob[i],
                     "advantages": advantages[share],
                     "ref_log_prob": ref_log_prob[i],
@@ -290,7 +289,3 @@ def check_processes(args: Any, mini_batch_rows: int) -> None:
             f"a mini-batch has {mini_batch_rows} rows (ppo_mini_batch_size × rollout.n), fewer than the "
             f"{args.world_size} processes that each train a share of it",
         )
-
-
-def _pick(rows: Mapping[str, torch.Tensor], index: list[int]) -> dict[str, torch.Tensor]:
-    return {name: value[index] for name, value in rows.items()}

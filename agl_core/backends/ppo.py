@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ADDITIVE_METRICS",
     "MULTI_MODAL_INPUTS",
+    "UPDATE_KEYS",
     "attention_implementation",
     "chosen_log_probs",
     "frozen_log_probs",
@@ -70,6 +71,7 @@ __all__ = [
     "response_log_probs",
     "step_metrics",
     "token_entropy",
+    "take_rows",
     "trainable_parameters",
 ]
 
@@ -80,6 +82,15 @@ ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_l
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
 """The batch entry (beside the tensors) holding each row's image inputs: a numpy object array of dicts,
 ``{}`` for a text row, else ``pixel_values`` and ``image_grid_thw``."""
+
+
+UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+"""The padded text tensors (:func:`~agl_core.stages.tensorize.tensorize`) a PPO update reads."""
+
+
+def take_rows(tensors: Mapping[str, torch.Tensor], rows: slice | Sequence[int]) -> dict[str, torch.Tensor]:
+    """The :data:`UPDATE_KEYS` tensors of ``rows`` (a slice, or row indices) of a padded batch."""
+    return {name: tensors[name][rows] for name in UPDATE_KEYS}
 
 
 def has_images(tensors: Mapping[str, Any]) -> bool:

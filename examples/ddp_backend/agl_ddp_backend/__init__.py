@@ -35,7 +35,8 @@ from agl_core import (
     hookimpl,
     tensorize,
 )
-from agl_ddp_backend.worker import RESPONSE_KEYS, pack, serve_rank, unpack
+from agl_core.backends.ppo import take_rows
+from agl_ddp_backend.worker import pack, serve_rank, unpack
 
 __all__ = ["DdpBackend", "DdpSettings", "check_ddp_config"]
 
@@ -106,7 +107,7 @@ class DdpBackend(LoopBackend):
     def update(self, prepared: PreparedBatch) -> dict[str, float]:
         assert prepared.shaped is not None
         padded = tensorize(prepared.shaped.rows, pad_token_id=self.tokenizer.pad_token_id or 0)
-        tensors = {name: padded.tensors[name] for name in RESPONSE_KEYS}
+        tensors = take_rows(padded.tensors, slice(None))
         advantages = prepared.advantages(tensors["responses"].shape[1])
         metrics, weights = self._call("update", tensors, advantages, prepared.shaped.n_mini_batches)
         self.model.load_state_dict(weights)

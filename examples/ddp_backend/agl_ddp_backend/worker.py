@@ -31,9 +31,8 @@ from agl_core.backends.ppo import (
     rank_rows,
     response_distributions,
     step_metrics,
+    take_rows,
 )
-
-RESPONSE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
 def pack(value: Any) -> bytes:
@@ -84,7 +83,7 @@ class Rank:
         shares = [rank_rows(rows, self.rank, self.world) for rows in slices]
         mine = [i for share in shares for i in share]
         old = torch.zeros(advantages.shape)
-        old[mine] = frozen_log_probs(self.model.module, _rows(tensors, mine))
+        old[mine] = frozen_log_probs(self.model.module, take_rows(tensors, mine))
         steps = [
             self.step(tensors, advantages, old, share, int(tensors["response_mask"][rows].sum()))
             for _ in range(self.actor.ppo_epochs)
@@ -101,7 +100,7 @@ class Rank:
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for rows in micro_batches(share, self.actor.ppo_micro_batch_size_per_gpu):
-            part = _rows(tensors, rows)
+            part = take_rows(tensors, rows)
             loss, metrics = self.loss(
                 settings, response_distributions(self.model, part), part, old[rows], advantages[rows]
             )
@@ -118,7 +117,3 @@ class Rank:
     def load(self, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any]) -> None:
         self.model.module.load_state_dict(weights)
         self.optimizer.load_state_dict(optimizer_state)
-
-
-def _rows(tensors: Mapping[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
-    return {name: tensors[name][rows] for name in RESPONSE_KEYS}
