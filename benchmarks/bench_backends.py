@@ -83,7 +83,7 @@ def rollout_path(rollouts: str, policy: Path, folder: Path) -> AbstractContextMa
 def gateway_keys(stack: Stack | None) -> list[str]:
     """The keys that send a run's agents through ``stack``; none for the embedded agents."""
     if stack is None:
-        return ["agentlightning.agl_base_url=null"]
+        return ["agentlightning.agl_base_url=null", "agentlightning.agl_key=''"]
     return [f"agentlightning.agl_base_url={stack.gateway.url}", f"agentlightning.agl_key={stack.gateway.key}"]
 
 
@@ -109,7 +109,7 @@ def verl_run(policy: Path, work: Path, steps: int, mode: str, rollouts: str) -> 
             **env(),
             "MODEL_PATH": str(policy),
             "AGL_BASE_URL": stack.gateway.url if stack else "http://127.0.0.1:9",  # replaced by the keys
-            "AGL_KEY": stack.gateway.key if stack else "",
+            "AGL_KEY": stack.gateway.key if stack else "unused",
             "STEPS": str(steps),
             "RUN_DIR": str(run_dir),
             "PYTHON": sys.executable,
