@@ -132,9 +132,10 @@ class TrlBackend(LoopBackend):
         assert prepared.shaped is not None
         padded = tensorize(prepared.shaped.rows, pad_token_id=self.pad_token_id)
         rows = take_rows(padded.tensors, slice(None))
-        batch = (rows, prepared.advantages(rows["responses"].shape[1]), prepared.shaped.n_mini_batches, self.step)
-        self.tell("train", *batch, float(self.data.epoch))
-        return self.train(*batch, float(self.data.epoch))
+        advantages = prepared.advantages(rows["responses"].shape[1])
+        batch = (rows, advantages, prepared.shaped.n_mini_batches, self.step, float(self.data.epoch))
+        self.tell("train", *batch)
+        return self.train(*batch)
 
     def train(
         self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, n_mini_batches: int, step: int, epoch: float
@@ -155,14 +156,15 @@ class TrlBackend(LoopBackend):
         advantages = advantages.to(self.device)
         parts = mini_batches(len(advantages), n_mini_batches)
         shares = [rank_rows(part, self.rank, self.world) for part in parts]
-        old_log_prob = [frozen_log_probs(self.model, take_rows(rows, share)) for share in shares]
+        share_rows = [take_rows(rows, share) for share in shares]
+        old_log_prob = [frozen_log_probs(self.model, mine) for mine in share_rows]
         with torch.no_grad():
-            ref_log_prob = [trainer.reference_log_probs(take_rows(rows, share)) for share in shares]
+            ref_log_prob = [trainer.reference_log_probs(mine) for mine in share_rows]
         log_probs_done = time.perf_counter()
         steps = [
             trainer.mini_batch_step(
                 {
-                    "rows": take_rows(rows, share),
+                    "rows": share_rows[i],
                     "old_log_prob": old_log_prob[i],
                     "advantages": advantages[share],
                     "ref_log_prob": ref_log_prob[i],
