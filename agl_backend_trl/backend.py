@@ -16,7 +16,7 @@ adapter) as transformers' ``Trainer.save_model`` writes it, and the optimizer, l
 sampler states in the loop's ``trainer_state.pt``; a resume loads the model with ``Trainer``'s own loader.
 
 Several processes (``torchrun --nproc-per-node N -m agl_core.cli train ...``, accelerate's
-data-parallel process model: DDP over gloo on CPU with ``trl.use_cpu``, over NCCL on GPUs): process
+data-parallel process model: DDP over gloo on CPU with ``trl.use_cpu``; on GPUs refused so far): process
 0 runs the loop (rollouts, hooks, serving, metrics, checkpoints); the others wait in
 :meth:`TrlBackend.follow` and do what it tells them (:meth:`~TrlBackend.train` each step's rows,
 :meth:`~TrlBackend.load_checkpoint` on a resume) until it stops. Each trains its share of every
@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: the adapter only, as in the torch backend's checkpoints
-DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-"""accelerate's process models this backend trains in: one process, or data-parallel (DDP) processes."""
+DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU)
+"""accelerate's process models this backend trains in: one process, or data-parallel (DDP) CPU
+processes (several GPU processes over NCCL are not proven yet)."""
 
 
 def lora_config(model_cfg: DictConfig) -> Any:
@@ -269,14 +270,14 @@ class TrlBackend(LoopBackend):
 
 def check_processes(args: Any, mini_batch_rows: int) -> None:
     """Refuse a process model this backend does not train in, by what set it: accelerate's DeepSpeed
-    or FSDP (its launch config), a launcher's processes accelerate does not join (CPU without
-    ``trl.use_cpu``), more processes than a mini-batch has rows."""
+    or FSDP (its launch config) or several GPU processes, a launcher's processes accelerate does not
+    join (CPU without ``trl.use_cpu``), more processes than a mini-batch has rows."""
     state = args.distributed_state
     if state.distributed_type not in DATA_PARALLEL:
         raise ConfigError(
             "agentlightning.backend",
-            f"backend 'trl' trains in one process or data-parallel (DDP) processes, not accelerate's "
-            f"{state.distributed_type.value} (set by the accelerate launch config): it is not proven yet",
+            f"backend 'trl' trains in one process or data-parallel (DDP) CPU processes, not accelerate's "
+            f"{state.distributed_type.value} (set by the launcher and its config): it is not proven yet",
         )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != args.world_size:

@@ -158,9 +158,10 @@ def _launch(world_size, distributed_type="MULTI_CPU"):
         ("2", _launch(1, "NO"), 8, "trl.use_cpu"),  # torchrun's processes, each training alone
         ("2", _launch(2, "DEEPSPEED"), 8, "agentlightning.backend"),
         ("2", _launch(2, "FSDP"), 8, "agentlightning.backend"),
+        ("2", _launch(2, "MULTI_GPU"), 8, "agentlightning.backend"),  # not run on GPUs yet
         ("4", _launch(4), 2, "actor_rollout_ref.actor.ppo_mini_batch_size"),
     ],
-    ids=["processes-accelerate-does-not-join", "deepspeed", "fsdp", "more-processes-than-rows"],
+    ids=["processes-accelerate-does-not-join", "deepspeed", "fsdp", "gpu-processes", "more-processes-than-rows"],
 )
 def test_a_process_model_the_backend_does_not_train_in_is_refused(monkeypatch, launched, args, rows, key):
     from agl_backend_trl.backend import check_processes
