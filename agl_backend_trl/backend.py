@@ -9,11 +9,15 @@ carried rollouts; and TRL's model lives in this process, so the loop can drive i
 Per step (:meth:`TrlBackend.update`): the rows padded, the old (and reference) log-probs, then
 ``actor.ppo_epochs`` passes over the mini-batches, one optimizer step each through
 :meth:`~agl_backend_trl.trainer.AglGRPOTrainer.mini_batch_step`, then the lr schedule's step and the
-callbacks' step events. The weights are served with agl's in-process :class:`agl_core.PolicyServer`,
+callbacks' step events. What the callbacks then ask in TRL's ``TrainerControl`` steers agl's loop
+(:meth:`TrlBackend.control`): ``should_evaluate`` a validation (their ``on_evaluate`` gets its
+``val/*`` metrics), ``should_save`` a checkpoint (then ``on_save``), ``should_training_stop`` the end of
+the run after the step. The weights are served with agl's in-process :class:`agl_core.PolicyServer`,
 its copy of the policy made before TRL patches the model's forward (``add_fused_lm_head``), so
 that serving reads only the weights pushed to it. A checkpoint holds the model (a LoRA run: the
 adapter) as transformers' ``Trainer.save_model`` writes it, and the optimizer, lr schedule and
-sampler states in the loop's ``trainer_state.pt``; a resume loads the model with ``Trainer``'s own loader.
+sampler states in the loop's ``trainer_state.pt``, and the state of the callbacks that export it
+(transformers' ``ExportableState``); a resume loads the model with ``Trainer``'s own loader.
 
 Several processes (``torchrun --nproc-per-node N -m agl_core.cli train ...``, accelerate's
 data-parallel process model: DDP over gloo on CPU with ``trl.use_cpu``; on GPUs refused so far): process
@@ -34,10 +38,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list
+from transformers.trainer_callback import ExportableState
 
 from agl_backend_trl.config import callback_classes, check_trl_config, grpo_config
 from agl_backend_trl.trainer import AglGRPOTrainer
-from agl_core import ConfigError, LoopBackend, LossSettings, PolicyServer, Served, load_policy_model, tensorize
+from agl_core import (
+    ConfigError,
+    LoopBackend,
+    LoopControl,
+    LossSettings,
+    PolicyServer,
+    Served,
+    load_policy_model,
+    tensorize,
+)
 from agl_core.backends.ppo import frozen_log_probs, mean_over_steps, mini_batches, rank_rows, take_rows
 
 if TYPE_CHECKING:
@@ -147,11 +161,8 @@ class TrlBackend(LoopBackend):
         old and reference log-probs) and ``timing/actor_update_s`` (the PPO epochs), as the torch
         backend reports them."""
         trainer = self.trainer
-        if not self._began:
-            trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
-            self._began = True
         trainer.state.global_step = step - 1
-        trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)
+        self.event("on_step_begin")
         started = time.perf_counter()
         rows = {name: value.to(self.device) for name, value in rows.items()}
         advantages = advantages.to(self.device)
@@ -186,9 +197,41 @@ class TrlBackend(LoopBackend):
             trainer.lr_scheduler.step()  # the schedule advances with the optimizer only
         trainer.state.global_step = step
         trainer.state.epoch = epoch
-        trainer.callback_handler.on_step_end(trainer.args, trainer.state, trainer.control)
-        trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, logs=metrics)
+        self.event("on_step_end")
+        self.event("on_log", metrics)
         return metrics
+
+    def control(self) -> LoopControl:
+        """What the callbacks asked of the loop in ``TrainerControl`` (process 0's)."""
+        control = self.trainer.control
+        return LoopControl(
+            validate=control.should_evaluate, save=control.should_save, stop=control.should_training_stop
+        )
+
+    def validate(self) -> dict[str, float]:
+        """agl's validation, then the callbacks' ``on_evaluate`` with its metrics in every process."""
+        metrics = super().validate()
+        self.event_everywhere("on_evaluate", metrics)
+        return metrics
+
+    def save(self) -> None:
+        """agl's checkpoint, then the callbacks' ``on_save`` in every process."""
+        super().save()
+        self.event_everywhere("on_save")
+
+    def event_everywhere(self, name: str, *payload: Any) -> None:
+        """Process 0: :meth:`event` in every process."""
+        self.tell("event", name, *payload)
+        self.event(name, *payload)
+
+    def event(self, name: str, *payload: Any) -> None:
+        """The callbacks' event ``name`` (``on_log``'s logs, ``on_evaluate``'s metrics as ``payload``),
+        ``on_train_begin`` first."""
+        trainer = self.trainer
+        if not self._began:
+            self._began = True
+            self.event("on_train_begin")
+        getattr(trainer.callback_handler, name)(trainer.args, trainer.state, trainer.control, *payload)
 
     def serve(self, version: int) -> Served:
         """Push the policy's weights to the in-process server (started by the first call; idempotent);
@@ -208,6 +251,7 @@ class TrlBackend(LoopBackend):
             "optimizer": self.trainer.optimizer.state_dict(),
             "scheduler": self.trainer.lr_scheduler.state_dict(),
             "sampler_rng": self.server.sampler_state(),
+            "callbacks": {type(callback).__name__: callback.state() for callback in self._stateful_callbacks()},
         }
 
     def load_checkpoint(self, folder: Path, state: Mapping[str, Any]) -> None:
@@ -224,6 +268,17 @@ class TrlBackend(LoopBackend):
         self.trainer.lr_scheduler.load_state_dict(state["scheduler"])
         if self.server is not None:
             self.server.restore_sampler_state(state["sampler_rng"])
+        saved = state.get("callbacks", {})
+        for callback in self._stateful_callbacks():
+            name = type(callback).__name__
+            if name not in saved:
+                logger.warning("checkpoint %s holds no state of callback %s: it starts afresh", folder, name)
+                continue
+            for attribute, value in saved[name]["attributes"].items():
+                setattr(callback, attribute, value)
+
+    def _stateful_callbacks(self) -> list[Any]:
+        return [cb for cb in self.trainer.callback_handler.callbacks if isinstance(cb, ExportableState)]
 
     def weights_dir(self) -> str:
         return ADAPTER_DIR if self.config.actor_rollout_ref.model.lora_rank > 0 else MODEL_DIR
@@ -231,8 +286,7 @@ class TrlBackend(LoopBackend):
     def close(self) -> None:
         self.tell("stop")
         if self._began:
-            trainer = self.trainer
-            trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
+            self.event("on_train_end")
         if self.server is not None:
             self.server.close()
 

@@ -57,6 +57,7 @@ __all__ = [
     "GroupStream",
     "HookTimeout",
     "LoopBackend",
+    "LoopControl",
     "LoopSettings",
     "LossSettings",
     "MetricSink",
@@ -238,6 +239,7 @@ _MODULES: dict[str, str] = {
     "OnStep": "agl_core.backends.contract",
     "PLAIN_UPDATE_KEYS": "agl_core.backends.contract",
     "check_plain_update": "agl_core.backends.contract",
+    "LoopControl": "agl_core.backends.loop",
     "LoopSettings": "agl_core.backends.loop",
     "NothingTrainedError": "agl_core.backends.untrained",
     "Step": "agl_core.backends.loop",
@@ -266,7 +268,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
         OnStep,
         check_plain_update,
     )
-    from agl_core.backends.loop import LoopSettings, Step, run_steps
+    from agl_core.backends.loop import LoopControl, LoopSettings, Step, run_steps
     from agl_core.backends.loop_backend import LoopBackend, Served
     from agl_core.backends.rollout_source import check_rollout_source, open_rollout_source
     from agl_core.backends.untrained import NothingTrainedError

@@ -53,6 +53,7 @@ PUBLIC_NAMES = [
     "load_config",
     "load_dataset",
     "LoopBackend",
+    "LoopControl",
     "LoopSettings",
     "LossSettings",
     "masked_sum",

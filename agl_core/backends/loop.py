@@ -6,7 +6,8 @@ training, reported as the step it starts from (0 on a fresh run); then per step 
 (async, at the run's first step: batches until ``agentlightning.async_rollout.async_train_batch_size``
 groups are in flight), the training step, a validation when ``trainer.test_freq`` divides the step or
 it is the last, the step reported, and a checkpoint when ``trainer.save_freq`` divides the step or it
-is the last.
+is the last. Beside that schedule, the trainer may ask (:class:`LoopControl`, read after each step) to
+validate the step, checkpoint it, or end the run after it: a TRL callback's ``TrainerControl``, for one.
 
 A step is reported before it is checkpointed: a run killed in between resumes from the previous
 checkpoint, redoes the step, and the run log (:class:`agl_core.runs.train.MetricsLog`) replaces its line.
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["LoopSettings", "Step", "StepTrainer", "next_samples", "run_steps"]
+__all__ = ["LoopControl", "LoopSettings", "Step", "StepTrainer", "next_samples", "run_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class StepTrainer(Protocol):
 class LoopSettings:
     """``validate_first``: validate before training on a fresh run; with ``val_only`` (verl's
     ``trainer.val_only``) also on a resumed one, and stop there. ``fill``: samples the first step of
-    a run hands the rollout source (async rollout), 0 for one batch."""
+    a run hands the rollout source (async rollout), 0 for one batch. ``has_validation``: the run has
+    validation rows, so a :class:`LoopControl` asking for a validation gets one."""
 
     total_steps: int
     test_freq: int = -1
@@ -60,6 +62,7 @@ class LoopSettings:
     validate_first: bool = False
     val_only: bool = False
     fill: int = 0
+    has_validation: bool = True
 
     @classmethod
     def from_config(
@@ -74,7 +77,20 @@ class LoopSettings:
             validate_first=has_validation and bool(config.trainer.val_before_train),
             val_only=val_only,
             fill=int(async_rollout.async_train_batch_size) if async_rollout.enabled else 0,
+            has_validation=has_validation,
         )
+
+
+@attrs.frozen
+class LoopControl:
+    """What a trainer asks of the loop for the step it just trained, beside :class:`LoopSettings`'
+    schedule: ``validate`` it, ``save`` (checkpoint) it, ``stop`` the run after it (validated, reported
+    and, with ``trainer.save_freq`` > 0, checkpointed as a last step is). Read again after the step's
+    validation, which may change it."""
+
+    validate: bool = False
+    save: bool = False
+    stop: bool = False
 
 
 def next_samples(trainer: StepTrainer, fill: int = 0) -> list[Mapping[str, Any]]:
@@ -86,9 +102,12 @@ def next_samples(trainer: StepTrainer, fill: int = 0) -> list[Mapping[str, Any]]
     return samples
 
 
-def run_steps(trainer: StepTrainer, settings: LoopSettings) -> Iterator[Step]:
-    """Train until ``settings.total_steps``, yielding each step's ``(step, total_steps, metrics)``
-    before it is checkpointed (the checkpoint is written when the next item is asked for)."""
+def run_steps(
+    trainer: StepTrainer, settings: LoopSettings, control: Callable[[], LoopControl] = LoopControl
+) -> Iterator[Step]:
+    """Train until ``settings.total_steps``, or until ``control()`` asks to stop, yielding each step's
+    ``(step, total_steps, metrics)`` before it is checkpointed (the checkpoint is written when the next
+    item is asked for). A run stopped early reports ``training/stopped_early`` on its last step."""
     start, total = trainer.step, settings.total_steps
     if start >= total and not settings.val_only:
         logger.warning(
@@ -106,14 +125,27 @@ def run_steps(trainer: StepTrainer, settings: LoopSettings) -> Iterator[Step]:
         metrics = trainer.train_step(next_samples(trainer, settings.fill if trainer.step == start else 0))
         metrics["timing/step_s"] = time.perf_counter() - started
         step = trainer.step
-        last = step >= total
-        if settings.test_freq > 0 and (last or step % settings.test_freq == 0):
+        last = step >= total or control().stop
+        scheduled = settings.test_freq > 0 and (last or step % settings.test_freq == 0)
+        if scheduled or (control().validate and _can_validate(settings, step)):
             metrics.update(_validation(trainer))
+        stopped = step < total and control().stop  # a validation may have asked for it
+        if stopped:
+            metrics["training/stopped_early"] = 1.0
+            logger.warning("training stopped after step %d of %d: the trainer asked to stop", step, total)
         yield step, total, metrics
-        if settings.save_freq > 0 and (last or step % settings.save_freq == 0):
+        if (settings.save_freq > 0 and (last or stopped or step % settings.save_freq == 0)) or control().save:
             started = time.perf_counter()
             trainer.save()
             logger.info("checkpoint of step %d saved in %.2f s", step, time.perf_counter() - started)
+        if stopped:
+            return
+
+
+def _can_validate(settings: LoopSettings, step: int) -> bool:
+    if not settings.has_validation:
+        logger.warning("step %d: the trainer asked for a validation, but data.val_files is not set", step)
+    return settings.has_validation
 
 
 def _validation(trainer: StepTrainer) -> dict[str, float]:

@@ -12,6 +12,7 @@
       steps   run_steps: validation first (fresh run), then per step:
                 next dataset batch(es) -> train_step -> validation (test_freq, last) -> on_step(metrics)
                 -> checkpoint (save_freq, last)                            save_checkpoint(folder) -> state
+                (and what control() asks: a validation, a checkpoint, the end of the run)
       stop    source closed, then the backend                              close()
 
     train_step(samples), step N
@@ -56,7 +57,7 @@ from agl_core.backends.checkpoints import (
     write_checkpoint,
 )
 from agl_core.backends.data_order import DataOrder
-from agl_core.backends.loop import LoopSettings, run_steps
+from agl_core.backends.loop import LoopControl, LoopSettings, run_steps
 from agl_core.backends.rollout_source import check_rollout_source, open_rollout_source
 from agl_core.files.datasets import load_dataset
 from agl_core.stages.pipeline import PreparedBatch, StepPipeline, validation_metrics
@@ -146,13 +147,18 @@ class LoopBackend(abc.ABC):
         """Stop what :meth:`serve` started and free the backend's workers; called once when training
         ends, however it ends."""
 
+    def control(self) -> LoopControl:
+        """What the engine asks of the loop after the step just trained (a validation, a checkpoint,
+        the end of the run): nothing, unless a backend's engine steers its own loop."""
+        return LoopControl()
+
     # -- the loop --------------------------------------------------------------------------------
 
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train until the configured number of steps, calling ``on_step`` after every step."""
         try:
             settings = self.start()
-            for step, total, metrics in run_steps(self, settings):
+            for step, total, metrics in run_steps(self, settings, self.control):
                 if on_step is not None:
                     on_step(step, total, metrics, self.pipeline.take_samples())
         finally:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from agl_core.backends.loop import LoopSettings, run_steps
+from agl_core.backends.loop import LoopControl, LoopSettings, run_steps
 
 
 class Recorder:
@@ -32,10 +33,12 @@ class Recorder:
         self.log.append(("save", self.step))
 
 
-def drive(trainer, settings):
+def drive(trainer, settings, control=LoopControl):
     """Run the loop as a backend's fit does, recording each report among the trainer's calls."""
-    for step, total, metrics in run_steps(trainer, settings):
+    for step, total, metrics in run_steps(trainer, settings, control):
         trainer.log.append(("report", step, total, "val/reward" in metrics))
+        if "training/stopped_early" in metrics:
+            trainer.log.append(("stopped early", step))
     return trainer.log
 
 
@@ -89,3 +92,46 @@ def test_a_run_resumed_at_its_last_step_says_there_is_nothing_to_train(caplog):
     with caplog.at_level("WARNING", logger="agl_core.backends.loop"):
         assert drive(Recorder(step=3), LoopSettings(total_steps=3, validate_first=True)) == []
     assert "nothing to train: the run resumed at step 3 of 3; raise trainer.total_training_steps" in caplog.text
+
+
+@pytest.mark.parametrize("has_validation", [True, False])
+def test_what_the_trainer_asks_after_a_step_adds_a_checkpoint_a_validation_or_ends_the_run(has_validation):
+    asked = {1: LoopControl(save=True), 2: LoopControl(validate=True), 3: LoopControl(stop=True)}
+    trainer = Recorder()
+    settings = LoopSettings(total_steps=5, test_freq=4 if has_validation else -1, save_freq=4)
+    log = drive(
+        trainer, attrs.evolve(settings, has_validation=has_validation), lambda: asked.get(trainer.step, LoopControl())
+    )
+    validated = has_validation
+    assert log == [
+        ("train", 1, 2),
+        ("report", 1, 5, False),
+        ("save", 1),  # asked, though save_freq is 4
+        ("train", 2, 2),
+        *[("validate", 2)] * validated,  # asked, though test_freq is 4; no validation rows: none
+        ("report", 2, 5, validated),
+        ("train", 3, 2),
+        *[("validate", 3)] * validated,  # the run's last step, as a last step is
+        ("report", 3, 5, validated),
+        ("stopped early", 3),
+        ("save", 3),
+    ]
+
+
+def test_a_validation_may_end_the_run():
+    trainer = Recorder()
+    validations = []
+
+    def validate():
+        validations.append(trainer.step)
+        return {"val/reward": 0.0}
+
+    trainer.validate = validate
+    log = drive(trainer, LoopSettings(total_steps=5, test_freq=2), lambda: LoopControl(stop=bool(validations)))
+    assert log == [
+        ("train", 1, 2),
+        ("report", 1, 5, False),
+        ("train", 2, 2),
+        ("report", 2, 5, True),
+        ("stopped early", 2),
+    ]

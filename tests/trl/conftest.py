@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from tests.helpers.corridor_policy import shared_corridor_policy
 
@@ -33,3 +34,30 @@ class StepsSeen(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         StepsSeen.seen.append(state.global_step)
+
+
+class Steering(TrainerCallback, ExportableState):
+    """A TRL callback that asks agl's loop, in ``TrainerControl``, for a checkpoint after step 1, a
+    validation after step 2 and, once that validation is seen, the end of the run; it counts the
+    steps it saw end (its exported state) and notes the ``on_save`` / ``on_evaluate`` events."""
+
+    events: list[tuple[str, int]] = []
+
+    def __init__(self, steps_ended: int = 0):
+        self.steps_ended = steps_ended
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps_ended += 1
+        control.should_save = state.global_step == 1
+        control.should_evaluate = state.global_step == 2
+
+    def on_save(self, args, state, control, **kwargs):
+        Steering.events.append(("save", state.global_step))
+
+    def on_evaluate(self, args, state, control, metrics, **kwargs):
+        assert "val/reward" in metrics
+        Steering.events.append(("evaluate", state.global_step))
+        control.should_training_stop = True
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"steps_ended": self.steps_ended}}

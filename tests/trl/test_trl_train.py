@@ -1,6 +1,7 @@
 """``agl train`` with ``backend=trl`` on the corridor example: a short run exits, serves a new weight
 version after every step, and a stopped run resumed from its checkpoint continues at the next step
-with the optimizer and lr schedule the checkpoint holds; a TRL callback (``trl.callbacks``) sees every step."""
+with the optimizer and lr schedule the checkpoint holds; a TRL callback (``trl.callbacks``) sees every
+step, and what it asks in ``TrainerControl`` steers the loop."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from agl_core import hookimpl
 from agl_core.backends.checkpoints import read_state
 from agl_core.plugins import PluginManager
 from agl_core.runs.train import run
-from tests.trl.conftest import CONFIG, StepsSeen, corridor_overrides
+from tests.trl.conftest import CONFIG, Steering, StepsSeen, corridor_overrides
 
 SMALL = (
     "data.train_batch_size=2",
@@ -37,9 +38,9 @@ class Versions:
         self.seen.append(version)
 
 
-def train(policy, run_dir, steps):
+def train(policy, run_dir, steps, *extra):
     versions = Versions()
-    overrides = corridor_overrides(policy, run_dir, *SMALL, f"trainer.total_training_steps={steps}")
+    overrides = corridor_overrides(policy, run_dir, *SMALL, f"trainer.total_training_steps={steps}", *extra)
     run(CONFIG, overrides, [versions], show_progress=False)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return versions.seen, [line["step"] for line in lines if "actor/grad_norm" in line]
@@ -70,3 +71,27 @@ def test_a_stopped_run_resumes_from_its_checkpoint(corridor_policy, tmp_path):
         for name, value in state.items():
             assert torch.equal(loaded["state"][index][name], value), (index, name)
     assert backend.trainer.lr_scheduler.state_dict() == saved["scheduler"]
+
+
+def test_a_callback_asks_for_a_checkpoint_a_validation_and_the_end_and_its_state_is_checkpointed(
+    corridor_policy, tmp_path
+):
+    run_dir = tmp_path / "run"
+    steer = ("trainer.save_freq=-1", "trl.callbacks=[tests.trl.conftest:Steering]")
+    versions, steps = train(corridor_policy, run_dir, 4, *steer)
+    assert steps == [1, 2] and versions == [0, 1, 2], "stopped after step 2 of 4"
+    assert Steering.events == [("save", 1), ("evaluate", 2)]
+    assert sorted(path.name for path in run_dir.glob("global_step_*")) == ["global_step_1"]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [("val/reward" in line, line.get("training/stopped_early")) for line in lines] == [
+        (False, None),
+        (True, 1.0),
+    ]
+    assert read_state(run_dir / "global_step_1")["callbacks"] == {"Steering": Steering(steps_ended=1).state()}
+
+    from agl_backend_trl.config import load_trl_config
+
+    config = load_trl_config(CONFIG, corridor_overrides(corridor_policy, run_dir, *SMALL, *steer))
+    backend = TrlBackend(config, PluginManager.from_config(config, (), load_entrypoints=False))
+    (steering,) = [cb for cb in backend.trainer.callback_handler.callbacks if isinstance(cb, Steering)]
+    assert steering.steps_ended == 0 and backend.resume() and steering.steps_ended == 1
