@@ -52,7 +52,15 @@ from agl_core import (
     load_policy_model,
     tensorize,
 )
-from agl_core.backends.ppo import frozen_log_probs, mean_over_steps, mini_batches, rank_rows, take_rows
+from agl_core.backends.ppo import (
+    check_splittable,
+    frozen_log_probs,
+    mean_over_steps,
+    micro_batches,
+    mini_batches,
+    rank_rows,
+    take_rows,
+)
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -106,6 +114,14 @@ class TrlBackend(LoopBackend):
         args = grpo_config(config, self.run_dir)
         check_processes(args, int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n))
         self.rank, self.world = args.process_index, args.world_size
+        self.micro_rows = actor.ppo_micro_batch_size_per_gpu
+        loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
+        if self.micro_rows is not None:
+            check_splittable(loss_fn, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "micro-batches")
+        if self.world > 1:
+            check_splittable(
+                loss_fn, "actor_rollout_ref.actor.policy_loss.loss_mode", f"{self.world} data-parallel processes"
+            )
         self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         torch.manual_seed(int(config.trainer.seed))
         model = load_policy_model(folder, dtype=torch.float32)
@@ -119,7 +135,7 @@ class TrlBackend(LoopBackend):
             processing_class=self.tokenizer,
             callbacks=[cls() for cls in callback_classes(config)],
             peft_config=lora_config(config.actor_rollout_ref.model),
-            loss_fn=plugins.policy_losses.get(actor.policy_loss.loss_mode),
+            loss_fn=loss_fn,
             loss_settings=LossSettings.from_actor_config(actor),
             entropy_coeff=float(actor.entropy_coeff),
             grad_clip=float(actor.grad_clip),
@@ -167,24 +183,13 @@ class TrlBackend(LoopBackend):
         rows = {name: value.to(self.device) for name, value in rows.items()}
         advantages = advantages.to(self.device)
         parts = mini_batches(len(advantages), n_mini_batches)
-        shares = [rank_rows(part, self.rank, self.world) for part in parts]
-        share_rows = [take_rows(rows, share) for share in shares]
-        old_log_prob = [frozen_log_probs(self.model, mine) for mine in share_rows]
-        with torch.no_grad():
-            ref_log_prob = [trainer.reference_log_probs(mine) for mine in share_rows]
+        micro = [micro_batches(rank_rows(part, self.rank, self.world), self.micro_rows) for part in parts]
+        inputs = [[self._inputs(rows, advantages, indices) for indices in part] for part in micro]
         log_probs_done = time.perf_counter()
         steps = [
-            trainer.mini_batch_step(
-                {
-                    "rows": share_rows[i],
-                    "old_log_prob": old_log_prob[i],
-                    "advantages": advantages[share],
-                    "ref_log_prob": ref_log_prob[i],
-                },
-                n_tokens=int(rows["response_mask"][part].sum()),
-            )
+            trainer.mini_batch_step(part_inputs, n_tokens=int(rows["response_mask"][part].sum()))
             for _ in range(int(self.config.actor_rollout_ref.actor.ppo_epochs))
-            for i, (part, share) in enumerate(zip(parts, shares))
+            for part, part_inputs in zip(parts, inputs)
         ]
         metrics = {
             **mean_over_steps(steps),
@@ -200,6 +205,20 @@ class TrlBackend(LoopBackend):
         self.event("on_step_end")
         self.event("on_log", metrics)
         return metrics
+
+    def _inputs(self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, indices: Any) -> dict[str, Any]:
+        """A micro-batch's inputs to :meth:`~AglGRPOTrainer.mini_batch_step`: its rows, advantages, and
+        old and reference log-probs (computed here, once for every PPO epoch)."""
+        mine = take_rows(rows, indices)
+        with torch.no_grad():
+            ref_log_prob = self.trainer.reference_log_probs(mine)
+        old_log_prob = frozen_log_probs(self.model, mine)
+        return {
+            "rows": mine,
+            "old_log_prob": old_log_prob,
+            "advantages": advantages[indices],
+            "ref_log_prob": ref_log_prob,
+        }
 
     def control(self) -> LoopControl:
         """What the callbacks asked of the loop in ``TrainerControl`` (process 0's)."""

@@ -8,7 +8,7 @@ trainer gets: agl's values for the paired keys, the honoured keys as set, and th
 needs (no saving, logging or reporting of TRL's own: agl's loop checkpoints and its metric sinks log).
 
 The agl keys this backend does not implement are refused too (:func:`check_trl_config`):
-micro-batches (of rows or by token budget), another dtype than float32, agl's lr schedule keys (the
+micro-batches by token budget, another dtype than float32, agl's lr schedule keys (the
 schedule is TRL's), another engine than the in-process one, a saved LoRA adapter to continue.
 """
 
@@ -325,10 +325,6 @@ def callback_classes(config: DictConfig) -> list[type]:
 # agl keys and the values this backend trains with, with why another value is refused.
 AGL_KEYS: Mapping[str, tuple[Any, str]] = {
     "actor_rollout_ref.actor.use_dynamic_bsz": (False, "token-budget micro-batches are the torch backend's"),
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (
-        None,
-        "each mini-batch is one pass of TRL's training_step so far (micro-batches are not done yet)",
-    ),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": (
         "constant",
         "the lr schedule is TRL's: set trl.lr_scheduler_type (and trl.warmup_steps), stepped once per training step",

@@ -13,18 +13,21 @@ in the methods overridden where TRL expects a subclass to change them:
 - ``get_decay_parameter_names``: every trained weight decays, as ``torch.optim.AdamW`` over all of
   them decays them in agl's other backends (transformers leaves biases and norms out).
 
-One optimizer step (:meth:`AglGRPOTrainer.mini_batch_step`) is TRL's ``training_step`` on this
-process's share of a mini-batch, then :func:`agl_core.backends.ppo.optimizer_step` (clipping at
-``actor.grad_clip``, a step with a non-finite gradient norm skipped and counted), with the
-callbacks' optimizer events around it. In several processes each trains its rows of the mini-batch
-(:func:`agl_core.backends.ppo.rank_rows`) with its share of the loss (``dp_size``, the mini-batch's
-trained tokens), so the gradients DDP averages are the one-process gradient of the whole mini-batch,
-and the step's metrics are gathered from every process.
+One optimizer step (:meth:`AglGRPOTrainer.mini_batch_step`) is TRL's ``training_step`` on each
+micro-batch (``actor.ppo_micro_batch_size_per_gpu`` rows; one without) of this process's share of a
+mini-batch, every micro-batch's loss its share of the mini-batch's, then
+:func:`agl_core.backends.ppo.optimizer_step` (clipping at ``actor.grad_clip``, a step with a
+non-finite gradient norm skipped and counted), with the callbacks' optimizer events around it. In
+several processes each trains its rows of the mini-batch (:func:`agl_core.backends.ppo.rank_rows`)
+with its share of the loss (``dp_size``, the mini-batch's trained tokens), so the gradients DDP
+averages are the one-process gradient of the whole mini-batch, and the step's metrics are gathered
+from every process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import attrs
@@ -111,18 +114,23 @@ class AglGRPOTrainer(GRPOTrainer):
         with model.disable_adapter():
             return response_log_probs(model, rows)
 
-    def mini_batch_step(self, inputs: Mapping[str, Any], n_tokens: int) -> dict[str, float]:
+    def mini_batch_step(self, micro_batches: Sequence[Mapping[str, Any]], n_tokens: int) -> dict[str, float]:
         """One optimizer step on this process's rows of a mini-batch of ``n_tokens`` trained tokens
-        (over every process): TRL's ``training_step`` (agl's loss, backward), then the toolkit's
+        (over every process), in ``micro_batches``: TRL's ``training_step`` on each (agl's loss, its
+        backward accumulating the gradients; DDP averages them after the last), then the toolkit's
         clipped step; the mini-batch's metrics (:func:`~agl_core.backends.ppo.step_metrics`), from
-        every process's part."""
+        every process's parts, and ``actor/n_micro_batches`` (this process's passes)."""
         world = self.accelerator.num_processes
         settings = attrs.evolve(self.loss_settings, dp_size=world, batch_num_tokens=n_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         self._parts = []
-        self.training_step(self.model_wrapped, {**inputs, "settings": settings}, None)
+        for i, inputs in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with nullcontext() if last else self.accelerator.no_sync(self.model_wrapped):
+                self.training_step(self.model_wrapped, {**inputs, "settings": settings}, None)
+        passes = len(self._parts)
         parts = gather_object(self._parts) if world > 1 else self._parts
-        metrics = step_metrics(parts, 1 / world)
+        metrics = {**step_metrics(parts, 1 / world), "actor/n_micro_batches": float(passes)}
         self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
         metrics.update(optimizer_step(self.optimizer, trainable_parameters(self.model), self.grad_clip))
         self.callback_handler.on_optimizer_step(self.args, self.state, self.control)

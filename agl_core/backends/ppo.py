@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from agl_core.config import ConfigError
-from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean
+from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean, policy_loss_spec
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -50,6 +50,7 @@ __all__ = [
     "MULTI_MODAL_INPUTS",
     "UPDATE_KEYS",
     "attention_implementation",
+    "check_splittable",
     "chosen_log_probs",
     "frozen_log_probs",
     "has_images",
@@ -280,6 +281,17 @@ def micro_batches(rows: Sequence[int], size: int | None) -> list[Sequence[int]]:
     if size is None:
         return [rows]
     return [rows[start : start + size] for start in range(0, len(rows), size)]
+
+
+def check_splittable(loss_fn: PolicyLoss, key: str, parts: str) -> None:
+    """Refuse, naming ``key``, to cut a mini-batch's loss into ``parts`` (micro-batches, data-parallel
+    processes' shares) whose gradients are added up, for a policy loss that declares
+    ``additive_over_micro_batches=False``: the sum would not be the mini-batch's gradient."""
+    if not policy_loss_spec(loss_fn).additive_over_micro_batches:
+        raise ConfigError(
+            key,
+            f"the policy loss declares additive_over_micro_batches=False, so {parts} would change its update",
+        )
 
 
 def rank_rows(rows: slice, rank: int, world: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The example backend (examples/ddp_backend: agl's step loop, the update in two gloo processes)
 teaches the corridor policy to follow the signs, as the reference backend does
 (tests/e2e/test_example_learns.py, whose numbers and thresholds it shares: its sampled rewards were
-the reference's, step for step)."""
+the reference's, step for step); a loss whose parts do not add up over the processes' shares is
+refused before any process starts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 
 import pytest
 
+from agl_core import ConfigError, PolicyLossSpec, hookimpl
+from agl_core.config import load_config
+from agl_core.plugins import PluginManager
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.torch_runs import LEARNED, LEARNING_STEPS, corridor_run
 
@@ -27,3 +31,35 @@ def test_twenty_steps_on_two_processes_teach_the_policy_to_follow_the_signs(tmp_
     assert rewards[0] < 0.2, "a random policy should start near the 0.03 baseline"
     assert sum(rewards[-5:]) / 5 >= LEARNED, rewards
     assert lines[-1]["val/reward"] >= 0.9, "greedy answers should follow the signs (always one direction scores 0.5)"
+
+
+class WholeBatchLoss:
+    """A loss ``whole_batch`` declaring that its parts do not add up over a split mini-batch."""
+
+    @hookimpl
+    def agl_register_policy_losses(self, register):
+        token_mean = PluginManager(load_entrypoints=False).policy_losses.get("token_mean")
+        register("whole_batch", PolicyLossSpec(token_mean, additive_over_micro_batches=False))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("agentlightning.plugins.ddp.processes=2", "agentlightning.plugins.ddp.processes"),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        ),
+    ],
+)
+def test_a_loss_that_does_not_add_up_over_the_split_is_refused_by_the_key_that_splits(override, key):
+    config = load_config(
+        overrides=[
+            "actor_rollout_ref.actor.policy_loss.loss_mode=whole_batch",
+            "agentlightning.plugins.ddp.processes=1",
+            override,
+        ]
+    )
+    plugins = PluginManager.from_config(config, (agl_ddp_backend, WholeBatchLoss()), load_entrypoints=False)
+    with pytest.raises(ConfigError, match=rf"{key}: the policy loss declares additive_over_micro_batches=False"):
+        agl_ddp_backend.DdpBackend(config, plugins)

@@ -28,6 +28,7 @@ from tests.trl.conftest import CONFIG, corridor_overrides
 
 STEP = 2
 TWO_MINI_BATCHES = ("actor_rollout_ref.actor.ppo_mini_batch_size=2",)
+MICRO_BATCHES_OF_3 = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"
 KL_ENTROPY_EPOCHS = (
     "actor_rollout_ref.actor.ppo_epochs=2",
     "actor_rollout_ref.actor.entropy_coeff=0.01",
@@ -35,7 +36,7 @@ KL_ENTROPY_EPOCHS = (
     "actor_rollout_ref.actor.kl_loss_coef=0.1",
 )
 DATA_PARALLEL_CASES = {
-    "token_mean-2_mini_batches": ("token_mean", TWO_MINI_BATCHES),
+    "token_mean-2_mini_batches-micro_batches_of_3": ("token_mean", (*TWO_MINI_BATCHES, MICRO_BATCHES_OF_3)),
     "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy": (
         "per_rollout_mean",
         (*TWO_MINI_BATCHES, *KL_ENTROPY_EPOCHS),

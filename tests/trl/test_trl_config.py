@@ -1,4 +1,5 @@
-"""The ``trl`` section: each key pair's rule, refusals by name, and ``agl check`` of a trl run."""
+"""The ``trl`` section: each key pair's rule, refusals by name, and ``agl check`` of a trl run; micro-batches
+of a loss that does not add up over them refused."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import re
 import pytest
 
 from agl_backend_trl.config import check_trl_config, grpo_config, load_trl_config
+from agl_core import PolicyLossSpec, hookimpl
 from agl_core.cli import main
 from agl_core.config import ConfigError
+from agl_core.plugins import PluginManager
 from tests.trl.conftest import CONFIG, corridor_overrides
 
 # TRL key, a value agl's default config makes it, a value that disagrees, the agl key named in the refusal.
@@ -96,16 +99,31 @@ def test_honoured_keys_reach_trls_config(corridor_policy, tmp_path):
     [
         ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr_scheduler_type"),
         ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_dynamic_bsz"),
-        (
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-        ),
         ("agentlightning.engine=vllm", "agentlightning.engine"),
     ],
 )
 def test_agl_keys_the_backend_does_not_implement_are_refused(corridor_policy, tmp_path, override, key):
     with pytest.raises(ConfigError, match=rf"config key {key}: backend 'trl' trains with"):
         check_trl_config(load(corridor_policy, tmp_path, override))
+
+
+class WholeBatchLoss:
+    """A plugin whose loss ``whole_batch`` declares that its parts do not add up over micro-batches."""
+
+    @hookimpl
+    def agl_register_policy_losses(self, register):
+        token_mean = PluginManager(load_entrypoints=False).policy_losses.get("token_mean")
+        register("whole_batch", PolicyLossSpec(token_mean, additive_over_micro_batches=False))
+
+
+def test_micro_batches_of_a_loss_that_does_not_add_up_over_them_are_refused(corridor_policy, tmp_path):
+    from agl_backend_trl.backend import TrlBackend
+
+    loss = "actor_rollout_ref.actor.policy_loss.loss_mode=whole_batch"
+    config = load(corridor_policy, tmp_path, loss, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    plugins = PluginManager.from_config(config, (WholeBatchLoss(),), load_entrypoints=False)
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu: the policy loss"):
+        TrlBackend(config, plugins)
 
 
 def run_check(capsys, *args):

@@ -11,8 +11,9 @@ difference of up to ``lr`` in that weight (tests/helpers/step_comparison.py says
 
 Cases: ``token_mean`` (verl's vanilla token-mean PPO loss) over 2 mini-batches; ``per_rollout_mean``
 over 2 mini-batches × 2 PPO epochs with the entropy bonus and the KL term (TRL's reference model);
-``per_rollout_mean`` with LoRA (TRL's ``peft_config``). A planted difference (trl on ``token_mean``
-against torch on ``per_rollout_mean``) is beyond the tolerances.
+``per_rollout_mean`` with LoRA (TRL's ``peft_config``); ``per_rollout_mean`` over 2 mini-batches in
+micro-batches of 3 rows (gradients accumulated over TRL's ``training_step`` calls). A planted
+difference (trl on ``token_mean`` against torch on ``per_rollout_mean``) is beyond the tolerances.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trl.recorded_step import KL_ENTROPY_EPOCHS, TWO_MINI_BATCHES, build_backend, recorded_step
+from tests.trl.recorded_step import (
+    KL_ENTROPY_EPOCHS,
+    MICRO_BATCHES_OF_3,
+    TWO_MINI_BATCHES,
+    build_backend,
+    recorded_step,
+)
 
 LOG_PROB_ATOL, METRIC_RTOL, METRIC_ATOL, AFTER_ATOL = 1e-6, 1e-5, 1e-6, 1e-4
 METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
@@ -35,6 +42,11 @@ CASES = {
         "per_rollout_mean",
         "per_rollout_mean",
         ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"),
+    ),
+    "per_rollout_mean-2_mini_batches-micro_batches_of_3": (
+        "per_rollout_mean",
+        "per_rollout_mean",
+        (*TWO_MINI_BATCHES, MICRO_BATCHES_OF_3),
     ),
     "planted-token_mean_vs_per_rollout_mean": ("token_mean", "per_rollout_mean", TWO_MINI_BATCHES),
 }
@@ -52,6 +64,7 @@ def _compare(trl_loss, torch_loss, extra, policy, folder):
         out[name] = abs(trl["metrics"][name] - want) / max(abs(want), METRIC_ATOL / METRIC_RTOL)
     out["weights"] = max(float((trl["weights"][k] - ref["weights"][k]).abs().max()) for k in ref["weights"])
     out["n_updates"] = (trl["metrics"]["actor/n_updates"], ref["metrics"]["actor/n_updates"], trl["n_mini"])
+    out["n_micro_batches"] = (trl["metrics"]["actor/n_micro_batches"], ref["metrics"]["actor/n_micro_batches"])
     return out
 
 
@@ -80,6 +93,8 @@ def test_one_recorded_step_on_trl_equals_the_torch_backends(differences, case):
     print(case, measured)
     trl_updates, torch_updates, n_mini = measured["n_updates"]
     assert trl_updates == torch_updates == n_mini * (2 if "2_epochs" in case else 1)
+    trl_passes, torch_passes = measured["n_micro_batches"]
+    assert trl_passes == torch_passes >= trl_updates * (3 if "micro_batches" in case else 1)
     assert beyond(measured) == {}, f"{case}: beyond the tolerances: {beyond(measured)}"
 
 

@@ -55,6 +55,7 @@ import torch
 
 from agl_core.backends.ppo import (
     MULTI_MODAL_INPUTS,
+    check_splittable,
     has_images,
     mean_over_steps,
     micro_batches,
@@ -71,11 +72,10 @@ from agl_core.backends.torch.lora import base_policy
 from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
 from agl_core.backends.torch.precision import Precision
 from agl_core.backends.torch.prefix_packing import PackedForward, check_packable, pack_cost
-from agl_core.config import ConfigError
 from agl_core.errors import UsageError
 from agl_core.serving.weights import is_adapted
 from agl_core.stages.pipeline import PreparedBatch
-from agl_core.stages.policy_loss import LossSettings, PolicyLoss, policy_loss_spec
+from agl_core.stages.policy_loss import LossSettings, PolicyLoss
 from agl_core.stages.tensorize import tensorize
 
 if TYPE_CHECKING:
@@ -198,12 +198,7 @@ class ActorUpdate:
     ):
         split_by = "use_dynamic_bsz" if settings.update_max_tokens is not None else "ppo_micro_batch_size_per_gpu"
         if split_by != "ppo_micro_batch_size_per_gpu" or settings.update_micro_rows is not None:
-            if not policy_loss_spec(loss_fn).additive_over_micro_batches:
-                raise ConfigError(
-                    f"actor_rollout_ref.actor.{split_by}",
-                    "the policy loss declares additive_over_micro_batches=False, so micro-batches would change its"
-                    " update; turn it off",
-                )
+            check_splittable(loss_fn, f"actor_rollout_ref.actor.{split_by}", "micro-batches")
         if ref_model is model and not is_adapted(model):
             raise UsageError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
         if settings.share_prefixes:

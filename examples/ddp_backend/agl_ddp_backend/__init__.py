@@ -35,7 +35,7 @@ from agl_core import (
     hookimpl,
     tensorize,
 )
-from agl_core.backends.ppo import take_rows
+from agl_core.backends.ppo import check_splittable, take_rows
 from agl_ddp_backend.worker import pack, serve_rank, unpack
 
 __all__ = ["DdpBackend", "DdpSettings", "check_ddp_config"]
@@ -64,16 +64,20 @@ class DdpBackend(LoopBackend):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         check_ddp_config(config)
+        processes = plugins.settings["ddp"].processes
+        loss = plugins.policy_losses.get(config.actor_rollout_ref.actor.policy_loss.loss_mode)
+        if processes > 1:
+            check_splittable(loss, "agentlightning.plugins.ddp.processes", f"{processes} processes' shares")
+        if config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is not None:
+            check_splittable(loss, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "micro-batches")
         folder = str(config.actor_rollout_ref.model.path)
         super().__init__(config, plugins, AutoTokenizer.from_pretrained(folder))
-        processes = plugins.settings["ddp"].processes
         rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
         if rows < processes:
             raise ConfigError(
                 "agentlightning.plugins.ddp.processes", f"is {processes}, more than the {rows} rows of a mini-batch"
             )
         actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
-        loss = plugins.policy_losses.get(config.actor_rollout_ref.actor.policy_loss.loss_mode)
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         self.server = PolicyServer(self.model, self.tokenizer, folder, seed=int(config.trainer.seed))
         self._store = tempfile.mkdtemp(prefix="agl-ddp-")
