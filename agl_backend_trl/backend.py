@@ -52,6 +52,7 @@ from agl_core import (
     load_policy_model,
     tensorize,
 )
+from agl_core.backends.lora import load_adapter, lora_config, lora_enabled
 from agl_core.backends.ppo import (
     check_splittable,
     frozen_log_probs,
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 
     from agl_core import CompletedRollout, PluginManager, PreparedBatch
 
-__all__ = ["ADAPTER_DIR", "MODEL_DIR", "TrlBackend", "lora_config"]
+__all__ = ["ADAPTER_DIR", "MODEL_DIR", "TrlBackend"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,27 +77,6 @@ ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: the adapter only, as in the 
 DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU)
 """accelerate's process models this backend trains in: one process, or data-parallel (DDP) CPU
 processes (several GPU processes over NCCL are not proven yet)."""
-
-
-def lora_config(model_cfg: DictConfig) -> Any:
-    """The PEFT ``LoraConfig`` handed to TRL as ``peft_config`` (``lora_rank`` > 0), from agl's keys in
-    ``actor_rollout_ref.model`` as the torch backend reads them; ``None`` without LoRA."""
-    if int(model_cfg.lora_rank) <= 0:
-        return None
-    from omegaconf import OmegaConf
-    from peft import LoraConfig, TaskType
-
-    def names(value: Any) -> Any:
-        return OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
-
-    return LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
-        r=int(model_cfg.lora_rank),
-        lora_alpha=int(model_cfg.lora_alpha),
-        target_modules=names(model_cfg.target_modules),
-        exclude_modules=names(model_cfg.exclude_modules),
-        bias="none",
-    )
 
 
 class TrlBackend(LoopBackend):
@@ -110,7 +90,7 @@ class TrlBackend(LoopBackend):
         check_trl_config(config)
         folder = str(config.actor_rollout_ref.model.path)
         super().__init__(config, plugins, AutoTokenizer.from_pretrained(folder))
-        actor = config.actor_rollout_ref.actor
+        actor, model_cfg = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
         args = grpo_config(config, self.run_dir)
         check_processes(args, int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n))
         self.rank, self.world = args.process_index, args.world_size
@@ -134,13 +114,15 @@ class TrlBackend(LoopBackend):
             train_dataset=Dataset.from_dict({"prompt": [""]}),  # agl's DataOrder feeds the steps
             processing_class=self.tokenizer,
             callbacks=[cls() for cls in callback_classes(config)],
-            peft_config=lora_config(config.actor_rollout_ref.model),
+            peft_config=lora_config(model_cfg) if lora_enabled(model_cfg) else None,
             loss_fn=loss_fn,
             loss_settings=LossSettings.from_actor_config(actor),
             entropy_coeff=float(actor.entropy_coeff),
             grad_clip=float(actor.grad_clip),
         )
         trainer = self.trainer
+        if lora_enabled(model_cfg):
+            load_adapter(trainer.model, model_cfg)
         if trainer.args.gradient_checkpointing:  # what Trainer.train does first
             trainer.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs or {"use_reentrant": False}

@@ -9,7 +9,7 @@ needs (no saving, logging or reporting of TRL's own: agl's loop checkpoints and 
 
 The agl keys this backend does not implement are refused too (:func:`check_trl_config`):
 micro-batches by token budget, another dtype than float32, agl's lr schedule keys (the
-schedule is TRL's), another engine than the in-process one, a saved LoRA adapter to continue.
+schedule is TRL's), another engine than the in-process one.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from agl_core import ConfigError, ConfigFile, check_rollout_source, default_config, merge_config, validate_config
+from agl_core.backends.lora import check_lora_keys
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
@@ -332,7 +333,6 @@ AGL_KEYS: Mapping[str, tuple[Any, str]] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps": (0, "the lr schedule is TRL's: set trl.warmup_steps"),
     "actor_rollout_ref.actor.fsdp_config.model_dtype": ("fp32", "this backend trains in float32 only so far"),
     "actor_rollout_ref.actor.fsdp_config.mixed_precision": (None, "this backend trains in float32 only so far"),
-    "actor_rollout_ref.model.lora_adapter_path": (None, "continuing a saved adapter is not done yet"),
     "agentlightning.engine": ("builtin", "the policy is served in-process (PolicyServer) only so far"),
 }
 
@@ -345,6 +345,7 @@ def check_trl_config(config: DictConfig) -> None:
     folder = Path(str(config.actor_rollout_ref.model.path))
     if not folder.is_dir():
         raise ConfigError("actor_rollout_ref.model.path", f"model folder {folder} does not exist")
+    check_lora_keys(config.actor_rollout_ref.model)
     for key, (value, why) in AGL_KEYS.items():
         if OmegaConf.select(config, key) != value:
             raise ConfigError(key, f"backend 'trl' trains with {value!r} only: {why}")

@@ -246,7 +246,7 @@ class ModelConfig:
     # verl's gradient checkpointing switch; verl defaults it to true, the torch backend to false (its
     # models are small unless the user says otherwise, and recomputing activations costs time).
     enable_gradient_checkpointing: bool = False
-    # LoRA (agl_core.backends.torch.lora): lora_rank > 0 turns it on.
+    # LoRA (agl_core.backends.lora): lora_rank > 0 turns it on.
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"  # a module name, all-linear, or a list of names

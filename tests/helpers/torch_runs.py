@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import torch
 
 from agl_core.backends.torch.backend import TorchBackend
 from agl_core.config import load_config
@@ -22,6 +23,15 @@ SAMPLES = [{"id": 0, "signs": ["left", "right", "left"]}, {"id": 1, "signs": ["r
 # reward over the last 5 (ten times the random policy's 0.03; the reference backend's run reaches 0.46).
 LEARNING_STEPS = 20
 LEARNED = 0.3
+
+
+def randomise_adapter(model, seed=0):
+    """LoRA's B starts at zero (the adapter does nothing yet); give it weights so it changes the policy."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
 
 
 def corridor_run(folder, steps, *extra, plugins=()):

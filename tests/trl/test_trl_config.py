@@ -107,6 +107,22 @@ def test_agl_keys_the_backend_does_not_implement_are_refused(corridor_policy, tm
         check_trl_config(load(corridor_policy, tmp_path, override))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (("actor_rollout_ref.model.lora_rank=-1",), "actor_rollout_ref.model.lora_rank"),
+        (
+            ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_adapter_path=/nowhere"),
+            "actor_rollout_ref.model.lora_adapter_path",
+        ),
+    ],
+)
+def test_lora_keys_are_checked_before_anything_starts(corridor_policy, tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as error:
+        check_trl_config(load(corridor_policy, tmp_path, *overrides))
+    assert error.value.key == key
+
+
 class WholeBatchLoss:
     """A plugin whose loss ``whole_batch`` declares that its parts do not add up over micro-batches."""
 

@@ -11,7 +11,9 @@ difference of up to ``lr`` in that weight (tests/helpers/step_comparison.py says
 
 Cases: ``token_mean`` (verl's vanilla token-mean PPO loss) over 2 mini-batches; ``per_rollout_mean``
 over 2 mini-batches × 2 PPO epochs with the entropy bonus and the KL term (TRL's reference model);
-``per_rollout_mean`` with LoRA (TRL's ``peft_config``); ``per_rollout_mean`` over 2 mini-batches in
+``per_rollout_mean`` with LoRA (TRL's ``peft_config``), and continuing a saved adapter
+(``lora_adapter_path``, random weights) over 2 PPO epochs with the entropy bonus and the KL term (the
+reference: the base model); ``per_rollout_mean`` over 2 mini-batches in
 micro-batches of 3 rows (gradients accumulated over TRL's ``training_step`` calls). A planted
 difference (trl on ``token_mean`` against torch on ``per_rollout_mean``) is beyond the tolerances.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.torch_runs import randomise_adapter
 from tests.trl.recorded_step import (
     KL_ENTROPY_EPOCHS,
     MICRO_BATCHES_OF_3,
@@ -31,6 +34,7 @@ from tests.trl.recorded_step import (
 
 LOG_PROB_ATOL, METRIC_RTOL, METRIC_ATOL, AFTER_ATOL = 1e-6, 1e-5, 1e-6, 1e-4
 METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
 CASES = {
     "token_mean-2_mini_batches": ("token_mean", "token_mean", TWO_MINI_BATCHES),
     "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy": (
@@ -41,7 +45,12 @@ CASES = {
     "per_rollout_mean-lora": (
         "per_rollout_mean",
         "per_rollout_mean",
-        ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"),
+        LORA,
+    ),
+    "per_rollout_mean-lora_adapter_path-2_epochs-kl-entropy": (
+        "per_rollout_mean",
+        "per_rollout_mean",
+        (*LORA, "actor_rollout_ref.model.lora_adapter_path={adapter}", *KL_ENTROPY_EPOCHS),
     ),
     "per_rollout_mean-2_mini_batches-micro_batches_of_3": (
         "per_rollout_mean",
@@ -68,12 +77,27 @@ def _compare(trl_loss, torch_loss, extra, policy, folder):
     return out
 
 
+def saved_adapter(policy, folder):
+    """A LoRA adapter (rank 4, alpha 8) of ``policy`` with random weights, saved in ``folder``."""
+    from omegaconf import OmegaConf
+
+    from agl_core import load_policy_model
+    from agl_core.backends.lora import with_lora
+
+    keys = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear", "exclude_modules": None}
+    model = with_lora(load_policy_model(str(policy)), OmegaConf.create({**keys, "lora_adapter_path": None}))
+    randomise_adapter(model)
+    model.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def differences(corridor_policy, tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("trl-differential")
+    adapter = saved_adapter(corridor_policy, root / "adapter")
     return {
-        case: _compare(trl_loss, torch_loss, extra, corridor_policy, root / case)
+        case: _compare(trl_loss, torch_loss, [e.format(adapter=adapter) for e in extra], corridor_policy, root / case)
         for case, (trl_loss, torch_loss, extra) in CASES.items()
     }
 

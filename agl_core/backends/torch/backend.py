@@ -16,7 +16,7 @@ The embedded source samples validation rollouts at ``actor_rollout_ref.rollout.v
 (0 = greedy). Async rollout (``agentlightning.async_rollout.enabled``) runs through the gateway only.
 
 The policy is built as verl's model and engine keys say (:func:`build_policy`): its dtype
-(:mod:`agl_core.backends.torch.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.torch.lora`).
+(:mod:`agl_core.backends.torch.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.lora`).
 With ``agentlightning.torch.merged_model_dir`` the run ends by writing the policy there as a Hugging Face
 model folder (a LoRA run's adapters merged in).
 
@@ -38,10 +38,10 @@ import torch
 
 from agl_core.backends.contract import OnStep
 from agl_core.backends.loop_backend import LoopBackend, Served
+from agl_core.backends.lora import check_lora_keys, lora_enabled, with_lora
 from agl_core.backends.ppo import lr_schedule, make_optimizer
 from agl_core.backends.torch.checkpoint import ADAPTER_DIR, MODEL_DIR, load_weights, save_weights
 from agl_core.backends.torch.checks import check_device, model_folder
-from agl_core.backends.torch.lora import check_lora_keys, lora_enabled, with_lora
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.serving.engine import InferenceEngine
 from agl_core.serving.models import IMAGE_PROCESSOR_FILE, is_vision_policy, load_policy_model

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from agl_core.backends.lora import base_policy
 from agl_core.backends.ppo import (
     MULTI_MODAL_INPUTS,
     check_splittable,
@@ -68,7 +69,6 @@ from agl_core.backends.ppo import (
     step_metrics,
     trainable_parameters,
 )
-from agl_core.backends.torch.lora import base_policy
 from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
 from agl_core.backends.torch.precision import Precision
 from agl_core.backends.torch.prefix_packing import PackedForward, check_packable, pack_cost
@@ -183,7 +183,7 @@ class ActorUpdate:
     """PPO epochs of ``loss_fn`` over a prepared batch's mini-batches, stepping ``optimizer``;
     ``ref_model`` (the initial policy, frozen) adds the KL term when given. ``ref_model`` may be
     ``model`` itself when that is a LoRA (PEFT) model: the reference is then its base, the adapters
-    disabled (:func:`~agl_core.backends.torch.lora.base_policy`)."""
+    disabled (:func:`~agl_core.backends.lora.base_policy`)."""
 
     def __init__(
         self,

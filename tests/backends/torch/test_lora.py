@@ -21,6 +21,7 @@ from tests.helpers.torch_runs import (
     SAMPLES,
     Running,
     corridor_run,
+    randomise_adapter,
     resume_overrides,
     served_log_probs,
     tensors_of,
@@ -34,15 +35,6 @@ ADAPTER_PREFIXES = ("lora_A", "lora_B")
 def _backend(policy, tmp_path, *extra):
     config = torch_config(policy, tmp_path, *extra)
     return TorchBackend(config, PluginManager.from_config(config, (), load_entrypoints=False))
-
-
-def _randomise_adapter(model, seed=0):
-    """LoRA's B starts at zero (the adapter does nothing yet); give it weights so it changes the policy."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
 
 
 def _prompt(backend):
@@ -88,7 +80,7 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(policy, tmp_p
     backend = _backend(policy, tmp_path, *LORA, "actor_rollout_ref.actor.use_kl_loss=true")
     update = backend.actor_update
     assert update.ref_model is backend.model, "no second copy of the weights"
-    _randomise_adapter(backend.model)
+    randomise_adapter(backend.model)
     tensors = tensors_of(_prompt(backend), [5, 9, 12, 2], backend.pad_token_id)
     base = load_policy(policy, torch.device("cpu"), frozen=True)
     with torch.no_grad():
@@ -105,7 +97,7 @@ def test_served_and_exported_weights_are_the_merged_policy(policy, tmp_path):
     from transformers import AutoModelForCausalLM
 
     backend = _backend(policy, tmp_path, *LORA)
-    _randomise_adapter(backend.model)
+    randomise_adapter(backend.model)
     tensors = tensors_of(_prompt(backend), [5, 9, 12, 2], backend.pad_token_id)
     save_served(backend.model, tmp_path / "merged")  # what the vLLM engine loads, and merged_model_dir holds
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
@@ -156,7 +148,7 @@ def test_an_adapter_only_checkpoint_resumes_bit_for_bit_and_the_run_exports_the_
 
 def test_lora_adapter_path_continues_a_saved_adapter(policy, tmp_path):
     first = _backend(policy, tmp_path / "a", *LORA)
-    _randomise_adapter(first.model)
+    randomise_adapter(first.model)
     first.model.save_pretrained(tmp_path / "adapter")
     second = _backend(
         policy, tmp_path / "b", *LORA, f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"

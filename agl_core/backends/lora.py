@@ -1,11 +1,13 @@
-"""LoRA for the torch backend with PEFT, under verl's keys in ``actor_rollout_ref.model``.
+"""LoRA with PEFT under verl's keys in ``actor_rollout_ref.model``, for the backends that train one
+(the torch backend, the trl backend through TRL's ``peft_config``).
 
 ``lora_rank`` > 0 turns it on; ``lora_alpha`` scales the adapter; ``target_modules`` (a list of module
 names, or ``all-linear``: every linear layer but the output head) and ``exclude_modules`` pick the
 layers that get one, as PEFT's ``LoraConfig`` reads them (verl hands them to it the same way, with
-``bias: none``, no dropout). ``lora_adapter_path`` continues training a saved PEFT adapter (a folder
-with ``adapter_config.json``, as a LoRA run's checkpoints hold): its own target modules are used, as
-in verl, and its rank and alpha must equal ``lora_rank`` and ``lora_alpha``.
+``bias: none``, no dropout): :func:`lora_config`. ``lora_adapter_path`` continues training a saved
+PEFT adapter (a folder with ``adapter_config.json``, as a LoRA run's checkpoints hold): its own config
+is used, as in verl, its rank and alpha must equal ``lora_rank`` and ``lora_alpha``, and its weights
+are loaded into the new adapter (:func:`load_adapter`).
 
 Only the adapter's weights train (PEFT freezes the base model) and go into the optimizer. The
 reference policy of ``actor.use_kl_loss`` is the base model, i.e. this model with its adapters
@@ -25,9 +27,9 @@ from agl_core.config import ConfigError
 if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
-__all__ = ["base_policy", "check_lora_keys", "lora_enabled", "with_lora"]
+__all__ = ["base_policy", "check_lora_keys", "load_adapter", "lora_config", "lora_enabled", "with_lora"]
 
 KEY = "actor_rollout_ref.model"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -58,16 +60,14 @@ def _adapter_config(path: str, model_cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(key, f"{path} has no {ADAPTER_CONFIG} (a PEFT adapter folder is needed)")
     saved = json.loads(file.read_text())
     if saved.get("peft_type") != "LORA":
-        raise ConfigError(
-            key, f"the adapter at {path} is a {saved.get('peft_type')} adapter; the torch backend trains LoRA only"
-        )
+        raise ConfigError(key, f"the adapter at {path} is a {saved.get('peft_type')} adapter; agl trains LoRA only")
     for option, what in (
         ("use_dora", "DoRA"),
         ("modules_to_save", "modules_to_save"),
         ("target_parameters", "target_parameters"),
     ):
         if saved.get(option):
-            raise ConfigError(key, f"the adapter at {path} uses {what}, which the torch backend does not train")
+            raise ConfigError(key, f"the adapter at {path} uses {what}, which agl does not train")
     for name, saved_name in (("lora_rank", "r"), ("lora_alpha", "lora_alpha")):
         if saved.get(saved_name) != model_cfg[name]:
             raise ConfigError(
@@ -98,25 +98,51 @@ def check_lora_keys(model_cfg: DictConfig) -> None:
         _adapter_config(str(model_cfg.lora_adapter_path), model_cfg)
 
 
-def with_lora(model: torch.nn.Module, model_cfg: DictConfig) -> PeftModel:
-    """``model`` with LoRA adapters (new, or loaded from ``lora_adapter_path``), only they trainable;
-    the keys are those :func:`check_lora_keys` passed."""
-    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+def lora_config(model_cfg: DictConfig) -> LoraConfig:
+    """The adapter to train, of keys :func:`check_lora_keys` passed: the saved adapter's config
+    (``lora_adapter_path``, trainable), else a new one from the keys."""
+    from peft import LoraConfig, TaskType
 
     if model_cfg.lora_adapter_path:
-        return PeftModel.from_pretrained(model, str(model_cfg.lora_adapter_path), is_trainable=True)
-    config = LoraConfig(
+        saved = LoraConfig.from_pretrained(str(model_cfg.lora_adapter_path))
+        saved.inference_mode = False
+        return saved
+    return LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=int(model_cfg.lora_rank),
-        lora_alpha=model_cfg.lora_alpha,
+        lora_alpha=int(model_cfg.lora_alpha),
         target_modules=_module_names(model_cfg.target_modules, f"{KEY}.target_modules", allow_none=False),
         exclude_modules=_module_names(model_cfg.exclude_modules, f"{KEY}.exclude_modules", allow_none=True),
         bias="none",
     )
+
+
+def with_lora(model: torch.nn.Module, model_cfg: DictConfig) -> PeftModel:
+    """``model`` with the adapter of :func:`lora_config` (its saved weights loaded), only it trainable."""
+    from peft import get_peft_model
+
     try:
-        return get_peft_model(model, config)
+        adapted = get_peft_model(model, lora_config(model_cfg))
     except ValueError as exc:  # PEFT's error when the names match no layer of the model
         raise ConfigError(f"{KEY}.target_modules", f"matches no layer LoRA can adapt in this model ({exc})") from exc
+    return load_adapter(adapted, model_cfg)
+
+
+def load_adapter(model: PeftModel, model_cfg: DictConfig) -> PeftModel:
+    """``model`` (adapted with :func:`lora_config`) with the weights saved at ``lora_adapter_path``
+    loaded into its adapter, when that key is set; every saved weight must land."""
+    if not model_cfg.lora_adapter_path:
+        return model
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    path = str(model_cfg.lora_adapter_path)
+    loaded = set_peft_model_state_dict(model, load_peft_weights(path))
+    if loaded.unexpected_keys:
+        raise ConfigError(
+            f"{KEY}.lora_adapter_path",
+            f"the adapter at {path} holds weights this model has no place for: {sorted(loaded.unexpected_keys)[:3]}",
+        )
+    return model
 
 
 @contextmanager
