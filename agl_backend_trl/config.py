@@ -8,7 +8,7 @@ trainer gets: agl's values for the paired keys, the honoured keys as set, and th
 needs (no saving, logging or reporting of TRL's own: agl's loop checkpoints and its metric sinks log).
 
 The agl keys this backend does not implement are refused too (:func:`check_trl_config`):
-micro-batches by token budget, another dtype than float32, agl's lr schedule keys (the
+micro-batches by token budget, weights in another dtype than float32, agl's lr schedule keys (the
 schedule is TRL's), another engine than the in-process one.
 """
 
@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from agl_core import ConfigError, ConfigFile, check_rollout_source, default_config, merge_config, validate_config
 from agl_core.backends.lora import check_lora_keys
+from agl_core.backends.precision import MIXED_PRECISION_KEY, MODEL_DTYPE_KEY, dtype_names
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
@@ -116,6 +117,11 @@ PAIRS: Mapping[str, tuple[str, Callable[[DictConfig], Any], Callable[[Any], Any]
         lambda c: float(c.actor_rollout_ref.actor.entropy_coeff),
         float,
     ),
+    "bf16": (
+        f"{MIXED_PRECISION_KEY}.param_dtype",
+        lambda c: dtype_names(c.actor_rollout_ref.actor.fsdp_config)[1] == "bfloat16",
+        bool,
+    ),
     "gradient_checkpointing": (
         "actor_rollout_ref.model.enable_gradient_checkpointing",
         lambda c: bool(c.actor_rollout_ref.model.enable_gradient_checkpointing),
@@ -137,7 +143,7 @@ _LOSS = (
 )
 _UNPROVEN = (
     "is not proven with this backend yet (vLLM generation, DeepSpeed, FSDP, DDP settings of TRL's, "
-    "another dtype than float32, compiled or patched kernels); remove it"
+    "fp16 or tf32, compiled or patched kernels); remove it"
 )
 _LOOP = (
     "is TRL's training-loop setting: agl runs the loop (trainer.total_training_steps, save_freq, "
@@ -196,7 +202,6 @@ _NAMED: Mapping[str, str] = {
         (
             "use_vllm",
             "ds3_gather_for_generation",
-            "bf16",
             "fp16",
             "tf32",
             "bf16_full_eval",
@@ -331,8 +336,11 @@ AGL_KEYS: Mapping[str, tuple[Any, str]] = {
         "the lr schedule is TRL's: set trl.lr_scheduler_type (and trl.warmup_steps), stepped once per training step",
     ),
     "actor_rollout_ref.actor.optim.lr_warmup_steps": (0, "the lr schedule is TRL's: set trl.warmup_steps"),
-    "actor_rollout_ref.actor.fsdp_config.model_dtype": ("fp32", "this backend trains in float32 only so far"),
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision": (None, "this backend trains in float32 only so far"),
+    MODEL_DTYPE_KEY: (
+        "fp32",
+        "the weights stay float32; TRL's bf16 autocasts the forward passes: set "
+        f"{MIXED_PRECISION_KEY}.param_dtype=bf16",
+    ),
     "agentlightning.engine": ("builtin", "the policy is served in-process (PolicyServer) only so far"),
 }
 
@@ -346,6 +354,7 @@ def check_trl_config(config: DictConfig) -> None:
     if not folder.is_dir():
         raise ConfigError("actor_rollout_ref.model.path", f"model folder {folder} does not exist")
     check_lora_keys(config.actor_rollout_ref.model)
+    dtype_names(config.actor_rollout_ref.actor.fsdp_config)
     for key, (value, why) in AGL_KEYS.items():
         if OmegaConf.select(config, key) != value:
             raise ConfigError(key, f"backend 'trl' trains with {value!r} only: {why}")
@@ -372,7 +381,6 @@ def grpo_config(config: DictConfig, run_dir: Path) -> GRPOConfig:
         "save_strategy": "no",
         "logging_strategy": "no",
         "disable_tqdm": True,
-        "bf16": False,
         "fp16": False,
         "dataloader_pin_memory": False,
         "ddp_find_unused_parameters": False,  # every trained weight is in the loss
@@ -380,6 +388,8 @@ def grpo_config(config: DictConfig, run_dir: Path) -> GRPOConfig:
     try:
         return GRPOConfig(**kwargs)
     except (ValueError, TypeError) as exc:
+        if "use_cpu" in str(exc):  # bf16 on a machine without a GPU
+            raise ConfigError(f"{SECTION}.use_cpu", f"TRL needs it set on this machine: {exc}") from None
         raise ConfigError(SECTION, f"TRL refuses the GRPOConfig these keys make: {exc}") from None
 
 

@@ -275,7 +275,7 @@ class MixedPrecisionConfig:
 
 @dataclass
 class FSDPEngineDtypes:
-    """verl's FSDP engine dtype keys, as the torch backend reads them (agl_core.backends.torch.precision)."""
+    """verl's FSDP engine dtype keys, as the torch backend reads them (agl_core.backends.precision)."""
 
     model_dtype: str = "fp32"  # the weights' dtype: fp32 | bf16
     # Set (e.g. mixed_precision.param_dtype=bf16): autocast forward passes over model_dtype weights;

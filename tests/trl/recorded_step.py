@@ -41,9 +41,13 @@ DATA_PARALLEL_CASES = {
         "per_rollout_mean",
         (*TWO_MINI_BATCHES, *KL_ENTROPY_EPOCHS),
     ),
-    "per_rollout_mean-lora": (
+    "per_rollout_mean-lora-bf16_autocast": (
         "per_rollout_mean",
-        ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"),
+        (
+            "actor_rollout_ref.model.lora_rank=4",
+            "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        ),
     ),
 }
 """The cases the data-parallel test trains in one process and in two: ``(loss_mode, overrides)``."""
@@ -62,17 +66,19 @@ def build_backend(kind: str, loss: str, policy, folder, extra=()):
     return (TrlBackend if kind == "trl" else TorchBackend)(config, plugins)
 
 
-def recorded_step(backend) -> dict:
+def recorded_step(backend, compute_dtype: torch.dtype | None = None) -> dict:
     """The recorded step's update on ``backend``: the old log-probs of its rows, the update's metrics,
-    the log-probs after it, the trained weights and the number of mini-batches."""
+    the log-probs after it, the trained weights and the number of mini-batches. ``compute_dtype``:
+    the log-probs are measured under autocast to it, as a mixed-precision update computes them."""
     rollouts = read_recording(RECORDED_CORRIDOR).rollouts(STEP)
     backend.step = STEP
     prepared = backend.pipeline.prepare(rollouts, STEP)
     rows = tensorize(prepared.shaped.rows, pad_token_id=backend.pad_token_id).tensors
-    with torch.no_grad():
+    measure = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype is not None)
+    with torch.no_grad(), measure:
         old = response_log_probs(backend.model.eval(), rows)
     metrics = backend.update(prepared)
-    with torch.no_grad():
+    with torch.no_grad(), measure:
         after = response_log_probs(backend.model.eval(), rows)
     weights = {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
     n_mini = prepared.shaped.n_mini_batches

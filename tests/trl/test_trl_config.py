@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from agl_backend_trl.config import check_trl_config, grpo_config, load_trl_config
 from agl_core import PolicyLossSpec, hookimpl
@@ -21,6 +22,7 @@ PAIRS = [
     ("beta", 0.0, 0.04, "actor_rollout_ref.actor.use_kl_loss/kl_loss_coef"),
     ("max_completion_length", 512, 256, "data.max_response_length"),
     ("scale_rewards", "group", "none", "algorithm.norm_adv_by_std_in_grpo"),
+    ("bf16", False, True, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"),
 ]
 
 
@@ -121,6 +123,15 @@ def test_lora_keys_are_checked_before_anything_starts(corridor_policy, tmp_path,
     with pytest.raises(ConfigError) as error:
         check_trl_config(load(corridor_policy, tmp_path, *overrides))
     assert error.value.key == key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="TRL asks for trl.use_cpu on a machine without a GPU only")
+def test_bf16_on_a_machine_without_a_gpu_asks_for_trl_use_cpu(corridor_policy, tmp_path):
+    bf16 = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"
+    with pytest.raises(ConfigError) as error:
+        check_trl_config(load(corridor_policy, tmp_path, bf16))
+    assert error.value.key == "trl.use_cpu"
+    check_trl_config(load(corridor_policy, tmp_path, bf16, "trl.use_cpu=true", "trl.bf16=true"))
 
 
 class WholeBatchLoss:

@@ -13,9 +13,11 @@ Cases: ``token_mean`` (verl's vanilla token-mean PPO loss) over 2 mini-batches; 
 over 2 mini-batches × 2 PPO epochs with the entropy bonus and the KL term (TRL's reference model);
 ``per_rollout_mean`` with LoRA (TRL's ``peft_config``), and continuing a saved adapter
 (``lora_adapter_path``, random weights) over 2 PPO epochs with the entropy bonus and the KL term (the
-reference: the base model); ``per_rollout_mean`` over 2 mini-batches in
-micro-batches of 3 rows (gradients accumulated over TRL's ``training_step`` calls). A planted
-difference (trl on ``token_mean`` against torch on ``per_rollout_mean``) is beyond the tolerances.
+reference: the base model); the same 2 × 2 with entropy and KL, forward passes in bf16 (TRL's
+``bf16``, accelerate's autocast, against the torch backend's autocast; both on padded rows, the
+log-probs measured in bf16: bit for bit); ``per_rollout_mean`` over 2 mini-batches in micro-batches
+of 3 rows (gradients accumulated over TRL's ``training_step`` calls). A planted difference (trl on
+``token_mean`` against torch on ``per_rollout_mean``) is beyond the tolerances.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tests.trl.recorded_step import (
 
 LOG_PROB_ATOL, METRIC_RTOL, METRIC_ATOL, AFTER_ATOL = 1e-6, 1e-5, 1e-6, 1e-4
 METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+BF16 = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"
 LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
 CASES = {
     "token_mean-2_mini_batches": ("token_mean", "token_mean", TWO_MINI_BATCHES),
@@ -57,13 +60,24 @@ CASES = {
         "per_rollout_mean",
         (*TWO_MINI_BATCHES, MICRO_BATCHES_OF_3),
     ),
+    "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy-bf16_autocast": (
+        "per_rollout_mean",
+        "per_rollout_mean",
+        (
+            *TWO_MINI_BATCHES,
+            *KL_ENTROPY_EPOCHS,
+            BF16,
+            "agentlightning.torch.share_prefixes=false",  # bf16 rounds a packed pass otherwise than a padded one
+        ),
+    ),
     "planted-token_mean_vs_per_rollout_mean": ("token_mean", "per_rollout_mean", TWO_MINI_BATCHES),
 }
 
 
 def _compare(trl_loss, torch_loss, extra, policy, folder):
-    trl = recorded_step(build_backend("trl", trl_loss, policy, folder / "trl", extra))
-    ref = recorded_step(build_backend("torch", torch_loss, policy, folder / "torch", extra))
+    dtype = torch.bfloat16 if BF16 in extra else None
+    trl = recorded_step(build_backend("trl", trl_loss, policy, folder / "trl", (*extra, "trl.use_cpu=true")), dtype)
+    ref = recorded_step(build_backend("torch", torch_loss, policy, folder / "torch", extra), dtype)
     out = {
         "log_prob": float((trl["old"] - ref["old"]).abs().max()),
         "log_prob_after": float((trl["after"] - ref["after"]).abs().max()),

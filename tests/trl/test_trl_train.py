@@ -77,7 +77,12 @@ def test_a_callback_asks_for_a_checkpoint_a_validation_and_the_end_and_its_state
     corridor_policy, tmp_path
 ):
     run_dir = tmp_path / "run"
-    steer = ("trainer.save_freq=-1", "trl.callbacks=[tests.trl.conftest:Steering]")
+    steer = (
+        "trainer.save_freq=-1",
+        "trl.callbacks=[tests.trl.conftest:Steering]",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",  # a bf16 run, end to end
+        "trl.use_cpu=true",
+    )
     versions, steps = train(corridor_policy, run_dir, 4, *steer)
     assert steps == [1, 2] and versions == [0, 1, 2], "stopped after step 2 of 4"
     assert Steering.events == [("save", 1), ("evaluate", 2)]

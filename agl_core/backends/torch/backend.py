@@ -16,7 +16,7 @@ The embedded source samples validation rollouts at ``actor_rollout_ref.rollout.v
 (0 = greedy). Async rollout (``agentlightning.async_rollout.enabled``) runs through the gateway only.
 
 The policy is built as verl's model and engine keys say (:func:`build_policy`): its dtype
-(:mod:`agl_core.backends.torch.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.lora`).
+(:mod:`agl_core.backends.precision`), gradient checkpointing, LoRA (:mod:`agl_core.backends.lora`).
 With ``agentlightning.torch.merged_model_dir`` the run ends by writing the policy there as a Hugging Face
 model folder (a LoRA run's adapters merged in).
 

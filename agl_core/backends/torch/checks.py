@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agl_core.backends.lora import check_lora_keys
+from agl_core.backends.precision import dtype_names
 from agl_core.backends.rollout_source import check_rollout_source
-from agl_core.backends.torch.precision import dtype_names
 from agl_core.config import ConfigError
 
 if TYPE_CHECKING:

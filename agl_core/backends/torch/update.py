@@ -31,7 +31,7 @@ model, so the vision tower is trained with the rest of the policy.
 
 Only the model's trainable parameters are optimised and clipped (:func:`trainable_parameters`: all of
 them, or a LoRA model's adapter). Forward passes autocast as ``actor.fsdp_config.mixed_precision``
-says (:mod:`agl_core.backends.torch.precision`); log-probs, ratios, advantages and the loss are float32.
+says (:mod:`agl_core.backends.precision`); log-probs, ratios, advantages and the loss are float32.
 
 Metrics, with verl's names: ``actor/pg_loss`` (the policy-loss term alone), ``actor/entropy_loss``
 (reported every update, as verl does with Agent Lightning's ``calculate_entropy: true``),
@@ -69,8 +69,8 @@ from agl_core.backends.ppo import (
     step_metrics,
     trainable_parameters,
 )
+from agl_core.backends.precision import Precision
 from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
-from agl_core.backends.torch.precision import Precision
 from agl_core.backends.torch.prefix_packing import PackedForward, check_packable, pack_cost
 from agl_core.errors import UsageError
 from agl_core.serving.weights import is_adapted

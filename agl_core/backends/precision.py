@@ -1,4 +1,6 @@
-"""The torch backend's dtypes, under verl's FSDP engine keys (``actor_rollout_ref.actor.fsdp_config``).
+"""The dtypes of training, under verl's FSDP engine keys (``actor_rollout_ref.actor.fsdp_config``), for
+the backends that read them (the torch backend autocasts with :class:`Precision`; the trl backend
+hands the compute dtype to TRL's mixed precision).
 
 ``model_dtype`` is the dtype the weights are loaded, trained and optimised in (verl: the dtype the
 transformers model is built in). ``mixed_precision.param_dtype`` is the dtype the forward passes compute
@@ -8,9 +10,10 @@ log-prob ratios, advantages and the loss are float32 (:mod:`agl_core.backends.pp
 the logits up), as in verl.
 
 One difference from verl's defaults: verl's FSDP engine computes in bf16 when ``mixed_precision`` is
-null; here null means no autocast, so a config that sets nothing trains in float32 as before. fp16 is
-refused (it needs loss scaling, which this backend does not do). ``reduce_dtype`` and ``buffer_dtype``
-are accepted as fp32 only: one process reduces no gradients across ranks, and buffers are not cast.
+null; here null means no autocast, so a config that sets nothing trains in float32. fp16 is refused
+(it needs loss scaling, which agl does not do). ``reduce_dtype`` and ``buffer_dtype`` are accepted as
+fp32 only: gradients are reduced (across data-parallel processes) in the weights' float32, and
+buffers are not cast.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def _dtype_name(value: object, key: str) -> str:
     """torch's name of the dtype verl's name ``value`` stands for; ``key`` names it in the error."""
     name = str(value).lower()
     if name in FP16_NAMES:
-        raise ConfigError(key, "fp16 needs loss scaling, which the torch backend does not do; use bf16 or fp32")
+        raise ConfigError(key, "fp16 needs loss scaling, which agl does not do; use bf16 or fp32")
     if name not in DTYPE_NAMES:
         raise ConfigError(key, f"must be one of fp32, bf16 (or float32, bfloat16), got {value!r}")
     return DTYPE_NAMES[name]
@@ -58,7 +61,7 @@ def dtype_names(fsdp_config: DictConfig) -> tuple[str, str | None]:
         if _dtype_name(mixed[field], f"{MIXED_PRECISION_KEY}.{field}") != "float32":
             raise ConfigError(
                 f"{MIXED_PRECISION_KEY}.{field}",
-                "the torch backend keeps it in fp32 (one process, buffers not cast); set fp32 or leave it out",
+                "agl keeps it in fp32 (gradients reduced in fp32, buffers not cast); set fp32 or leave it out",
             )
     compute = _dtype_name(mixed.param_dtype, f"{MIXED_PRECISION_KEY}.param_dtype")
     if compute == "float32" and weights != "float32":
