@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, PrinterCallback
 
 from agl_backend_trl.config import callback_classes, check_trl_config, grpo_config
 from agl_backend_trl.trainer import AglGRPOTrainer
@@ -104,7 +104,8 @@ class TrlBackend(LoopBackend):
             )
         self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         torch.manual_seed(int(config.trainer.seed))
-        model = load_policy_model(folder, dtype=torch.float32)
+        # on the device TRL trains on, so that the served copy generates there too
+        model = load_policy_model(folder, dtype=torch.float32).to(args.device)
         # made before TRL patches the model's forward: the served copy must not call back into the policy
         seed = int(config.trainer.seed)
         self.server = PolicyServer(model, self.tokenizer, folder, seed=seed) if self.rank == 0 else None
@@ -121,6 +122,7 @@ class TrlBackend(LoopBackend):
             grad_clip=float(actor.grad_clip),
         )
         trainer = self.trainer
+        trainer.remove_callback(PrinterCallback)  # it prints every step's logs; agl's metric sinks report them
         if lora_enabled(model_cfg):
             load_adapter(trainer.model, model_cfg)
         if trainer.args.gradient_checkpointing:  # what Trainer.train does first

@@ -9,16 +9,18 @@ Runs agl from the source tree (nothing of agl is installed) and writes ``DIR/rep
 3. ``corridor``: the corridor example (``examples/corridor/``, its policy built by ``build_policy.py``)
    trained by the reference ``torch`` backend (embedded rollouts, in-process policy server) on the
    device: rewards per step, whether they rose, seconds per step;
-4. ``synthetic``: a model of realistic size built locally at random init (``full``: Qwen2-0.5B's shape
+4. ``trl``: the corridor trained by the ``trl`` backend on the device (float32, then bf16 forward
+   passes): rewards, where it trains and serves, seconds per step; ``unavailable`` without TRL;
+5. ``synthetic``: a model of realistic size built locally at random init (``full``: Qwen2-0.5B's shape
    on the Llama architecture; ``tiny``: two small layers) with a word-level tokenizer built here, on a
    synthetic multi-turn task: per-step generation and update time (the backend's ``timing/*``
    metrics), tokens per second and peak device memory;
-5. ``modes``: the same task on a 0.5B- and a 1.5B-shaped model (``tiny``: two small shapes) in each
+6. ``modes``: the same task on a 0.5B- and a 1.5B-shaped model (``tiny``: two small shapes) in each
    training mode of :data:`MODES` (full fine-tune in fp32, in bf16, LoRA, LoRA with gradient
    checkpointing, set by verl's keys): peak device memory, seconds per step of generation, log-probs
    and update, tokens per second, and which of them fit a 24 GiB and an 80 GiB card.
 
-The first four sections train in float32. Nothing is downloaded. ``agl train``'s own run driver also
+The sections before ``trl`` train in float32. Nothing is downloaded. ``agl train``'s own run driver also
 draws ``metrics.png`` (matplotlib); these runs go through :func:`agl_core.runs.run_config.resolve_config` and
 the backend registry instead, so matplotlib is not needed, and write each step's metrics to
 ``DIR/<section>/metrics.jsonl``.
@@ -32,6 +34,7 @@ ends there), 2 on a usage error such as ``--device cuda`` where no GPU is visibl
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import logging
@@ -58,8 +61,11 @@ import torch  # noqa: E402
 from device_workload import AGENT_CLASS, build_policy, write_dataset  # noqa: E402
 
 GIB = 2**30
-PACKAGES = ("torch", "transformers", "tokenizers", "peft", "numpy", "omegaconf", "verl", "ray", "tensordict")
-SECTIONS = ("losses", "estimators", "verl", "corridor", "synthetic", "modes")
+PACKAGES = (
+    "torch", "transformers", "tokenizers", "peft", "numpy", "omegaconf", "verl", "ray", "tensordict",
+    "trl", "accelerate", "datasets",
+)  # fmt: skip
+SECTIONS = ("losses", "estimators", "verl", "corridor", "trl", "synthetic", "modes")
 
 
 @attrs.frozen
@@ -196,13 +202,22 @@ class NoRollouts(RuntimeError):
     """A training step in which no rollout succeeded: training further would measure nothing."""
 
 
-def train(config_path: Path | None, overrides: list[str], out: Path) -> list[dict[str, Any]]:
-    """Train as ``agl train`` would (config, plugin manager, the configured backend's ``fit``); every
-    step's metrics are returned and appended to ``out/metrics.jsonl``."""
+def train(
+    config_path: Path | None,
+    overrides: list[str],
+    out: Path,
+    plugins: tuple[Any, ...] = (),
+    inspect: Callable[[Any], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Train as ``agl train`` would (config, plugin manager with ``plugins``, the configured backend's
+    ``fit``); every step's metrics are returned and appended to ``out/metrics.jsonl``. ``inspect`` is
+    given the backend once it is built."""
     from agl_core.runs.run_config import resolve_config
 
-    config, manager = resolve_config(None if config_path is None else str(config_path), overrides)
+    config, manager = resolve_config(None if config_path is None else str(config_path), overrides, plugins)
     backend = manager.backends.get(config.agentlightning.backend)(config, manager)
+    if inspect is not None:
+        inspect(backend)
     out.mkdir(parents=True, exist_ok=True)
     steps: list[dict[str, Any]] = []
 
@@ -272,6 +287,61 @@ def corridor(size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
         "seconds_per_step": timing(steps).get("timing/step_s"),
         "timing": timing(steps),
     }
+
+
+def trl(size: Size, device: str, work: Path, out: Path) -> dict[str, Any]:
+    """The corridor trained by the ``trl`` backend (TRL's GRPO trainer machinery, one process) on the
+    device: in float32 for the corridor's steps (rewards must rise), and with bf16 forward passes for
+    :data:`MODE_STEPS`; where the policy trains and where its served copy generates, seconds per step.
+    ``unavailable`` with the import error where TRL (or accelerate, datasets) does not import."""
+    try:
+        import agl_backend_trl.backend  # noqa: F401  (TRL, accelerate and datasets import here)
+        import agl_backend_trl.plugin
+    except ImportError:
+        return {"status": "unavailable", "import_error": traceback.format_exc(limit=-2)}
+    from examples.corridor.build_policy import build
+
+    installed = any(e.name == "trl" for e in importlib.metadata.entry_points(group="agl"))
+    plugins = () if installed else (agl_backend_trl.plugin,)  # from the source tree: registered here
+    policy = build(work / "trl-policy", seed=0)
+    config = REPO_ROOT / "examples" / "corridor" / "config.yaml"
+    runs: dict[str, Any] = {}
+    for name, extra, steps in (
+        ("fp32", [], size.corridor_steps),
+        ("bf16", ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"], MODE_STEPS),
+    ):
+        placed: dict[str, str] = {}
+        overrides = [
+            *run_overrides(work, f"trl-{name}", device, steps),
+            "agentlightning.backend=trl",
+            f"actor_rollout_ref.model.path={policy}",
+            f"data.train_files={REPO_ROOT / 'examples' / 'corridor' / 'dataset.jsonl'}",
+            *(["trl.use_cpu=true"] if device == "cpu" else []),
+            *extra,
+        ]
+        where = functools.partial(placement, into=placed)
+        trained = [s for s in train(config, overrides, out / f"trl-{name}", plugins, where) if s["step"] > 0]
+        rewards = [s["training/reward"] for s in trained]
+        third = max(1, len(rewards) // 3)
+        first, last = _mean(rewards[:third]), _mean(rewards[-third:])
+        on_device = all(place.startswith(device) for place in placed.values())
+        rose = name != "fp32" or (first is not None and last is not None and last > first)
+        runs[name] = {
+            "status": "passed" if len(trained) == steps and on_device and rose else "failed",
+            "steps": len(trained),
+            **placed,
+            "rewards": [None if r is None else round(r, 4) for r in rewards],
+            "reward_rose": rose,
+            "seconds_per_step": timing(trained).get("timing/step_s"),
+            "timing": timing(trained),
+        }
+    return {"status": "passed" if all(r["status"] == "passed" for r in runs.values()) else "failed", "runs": runs}
+
+
+def placement(backend: Any, into: dict[str, str]) -> None:
+    """Where ``backend`` trains and where its policy server generates, into ``into``."""
+    into["trains_on"] = str(backend.device)
+    into["serves_on"] = str(backend.server.device)
 
 
 def synthetic_overrides(size: Size, device: str, work: Path, name: str, folder: Path, steps: int) -> list[str]:
@@ -469,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             "estimators": lambda: device_numerics.check_estimators(args.device),
             "verl": lambda: device_numerics.check_verl(args.device),
             "corridor": lambda: corridor(size, args.device, work, args.out),
+            "trl": lambda: trl(size, args.device, work, args.out),
             "synthetic": lambda: synthetic(size, args.device, work, args.out),
             "modes": lambda: modes(args.size, size, args.device, work, args.out),
         }

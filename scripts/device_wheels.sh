@@ -11,6 +11,9 @@
 #                                 not import there: verl imports Ray, and Ray's wheel (75.6 MiB for
 #                                 2.60.0, 64.3 MiB for 2.41.0, the oldest verl accepts) alone exceeds
 #                                 the limit; carrying verl's other dependencies would not change that
+#   trl 1.16.0, datasets 5.2.0,   the check's trl section (the trl backend); datasets also needs
+#   dill, multiprocess, xxhash,   pyarrow and pandas, 67 MiB together, which do not fit: where the
+#   fsspec                        machine lacks them, the section records the import error
 #
 # Usage: bash scripts/device_wheels.sh [DIR]     (PYTHON picks the python whose pip is used)
 set -euo pipefail
@@ -23,7 +26,8 @@ mkdir -p "$DIR"
 rm -f "$DIR"/*.whl
 "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    -d "$DIR" omegaconf==2.3.1 verl==0.9.1
+    -d "$DIR" omegaconf==2.3.1 verl==0.9.1 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+    xxhash==4.1.0 fsspec==2026.9.0
 "$PYTHON" -m pip wheel --no-deps --no-binary=antlr4-python3-runtime -w "$DIR" antlr4-python3-runtime==4.9.3
 
 total=0

@@ -133,6 +133,11 @@ class PolicyServer:
             raise RuntimeError("the policy server is not started")
         return int(self._httpd.server_address[1])
 
+    @property
+    def device(self) -> torch.device:
+        """The device the served copy generates on (the trained model's, when it was copied)."""
+        return next(self._model.parameters()).device
+
     def start(self) -> None:
         """Start the HTTP server and the generation thread (idempotent), serving the weights given at
         construction as version 0 until :meth:`push_weights`."""

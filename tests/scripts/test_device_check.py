@@ -29,8 +29,9 @@ from tests.helpers.paths import REPO_ROOT
 
 SCRIPTS = REPO_ROOT / "scripts"
 DEVICE_CHECK = SCRIPTS / "device_check.py"
-SECTIONS = ["losses", "estimators", "verl", "corridor", "synthetic", "modes"]
+SECTIONS = ["losses", "estimators", "verl", "corridor", "trl", "synthetic", "modes"]
 HAS_VERL = importlib.util.find_spec("verl") is not None
+HAS_TRL = importlib.util.find_spec("trl") is not None
 MODES = ["full fp32", "full bf16", "lora bf16", "lora bf16 + checkpointing"]
 IMAGE_TRANSFORMERS = ("transformers==5.17.0", "tokenizers>=0.23.1,<0.24")
 
@@ -83,6 +84,15 @@ def test_the_tiny_cpu_run_passes_and_reports_every_section(tmp_path):
     assert corridor["steps"] == len(corridor["rewards"]) == 8
     assert corridor["reward_rose"] and corridor["reward_last_third"] > corridor["reward_first_third"]
     assert corridor["seconds_per_step"] > 0
+    trl = sections["trl"]
+    if HAS_TRL:  # the trl backend trains the corridor, on the device it serves from
+        for name, steps in (("fp32", 8), ("bf16", 3)):
+            run = trl["runs"][name]
+            assert run["status"] == "passed" and run["steps"] == len(run["rewards"]) == steps, run
+            assert run["trains_on"] == run["serves_on"] == "cpu"
+        assert trl["runs"]["fp32"]["reward_rose"]
+    else:
+        assert trl["status"] == "unavailable" and "No module named" in trl["import_error"]
     synthetic = sections["synthetic"]
     assert synthetic["model"]["dtype"] == "float32" and synthetic["model"]["parameters"] > 0
     assert [s["step"] for s in synthetic["per_step"]] == [1, 2, 3]
@@ -103,7 +113,7 @@ def test_the_tiny_cpu_run_passes_and_reports_every_section(tmp_path):
     assert all(s["peak_gpu_memory_gib"] is None for s in sections.values())
     lora = json.loads((tmp_path / "out" / "modes-tiny-lora-bf16" / "metrics.jsonl").read_text().splitlines()[-1])
     assert lora["actor/grad_norm"] > 0, "the LoRA run trained its adapter"
-    for name in ("corridor", "synthetic", "modes-tiny-full-fp32"):
+    for name in ("corridor", *(["trl-fp32"] if HAS_TRL else []), "synthetic", "modes-tiny-full-fp32"):
         lines = (tmp_path / "out" / name / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == list(range(1, len(lines) + 1))
 
