@@ -331,6 +331,15 @@ def callback_classes(config: DictConfig) -> list[type]:
 # agl keys and the values this backend trains with, with why another value is refused.
 AGL_KEYS: Mapping[str, tuple[Any, str]] = {
     "actor_rollout_ref.actor.use_dynamic_bsz": (False, "token-budget micro-batches are the torch backend's"),
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (
+        False,
+        "token-budget micro-batches are the torch backend's (the old log-probs pass in the update's micro-batches)",
+    ),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (
+        False,
+        "token-budget micro-batches are the torch backend's (the reference log-probs pass in the update's "
+        "micro-batches)",
+    ),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": (
         "constant",
         "the lr schedule is TRL's: set trl.lr_scheduler_type (and trl.warmup_steps), stepped once per training step",

@@ -101,6 +101,11 @@ def test_honoured_keys_reach_trls_config(corridor_policy, tmp_path):
     [
         ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr_scheduler_type"),
         ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_dynamic_bsz"),
+        (
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+        ),
+        ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz"),
         ("agentlightning.engine=vllm", "agentlightning.engine"),
     ],
 )
