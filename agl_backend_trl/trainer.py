@@ -129,6 +129,7 @@ class AglGRPOTrainer(GRPOTrainer):
             with nullcontext() if last else self.accelerator.no_sync(self.model_wrapped):
                 self.training_step(self.model_wrapped, {**inputs, "settings": settings}, None)
         passes = len(self._parts)
+        self._metrics["train"].clear()  # TRL's step times, which only its own log() empties: agl reports its own
         parts = gather_object(self._parts) if world > 1 else self._parts
         metrics = {**step_metrics(parts, 1 / world), "actor/n_micro_batches": float(passes)}
         self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)

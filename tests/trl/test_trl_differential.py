@@ -76,7 +76,8 @@ CASES = {
 
 def _compare(trl_loss, torch_loss, extra, policy, folder):
     dtype = torch.bfloat16 if BF16 in extra else None
-    trl = recorded_step(build_backend("trl", trl_loss, policy, folder / "trl", (*extra, "trl.use_cpu=true")), dtype)
+    trl_backend = build_backend("trl", trl_loss, policy, folder / "trl", (*extra, "trl.use_cpu=true"))
+    trl = recorded_step(trl_backend, dtype)
     ref = recorded_step(build_backend("torch", torch_loss, policy, folder / "torch", extra), dtype)
     out = {
         "log_prob": float((trl["old"] - ref["old"]).abs().max()),
@@ -87,6 +88,7 @@ def _compare(trl_loss, torch_loss, extra, policy, folder):
         out[name] = abs(trl["metrics"][name] - want) / max(abs(want), METRIC_ATOL / METRIC_RTOL)
     out["weights"] = max(float((trl["weights"][k] - ref["weights"][k]).abs().max()) for k in ref["weights"])
     out["n_updates"] = (trl["metrics"]["actor/n_updates"], ref["metrics"]["actor/n_updates"], trl["n_mini"])
+    out["trl_metrics_kept"] = sum(len(values) for values in trl_backend.trainer._metrics["train"].values())
     out["n_micro_batches"] = (trl["metrics"]["actor/n_micro_batches"], ref["metrics"]["actor/n_micro_batches"])
     return out
 
@@ -131,6 +133,7 @@ def test_one_recorded_step_on_trl_equals_the_torch_backends(differences, case):
     print(case, measured)
     trl_updates, torch_updates, n_mini = measured["n_updates"]
     assert trl_updates == torch_updates == n_mini * (2 if "2_epochs" in case else 1)
+    assert measured["trl_metrics_kept"] == 0, "TRL's own metrics do not pile up step after step"
     trl_passes, torch_passes = measured["n_micro_batches"]
     assert trl_passes == torch_passes >= trl_updates * (3 if "micro_batches" in case else 1)
     assert beyond(measured) == {}, f"{case}: beyond the tolerances: {beyond(measured)}"
