@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from agl_core import ConfigError, ConfigFile, check_rollout_source, default_config, merge_config, validate_config
+from agl_core import (
+    ConfigError,
+    ConfigFile,
+    check_rollout_source,
+    check_text_policy,
+    default_config,
+    merge_config,
+    validate_config,
+)
 from agl_core.backends.lora import check_lora_keys
 from agl_core.backends.precision import MIXED_PRECISION_KEY, MODEL_DTYPE_KEY, dtype_names
 
@@ -362,6 +370,7 @@ def check_trl_config(config: DictConfig) -> None:
     folder = Path(str(config.actor_rollout_ref.model.path))
     if not folder.is_dir():
         raise ConfigError("actor_rollout_ref.model.path", f"model folder {folder} does not exist")
+    check_text_policy(config, "trl")
     check_lora_keys(config.actor_rollout_ref.model)
     dtype_names(config.actor_rollout_ref.actor.fsdp_config)
     for key, (value, why) in AGL_KEYS.items():

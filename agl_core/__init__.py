@@ -101,6 +101,7 @@ __all__ = [
     "__version__",
     "aggregate_trajectories",
     "check_plain_update",
+    "check_text_policy",
     "broadcast",
     "check_rollout_source",
     "common_prefix_length",
@@ -110,6 +111,7 @@ __all__ = [
     "group_rollouts",
     "group_stream",
     "hookimpl",
+    "is_vision_policy",
     "load_config",
     "load_dataset",
     "load_policy_model",
@@ -225,6 +227,7 @@ _MODULES: dict[str, str] = {
     "gateway_source": "agl_core.rollouts.gateway",
     "ReplayRolloutSource": "agl_core.rollouts.replay",
     # serving the policy to agents (what a backend's rollout replica answers with)
+    "is_vision_policy": "agl_core.serving.models",
     "load_policy_model": "agl_core.serving.models",
     "PolicyServer": "agl_core.serving.policy_server",
     "RequestError": "agl_core.serving.policy_server",
@@ -239,6 +242,7 @@ _MODULES: dict[str, str] = {
     "OnStep": "agl_core.backends.contract",
     "PLAIN_UPDATE_KEYS": "agl_core.backends.contract",
     "check_plain_update": "agl_core.backends.contract",
+    "check_text_policy": "agl_core.backends.contract",
     "LoopControl": "agl_core.backends.loop",
     "LoopSettings": "agl_core.backends.loop",
     "NothingTrainedError": "agl_core.backends.untrained",
@@ -267,6 +271,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
         ConfigLoader,
         OnStep,
         check_plain_update,
+        check_text_policy,
     )
     from agl_core.backends.loop import LoopControl, LoopSettings, Step, run_steps
     from agl_core.backends.loop_backend import LoopBackend, Served
@@ -303,7 +308,7 @@ if TYPE_CHECKING:  # the names of _MODULES, for type checkers (sorted by module)
     from agl_core.rollouts.source import FinishedGroup, RolloutSource
     from agl_core.rollouts.streaming import GroupStream, group_stream
     from agl_core.runs.in_memory import run_ppo, write_dataset
-    from agl_core.serving.models import load_policy_model
+    from agl_core.serving.models import is_vision_policy, load_policy_model
     from agl_core.serving.policy_server import PolicyServer, RequestError
     from agl_core.serving.sampling import Generation, SamplingParams
     from agl_core.serving.vllm_engine import VllmEngineError

@@ -49,6 +49,7 @@ __all__ = [
     "OnStep",
     "backend_spec",
     "check_plain_update",
+    "check_text_policy",
 ]
 
 PLAIN_UPDATE_KEYS: Mapping[str, Any] = MappingProxyType(
@@ -69,13 +70,29 @@ engine); every other value needs what the torch backend adds to it (:func:`check
 
 
 def check_plain_update(config: DictConfig, backend: str) -> None:
-    """Refuse, naming the key, a value of :data:`PLAIN_UPDATE_KEYS` (or a learning-rate warmup) that
-    ``backend``, a backend with the plain update, does not implement: its ``check_config``."""
+    """Refuse, naming the key, a value of :data:`PLAIN_UPDATE_KEYS` (or a learning-rate warmup, or a
+    vision-language policy) that ``backend``, a backend with the plain update, does not implement: its
+    ``check_config``."""
     for key, value in PLAIN_UPDATE_KEYS.items():
         if OmegaConf.select(config, key) != value:
             raise ConfigError(key, f"backend {backend!r} trains with {value!r} only; the torch backend has the others")
     if int(config.actor_rollout_ref.actor.optim.lr_warmup_steps) > 0:
         raise ConfigError("actor_rollout_ref.actor.optim.lr_warmup_steps", f"backend {backend!r} has no lr warmup")
+    check_text_policy(config, backend)
+
+
+def check_text_policy(config: DictConfig, backend: str) -> None:
+    """Refuse a vision-language policy (a model folder with an image processor) for ``backend``, whose
+    rows would otherwise reach the model without their images."""
+    from agl_core.serving.models import is_vision_policy
+
+    folder = config.actor_rollout_ref.model.path
+    if folder is not None and is_vision_policy(str(folder)):
+        raise ConfigError(
+            "actor_rollout_ref.model.path",
+            f"{folder} is a vision-language model; backend {backend!r} trains text models only (the torch "
+            "backend trains vision-language ones)",
+        )
 
 
 OnStep = Callable[[int, int, Mapping[str, float], "StepSamples"], None]

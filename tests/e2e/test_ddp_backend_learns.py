@@ -1,8 +1,8 @@
 """The example backend (examples/ddp_backend: agl's step loop, the update in two gloo processes)
 teaches the corridor policy to follow the signs, as the reference backend does
 (tests/e2e/test_example_learns.py, whose numbers and thresholds it shares: its sampled rewards were
-the reference's, step for step); a loss whose parts do not add up over the processes' shares is
-refused before any process starts."""
+the reference's, step for step); a loss whose parts do not add up over the processes' shares, and a
+vision-language policy, are refused before any process starts."""
 
 from __future__ import annotations
 
@@ -63,3 +63,11 @@ def test_a_loss_that_does_not_add_up_over_the_split_is_refused_by_the_key_that_s
     plugins = PluginManager.from_config(config, (agl_ddp_backend, WholeBatchLoss()), load_entrypoints=False)
     with pytest.raises(ConfigError, match=rf"{key}: the policy loss declares additive_over_micro_batches=False"):
         agl_ddp_backend.DdpBackend(config, plugins)
+
+
+def test_a_vision_language_policy_is_refused_by_agl_check(vision_policy_dir):
+    """The plain update passes no images to the model: a vision-language policy is refused by name."""
+    config = load_config(overrides=[f"actor_rollout_ref.model.path={vision_policy_dir}"])
+    with pytest.raises(ConfigError, match="is a vision-language model; backend 'ddp' trains text models only") as error:
+        agl_ddp_backend.check_ddp_config(config)
+    assert error.value.key == "actor_rollout_ref.model.path"

@@ -139,6 +139,12 @@ def test_bf16_on_a_machine_without_a_gpu_asks_for_trl_use_cpu(corridor_policy, t
     check_trl_config(load(corridor_policy, tmp_path, bf16, "trl.use_cpu=true", "trl.bf16=true"))
 
 
+def test_a_vision_language_policy_is_refused_before_anything_starts(vision_policy_dir, tmp_path):
+    with pytest.raises(ConfigError, match="is a vision-language model; backend 'trl' trains text models only") as error:
+        check_trl_config(load(vision_policy_dir, tmp_path))
+    assert error.value.key == "actor_rollout_ref.model.path"
+
+
 class WholeBatchLoss:
     """A plugin whose loss ``whole_batch`` declares that its parts do not add up over micro-batches."""
 
