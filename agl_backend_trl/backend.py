@@ -29,6 +29,7 @@ mini-batch; DDP averages the gradients, so N processes make the one-process upda
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list
+from omegaconf import OmegaConf
 from transformers.trainer_callback import ExportableState, PrinterCallback
 
 from agl_backend_trl.config import callback_classes, check_trl_config, grpo_config
@@ -53,11 +55,11 @@ from agl_core import (
     tensorize,
 )
 from agl_core.backends.lora import load_adapter, lora_config, lora_enabled
+from agl_core.backends.micro_batching import split, split_rows
 from agl_core.backends.ppo import (
     check_splittable,
     frozen_log_probs,
     mean_over_steps,
-    micro_batches,
     mini_batches,
     rank_rows,
     take_rows,
@@ -74,6 +76,16 @@ logger = logging.getLogger(__name__)
 
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: the adapter only, as in the torch backend's checkpoints
+# Each pass's token-budget micro-batches, as verl's keys set them: (the switch, the budget).
+UPDATE = ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+OLD_LOG_PROBS = (
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+)
+REF_LOG_PROBS = (
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+)
 DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU)
 """accelerate's process models this backend trains in: one process, or data-parallel (DDP) CPU
 processes (several GPU processes over NCCL are not proven yet)."""
@@ -96,7 +108,9 @@ class TrlBackend(LoopBackend):
         self.rank, self.world = args.process_index, args.world_size
         self.micro_rows = actor.ppo_micro_batch_size_per_gpu
         loss_fn = plugins.policy_losses.get(actor.policy_loss.loss_mode)
-        if self.micro_rows is not None:
+        if actor.use_dynamic_bsz:
+            check_splittable(loss_fn, UPDATE[0], "micro-batches")
+        elif self.micro_rows is not None:
             check_splittable(loss_fn, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "micro-batches")
         if self.world > 1:
             check_splittable(
@@ -167,8 +181,7 @@ class TrlBackend(LoopBackend):
         rows = {name: value.to(self.device) for name, value in rows.items()}
         advantages = advantages.to(self.device)
         parts = mini_batches(len(advantages), n_mini_batches)
-        micro = [micro_batches(rank_rows(part, self.rank, self.world), self.micro_rows) for part in parts]
-        inputs = [[self._inputs(rows, advantages, indices) for indices in part] for part in micro]
+        inputs = [self._micro_batches(rows, advantages, rank_rows(part, self.rank, self.world)) for part in parts]
         log_probs_done = time.perf_counter()
         steps = [
             trainer.mini_batch_step(part_inputs, n_tokens=int(rows["response_mask"][part].sum()))
@@ -190,19 +203,40 @@ class TrlBackend(LoopBackend):
         self.event("on_log", metrics)
         return metrics
 
-    def _inputs(self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, indices: Any) -> dict[str, Any]:
-        """A micro-batch's inputs to :meth:`~AglGRPOTrainer.mini_batch_step`: its rows, advantages, and
-        old and reference log-probs (computed here, once for every PPO epoch)."""
-        mine = take_rows(rows, indices)
+    def _micro_batches(self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, share: list[int]) -> list[Any]:
+        """This process's ``share`` of a mini-batch as :meth:`~AglGRPOTrainer.mini_batch_step`'s inputs:
+        its micro-batches (of rows, or of a token budget: :meth:`_split`) with their rows, advantages
+        and old and reference log-probs, each log-prob pass in its own micro-batches (computed here,
+        once for every PPO epoch)."""
+        mine, advantages = take_rows(rows, share), advantages[share]
+        old = self._pass(functools.partial(frozen_log_probs, self.model), mine, OLD_LOG_PROBS)
+        ref = self._pass(self.trainer.reference_log_probs, mine, REF_LOG_PROBS) if self.trainer.beta else None
+        return [
+            {
+                "rows": micro.cut(mine),
+                "old_log_prob": micro.cut_responses(old),
+                "advantages": micro.cut_responses(advantages),
+                "ref_log_prob": None if ref is None else micro.cut_responses(ref),
+            }
+            for micro in self._split(mine, UPDATE)
+        ]
+
+    def _pass(self, log_probs: Any, tensors: dict[str, torch.Tensor], budget: tuple[str, str]) -> torch.Tensor:
+        """``log_probs`` of every row of ``tensors``, ``[rows, response width]``, computed in the
+        micro-batches of ``budget`` (no gradient)."""
+        out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            ref_log_prob = self.trainer.reference_log_probs(mine)
-        old_log_prob = frozen_log_probs(self.model, mine)
-        return {
-            "rows": mine,
-            "old_log_prob": old_log_prob,
-            "advantages": advantages[indices],
-            "ref_log_prob": ref_log_prob,
-        }
+            for micro in self._split(tensors, budget):
+                out[micro.rows, : micro.response_length] = log_probs(micro.cut(tensors))
+        return out
+
+    def _split(self, tensors: dict[str, torch.Tensor], budget: tuple[str, str]) -> list[Any]:
+        """``tensors``' rows in micro-batches of the token budget ``budget`` names (with its switch
+        on), else of ``actor.ppo_micro_batch_size_per_gpu`` rows."""
+        switch, key = budget
+        if OmegaConf.select(self.config, switch):
+            return split(tensors, int(OmegaConf.select(self.config, key)), key)
+        return split_rows(tensors, self.micro_rows)
 
     def control(self) -> LoopControl:
         """What the callbacks asked of the loop in ``TrainerControl`` (process 0's)."""

@@ -7,9 +7,9 @@ says the same), or refused by name with the reason (:func:`refusal`); a key that
 trainer gets: agl's values for the paired keys, the honoured keys as set, and the values agl's loop
 needs (no saving, logging or reporting of TRL's own: agl's loop checkpoints and its metric sinks log).
 
-The agl keys this backend does not implement are refused too (:func:`check_trl_config`):
-micro-batches by token budget, weights in another dtype than float32, agl's lr schedule keys (the
-schedule is TRL's), another engine than the in-process one.
+The agl keys this backend does not implement are refused too (:func:`check_trl_config`): weights in
+another dtype than float32, agl's lr schedule keys (the schedule is TRL's), another engine than the
+in-process one.
 """
 
 from __future__ import annotations
@@ -338,16 +338,6 @@ def callback_classes(config: DictConfig) -> list[type]:
 
 # agl keys and the values this backend trains with, with why another value is refused.
 AGL_KEYS: Mapping[str, tuple[Any, str]] = {
-    "actor_rollout_ref.actor.use_dynamic_bsz": (False, "token-budget micro-batches are the torch backend's"),
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (
-        False,
-        "token-budget micro-batches are the torch backend's (the old log-probs pass in the update's micro-batches)",
-    ),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (
-        False,
-        "token-budget micro-batches are the torch backend's (the reference log-probs pass in the update's "
-        "micro-batches)",
-    ),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": (
         "constant",
         "the lr schedule is TRL's: set trl.lr_scheduler_type (and trl.warmup_steps), stepped once per training step",

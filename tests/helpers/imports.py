@@ -5,7 +5,13 @@ from __future__ import annotations
 import ast
 
 # Modules of agl_core that are public as a whole (their __all__, CHANGELOG.md's stability policy).
-PUBLIC_MODULES = ("agl_core", "agl_core.backends.lora", "agl_core.backends.ppo", "agl_core.backends.precision")
+PUBLIC_MODULES = (
+    "agl_core",
+    "agl_core.backends.lora",
+    "agl_core.backends.micro_batching",
+    "agl_core.backends.ppo",
+    "agl_core.backends.precision",
+)
 
 
 def private_imports(source: str) -> list[str]:

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from agl_core.backends.micro_batching import split
 from agl_core.backends.torch.backend import load_policy
-from agl_core.backends.torch.micro_batching import split
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.config import ConfigError, load_config
 from agl_core.data import CompletedRollout, TrainingRow, Triplet

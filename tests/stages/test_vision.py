@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_core.backends.torch.micro_batching import MicroBatch
+from agl_core.backends.micro_batching import MicroBatch
 from agl_core.data import DataValidationError, TrainingRow
 from agl_core.errors import UsageError
 from agl_core.stages.tensorize import tensorize

@@ -100,12 +100,6 @@ def test_honoured_keys_reach_trls_config(corridor_policy, tmp_path):
     ("override", "key"),
     [
         ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr_scheduler_type"),
-        ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_dynamic_bsz"),
-        (
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        ),
-        ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz"),
         ("agentlightning.engine=vllm", "agentlightning.engine"),
     ],
 )
@@ -154,13 +148,22 @@ class WholeBatchLoss:
         register("whole_batch", PolicyLossSpec(token_mean, additive_over_micro_batches=False))
 
 
-def test_micro_batches_of_a_loss_that_does_not_add_up_over_them_are_refused(corridor_policy, tmp_path):
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        ),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_dynamic_bsz"),
+    ],
+)
+def test_micro_batches_of_a_loss_that_does_not_add_up_over_them_are_refused(corridor_policy, tmp_path, override, key):
     from agl_backend_trl.backend import TrlBackend
 
-    loss = "actor_rollout_ref.actor.policy_loss.loss_mode=whole_batch"
-    config = load(corridor_policy, tmp_path, loss, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    config = load(corridor_policy, tmp_path, "actor_rollout_ref.actor.policy_loss.loss_mode=whole_batch", override)
     plugins = PluginManager.from_config(config, (WholeBatchLoss(),), load_entrypoints=False)
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu: the policy loss"):
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: the policy loss"):
         TrlBackend(config, plugins)
 
 

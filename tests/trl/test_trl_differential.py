@@ -15,9 +15,11 @@ over 2 mini-batches × 2 PPO epochs with the entropy bonus and the KL term (TRL'
 (``lora_adapter_path``, random weights) over 2 PPO epochs with the entropy bonus and the KL term (the
 reference: the base model); the same 2 × 2 with entropy and KL, forward passes in bf16 (TRL's
 ``bf16``, accelerate's autocast, against the torch backend's autocast; both on padded rows, the
-log-probs measured in bf16: bit for bit); ``per_rollout_mean`` over 2 mini-batches in micro-batches
-of 3 rows (gradients accumulated over TRL's ``training_step`` calls). A planted difference (trl on
-``token_mean`` against torch on ``per_rollout_mean``) is beyond the tolerances.
+log-probs measured in bf16: bit for bit); the same 2 × 2 with entropy and KL in token-budget
+micro-batches (``use_dynamic_bsz``; the old log-probs under their own budget; both on padded
+rows); ``per_rollout_mean`` over 2 mini-batches in micro-batches of 3 rows (gradients accumulated
+over TRL's ``training_step`` calls). A planted difference (trl on ``token_mean`` against torch on
+``per_rollout_mean``) is beyond the tolerances.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from tests.trl.recorded_step import (
 
 LOG_PROB_ATOL, METRIC_RTOL, METRIC_ATOL, AFTER_ATOL = 1e-6, 1e-5, 1e-6, 1e-4
 METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+# Token budgets (padded elements; at least the config's longest row, 512) over the recorded step's rows
+# (61 tokens at most, about 92 padded in a micro-batch): an update micro-batch takes about five rows,
+# an old log-prob pass about eleven.
+BUDGETS = {"budget": 512, "log_prob_budget": 1024}
 BF16 = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"
 LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
 CASES = {
@@ -68,6 +74,18 @@ CASES = {
             *KL_ENTROPY_EPOCHS,
             BF16,
             "agentlightning.torch.share_prefixes=false",  # bf16 rounds a packed pass otherwise than a padded one
+        ),
+    ),
+    "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy-token_budget": (
+        "per_rollout_mean",
+        "per_rollout_mean",
+        (
+            *TWO_MINI_BATCHES,
+            *KL_ENTROPY_EPOCHS,
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={log_prob_budget}",
+            "agentlightning.torch.share_prefixes=false",
         ),
     ),
     "planted-token_mean_vs_per_rollout_mean": ("token_mean", "per_rollout_mean", TWO_MINI_BATCHES),
@@ -113,7 +131,9 @@ def differences(corridor_policy, tmp_path_factory):
     root = tmp_path_factory.mktemp("trl-differential")
     adapter = saved_adapter(corridor_policy, root / "adapter")
     return {
-        case: _compare(trl_loss, torch_loss, [e.format(adapter=adapter) for e in extra], corridor_policy, root / case)
+        case: _compare(
+            trl_loss, torch_loss, [e.format(adapter=adapter, **BUDGETS) for e in extra], corridor_policy, root / case
+        )
         for case, (trl_loss, torch_loss, extra) in CASES.items()
     }
 

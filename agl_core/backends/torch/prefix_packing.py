@@ -24,12 +24,13 @@ import attrs
 import numpy as np
 import torch
 
+from agl_core.backends.micro_batching import RowLengths
 from agl_core.backends.ppo import attention_implementation
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
 from agl_core.stages.prefix_sharing import PackCost, PrefixPacks, prefix_packs
 
-__all__ = ["PackedForward", "RowLengths", "check_packable", "pack_cost", "packed_forward", "row_packs"]
+__all__ = ["PackedForward", "check_packable", "pack_cost", "packed_forward", "row_packs"]
 
 SHARE_KEY = "agentlightning.torch.share_prefixes"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -62,20 +63,6 @@ class PackedForward:
     def n_elements(self) -> int:
         """Tensor elements of the pass, padding included."""
         return self.input_ids.numel()
-
-
-@attrs.frozen
-class RowLengths:
-    """Each row's prompt and response lengths in a tensorised batch."""
-
-    prompts: np.ndarray
-    responses: np.ndarray
-
-    @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor]) -> RowLengths:
-        prompt_width = tensors["prompts"].shape[1]
-        attention = tensors["attention_mask"]
-        return cls(attention[:, :prompt_width].sum(1).cpu().numpy(), attention[:, prompt_width:].sum(1).cpu().numpy())
 
 
 def check_packable(model: torch.nn.Module) -> None:

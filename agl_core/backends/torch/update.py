@@ -8,7 +8,7 @@ mini-batch (verl's ``agg_loss`` with its default ``token-mean``), whatever the p
 reduction. Then gradient clipping at ``actor.grad_clip`` → AdamW step, skipped and counted
 (``actor/n_skipped_nonfinite_grad``) when the gradient norm is not finite.
 
-Token-budget micro-batches (verl's keys, :mod:`agl_core.backends.torch.micro_batching`): with
+Token-budget micro-batches (verl's keys, :mod:`agl_core.backends.micro_batching`): with
 ``actor.use_dynamic_bsz`` each mini-batch's gradients are accumulated over micro-batches of at most
 ``actor.ppo_max_token_len_per_gpu`` padded tokens, each padded only to its own longest prompt and
 response; the old and reference log-probs likewise under ``rollout.log_prob_*`` and ``ref.log_prob_*``.
@@ -54,6 +54,7 @@ import attrs
 import torch
 
 from agl_core.backends.lora import base_policy
+from agl_core.backends.micro_batching import MicroBatch, split
 from agl_core.backends.ppo import (
     MULTI_MODAL_INPUTS,
     check_splittable,
@@ -70,7 +71,7 @@ from agl_core.backends.ppo import (
     trainable_parameters,
 )
 from agl_core.backends.precision import Precision
-from agl_core.backends.torch.micro_batching import MicroBatch, split, split_shared
+from agl_core.backends.torch.micro_batching import split_shared
 from agl_core.backends.torch.prefix_packing import PackedForward, check_packable, pack_cost
 from agl_core.errors import UsageError
 from agl_core.serving.weights import is_adapted

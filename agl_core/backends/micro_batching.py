@@ -1,0 +1,136 @@
+"""A tensorised batch cut into token-budget micro-batches, each padded only to its own widths: what a
+backend runs ``actor.use_dynamic_bsz`` with (the torch and trl backends).
+
+:func:`split` groups the batch's rows with :func:`agl_core.stages.micro_batches.micro_batches` (or
+:func:`split_rows`, by a number of rows) and
+:meth:`MicroBatch.cut` takes a group's rows out of the batch's tensors, keeping only the columns its
+longest prompt and response reach. In :func:`agl_core.stages.tensorize.tensorize`'s layout prompts are
+left-padded and responses right-padded, so the columns cut away hold only padding, and the result
+equals tensorising the group's rows with those widths. A response-aligned tensor of the batch (old
+log-probs, advantages) is cut alike (:meth:`MicroBatch.cut_responses`), and what a pass computes on a
+micro-batch goes back into the batch's width at its rows and first ``response_length`` columns.
+
+Vision-language rows cut the same way: their ``(B, 4, L)`` position ids along the last dimension,
+their per-row image inputs (:data:`~agl_core.backends.ppo.MULTI_MODAL_INPUTS`, or any
+non-tensor column: :meth:`MicroBatch.cut_rows`) by row, in the micro-batch's row order, which is the
+order the forward concatenates their images in. The torch backend's prefix sharing groups packs of
+rows instead (``agl_core.backends.torch.micro_batching.split_shared``), into the same
+:class:`MicroBatch` with the pass that computes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import torch
+
+from agl_core.backends.ppo import MULTI_MODAL_INPUTS
+from agl_core.backends.ppo import micro_batches as row_micro_batches
+from agl_core.stages.micro_batches import micro_batches
+
+if TYPE_CHECKING:
+    from agl_core.backends.torch.prefix_packing import PackedForward
+
+__all__ = ["MicroBatch", "RowLengths", "split", "split_rows"]
+
+# The tensors holding prompt and response side by side; ``prompts`` holds the prompt alone, every other
+# tensor is aligned with the responses.
+SEQUENCE_TENSORS = frozenset({"input_ids", "attention_mask", "position_ids"})
+
+
+@attrs.frozen
+class RowLengths:
+    """Each row's prompt and response lengths in a tensorised batch."""
+
+    prompts: np.ndarray
+    responses: np.ndarray
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> RowLengths:
+        prompt_width = _prompt_width(tensors)
+        attention = tensors["attention_mask"]
+        return cls(attention[:, :prompt_width].sum(1).cpu().numpy(), attention[:, prompt_width:].sum(1).cpu().numpy())
+
+
+@attrs.frozen
+class MicroBatch:
+    """Rows of a batch (indices, ascending) and the prompt / response widths they are padded to."""
+
+    rows: torch.Tensor
+    prompt_length: int
+    response_length: int
+    packed: PackedForward | None = None
+    """The prefix-shared forward pass computing these rows (the torch backend's prefix sharing), else ``None``."""
+
+    @classmethod
+    def of(
+        cls, rows: np.ndarray, lengths: RowLengths, device: torch.device, packed: PackedForward | None = None
+    ) -> MicroBatch:
+        """Rows ``rows`` of a batch of ``lengths``, padded to their longest prompt and response."""
+        return cls(
+            torch.as_tensor(rows, device=device),
+            int(lengths.prompts[rows].max()),
+            int(lengths.responses[rows].max()),
+            packed,
+        )
+
+    def cut(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """These rows of ``tensors`` (a tensorised batch), padded only to this micro-batch's widths;
+        without the sequence tensors when :attr:`packed` computes the rows."""
+        prompt_width = _prompt_width(tensors)
+        start, end = prompt_width - self.prompt_length, prompt_width + self.response_length
+        out = {}
+        for name, value in tensors.items():
+            # Columns first (a view), then rows: only the micro-batch's own widths are copied.
+            if self.packed is not None and (name == "prompts" or name in SEQUENCE_TENSORS):
+                continue
+            if name == MULTI_MODAL_INPUTS:
+                out[name] = self.cut_rows(value)
+            elif name == "prompts":
+                out[name] = value[:, start:][self.rows]
+            elif name in SEQUENCE_TENSORS:  # the sequence is the last dimension: (B, 4, L) mrope position ids too
+                out[name] = value[..., start:end][self.rows]
+            else:
+                out[name] = self.cut_responses(value)
+        return out
+
+    def cut_rows(self, column: np.ndarray) -> np.ndarray:
+        """These rows of a per-row non-tensor column (``multi_modal_inputs``, ``rollout_ids``...)."""
+        return column[self.rows.cpu().numpy()]
+
+    def cut_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """These rows of a response-aligned ``[rows, response_len]`` tensor (advantages, log-probs),
+        cut like the responses in :meth:`cut`."""
+        return values[:, : self.response_length][self.rows]
+
+
+def split(tensors: Mapping[str, torch.Tensor], max_tokens: int, key: str) -> list[MicroBatch]:
+    """The batch's rows in micro-batches of at most ``max_tokens`` padded elements; ``key`` names the
+    budget in the error for a row longer than it."""
+    lengths = RowLengths.of(tensors)
+    device = tensors["attention_mask"].device
+    return [
+        MicroBatch.of(np.asarray(group), lengths, device)
+        for group in micro_batches(lengths.prompts, lengths.responses, max_tokens, key=key)
+    ]
+
+
+def split_rows(tensors: Mapping[str, torch.Tensor], size: int | None) -> list[MicroBatch]:
+    """The batch's rows in consecutive micro-batches of at most ``size`` rows
+    (``actor.ppo_micro_batch_size_per_gpu``; ``None``: one), padded to the batch's widths as the torch
+    backend's row micro-batches are (so that a pass computes what it computes on the whole batch)."""
+    n_rows, response_width = tensors["responses"].shape
+    device = tensors["attention_mask"].device
+    return [
+        MicroBatch(torch.as_tensor(list(group), device=device), _prompt_width(tensors), response_width)
+        for group in row_micro_batches(range(n_rows), size)
+    ]
+
+
+def _prompt_width(tensors: Mapping[str, Any]) -> int:
+    """The prompts' padded width: the sequence's less the responses' (``prompts`` may be left out, as
+    :func:`~agl_core.backends.ppo.take_rows` leaves it)."""
+    return int(tensors["input_ids"].shape[-1] - tensors["responses"].shape[1])
