@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
-from agl_core import ConfigError, PolicyLossSpec, hookimpl
+from agl_core import ConfigError
 from agl_core.config import load_config
 from agl_core.plugins import PluginManager
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.torch_runs import LEARNED, LEARNING_STEPS, corridor_run
+from tests.helpers.whole_batch_loss import WHOLE_BATCH_LOSS, WholeBatchLoss
 
 sys.path.insert(0, str(REPO_ROOT / "examples" / "ddp_backend"))  # as pip install -e examples/ddp_backend does
 import agl_ddp_backend  # noqa: E402
@@ -33,15 +34,6 @@ def test_twenty_steps_on_two_processes_teach_the_policy_to_follow_the_signs(tmp_
     assert lines[-1]["val/reward"] >= 0.9, "greedy answers should follow the signs (always one direction scores 0.5)"
 
 
-class WholeBatchLoss:
-    """A loss ``whole_batch`` declaring that its parts do not add up over a split mini-batch."""
-
-    @hookimpl
-    def agl_register_policy_losses(self, register):
-        token_mean = PluginManager(load_entrypoints=False).policy_losses.get("token_mean")
-        register("whole_batch", PolicyLossSpec(token_mean, additive_over_micro_batches=False))
-
-
 @pytest.mark.parametrize(
     ("override", "key"),
     [
@@ -55,7 +47,7 @@ class WholeBatchLoss:
 def test_a_loss_that_does_not_add_up_over_the_split_is_refused_by_the_key_that_splits(override, key):
     config = load_config(
         overrides=[
-            "actor_rollout_ref.actor.policy_loss.loss_mode=whole_batch",
+            WHOLE_BATCH_LOSS,
             "agentlightning.plugins.ddp.processes=1",
             override,
         ]

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from agl_backend_trl.config import check_trl_config, grpo_config, load_trl_config
-from agl_core import PolicyLossSpec, hookimpl
 from agl_core.cli import main
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginManager
+from tests.helpers.whole_batch_loss import WHOLE_BATCH_LOSS, WholeBatchLoss
 from tests.trl.conftest import CONFIG, corridor_overrides
 
 # TRL key, a value agl's default config makes it, a value that disagrees, the agl key named in the refusal.
@@ -139,15 +139,6 @@ def test_a_vision_language_policy_is_refused_before_anything_starts(vision_polic
     assert error.value.key == "actor_rollout_ref.model.path"
 
 
-class WholeBatchLoss:
-    """A plugin whose loss ``whole_batch`` declares that its parts do not add up over micro-batches."""
-
-    @hookimpl
-    def agl_register_policy_losses(self, register):
-        token_mean = PluginManager(load_entrypoints=False).policy_losses.get("token_mean")
-        register("whole_batch", PolicyLossSpec(token_mean, additive_over_micro_batches=False))
-
-
 @pytest.mark.parametrize(
     ("override", "key"),
     [
@@ -161,7 +152,7 @@ class WholeBatchLoss:
 def test_micro_batches_of_a_loss_that_does_not_add_up_over_them_are_refused(corridor_policy, tmp_path, override, key):
     from agl_backend_trl.backend import TrlBackend
 
-    config = load(corridor_policy, tmp_path, "actor_rollout_ref.actor.policy_loss.loss_mode=whole_batch", override)
+    config = load(corridor_policy, tmp_path, WHOLE_BATCH_LOSS, override)
     plugins = PluginManager.from_config(config, (WholeBatchLoss(),), load_entrypoints=False)
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: the policy loss"):
         TrlBackend(config, plugins)
