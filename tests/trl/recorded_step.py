@@ -37,9 +37,14 @@ KL_ENTROPY_EPOCHS = (
 )
 DATA_PARALLEL_CASES = {
     "token_mean-2_mini_batches-micro_batches_of_3": ("token_mean", (*TWO_MINI_BATCHES, MICRO_BATCHES_OF_3)),
-    "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy": (
+    "per_rollout_mean-2_mini_batches-2_epochs-kl-entropy-token_budget": (
         "per_rollout_mean",
-        (*TWO_MINI_BATCHES, *KL_ENTROPY_EPOCHS),
+        (
+            *TWO_MINI_BATCHES,
+            *KL_ENTROPY_EPOCHS,
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512",
+        ),
     ),
     "per_rollout_mean-lora-bf16_autocast": (
         "per_rollout_mean",

@@ -2,12 +2,14 @@
 update one process makes, on the recorded corridor step.
 
 Each case of :data:`~tests.trl.recorded_step.DATA_PARALLEL_CASES` (token_mean over 2 mini-batches in
-micro-batches of 3 rows; per_rollout_mean over 2 mini-batches × 2 PPO epochs with the entropy bonus and
-the KL term; per_rollout_mean with LoRA and bf16 forward passes) is trained in this process and in two
-launched by ``torchrun`` (one launch for all cases). Compared: the update's loss terms and gradient norm
-(relative ≤ 1e-5, or absolute ≤ 1e-6 near 0) and the updated policy's log-probs (max abs ≤ 1e-5); with
-bf16 forward passes, to bf16's rounding (relative ≤ 1e-3, log-probs ≤ 2e-2). The two processes' sums of
-the loss run in another order than one process's, so they agree to float rounding, not bit for bit."""
+micro-batches of 3 rows; per_rollout_mean over 2 mini-batches × 2 PPO epochs with the entropy bonus
+and the KL term in token-budget micro-batches, each process splitting its share by the budget;
+per_rollout_mean with LoRA and bf16 forward passes) is trained in this process and in two launched
+by ``torchrun`` (one launch for all cases). Compared: the update's loss terms and gradient norm
+(relative ≤ 1e-5, or absolute ≤ 1e-6 near 0) and the updated policy's log-probs (max abs ≤ 1e-5);
+with bf16 forward passes, to bf16's rounding (relative ≤ 1e-3, log-probs ≤ 2e-2). The two processes'
+sums of the loss run in another order than one process's, so they agree to float rounding, not bit
+for bit."""
 
 from __future__ import annotations
 
