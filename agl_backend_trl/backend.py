@@ -55,7 +55,7 @@ from agl_core import (
     tensorize,
 )
 from agl_core.backends.lora import load_adapter, lora_config, lora_enabled
-from agl_core.backends.micro_batching import split, split_rows
+from agl_core.backends.micro_batching import batch_results, split, split_rows
 from agl_core.backends.ppo import (
     check_splittable,
     frozen_log_probs,
@@ -224,11 +224,8 @@ class TrlBackend(LoopBackend):
     def _pass(self, log_probs: Any, tensors: dict[str, torch.Tensor], budget: tuple[str, str]) -> torch.Tensor:
         """``log_probs`` of every row of ``tensors``, ``[rows, response width]``, computed in the
         micro-batches of ``budget`` (no gradient)."""
-        out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            for micro in self._split(tensors, budget):
-                out[micro.rows, : micro.response_length] = log_probs(micro.cut(tensors))
-        return out
+            return batch_results(tensors, self._split(tensors, budget), lambda micro: log_probs(micro.cut(tensors)))
 
     def _split(self, tensors: dict[str, torch.Tensor], budget: tuple[str, str]) -> list[Any]:
         """``tensors``' rows in micro-batches of the token budget ``budget`` names (with its switch

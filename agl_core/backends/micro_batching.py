@@ -20,7 +20,7 @@ rows instead (``agl_core.backends.torch.micro_batching.split_shared``), into the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -34,7 +34,7 @@ from agl_core.stages.micro_batches import micro_batches
 if TYPE_CHECKING:
     from agl_core.backends.torch.prefix_packing import PackedForward
 
-__all__ = ["MicroBatch", "RowLengths", "split", "split_rows"]
+__all__ = ["MicroBatch", "RowLengths", "batch_results", "split", "split_rows"]
 
 # The tensors holding prompt and response side by side; ``prompts`` holds the prompt alone, every other
 # tensor is aligned with the responses.
@@ -128,6 +128,21 @@ def split_rows(tensors: Mapping[str, torch.Tensor], size: int | None) -> list[Mi
         MicroBatch(torch.as_tensor(list(group), device=device), _prompt_width(tensors), response_width)
         for group in row_micro_batches(range(n_rows), size)
     ]
+
+
+def batch_results(
+    tensors: Mapping[str, torch.Tensor],
+    micro_batches: Iterable[MicroBatch],
+    compute: Callable[[MicroBatch], torch.Tensor],
+) -> torch.Tensor:
+    """What ``compute`` gives each of ``micro_batches`` (``[its rows, its response width]``: log-probs of
+    a pass), put back at its rows of the batch ``tensors`` in the batch's response width, float32 (0
+    past each micro-batch's width)."""
+    responses = tensors["responses"]
+    out = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
+    for micro in micro_batches:
+        out[micro.rows, : micro.response_length] = compute(micro)
+    return out
 
 
 def _prompt_width(tensors: Mapping[str, Any]) -> int:

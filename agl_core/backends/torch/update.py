@@ -54,7 +54,7 @@ import attrs
 import torch
 
 from agl_core.backends.lora import base_policy
-from agl_core.backends.micro_batching import MicroBatch, split
+from agl_core.backends.micro_batching import MicroBatch, batch_results, split
 from agl_core.backends.ppo import (
     MULTI_MODAL_INPUTS,
     check_splittable,
@@ -275,10 +275,10 @@ class ActorUpdate:
         with self.settings.precision.autocast(self.device):
             if max_tokens is None and not self.shares(tensors):
                 return response_log_probs(model, tensors)
-            out = torch.zeros(tensors["responses"].shape, dtype=torch.float32, device=tensors["responses"].device)
-            for micro in self.split(tensors, max_tokens, key):
-                out[micro.rows, : micro.response_length] = response_log_probs(model, micro.cut(tensors), micro.packed)
-            return out
+            micro_batches = self.split(tensors, max_tokens, key)
+            return batch_results(
+                tensors, micro_batches, lambda micro: response_log_probs(model, micro.cut(tensors), micro.packed)
+            )
 
     def shares(self, tensors: Mapping[str, Any]) -> bool:
         """Whether a pass over ``tensors`` packs shared prefixes: ``share_prefixes``, and no image row."""
