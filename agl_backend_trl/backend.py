@@ -20,11 +20,12 @@ sampler states in the loop's ``trainer_state.pt``, and the state of the callback
 (transformers' ``ExportableState``); a resume loads the model with ``Trainer``'s own loader.
 
 Several processes (``torchrun --nproc-per-node N -m agl_core.cli train ...``, accelerate's
-data-parallel process model: DDP over gloo on CPU with ``trl.use_cpu``; on GPUs refused so far): process
+data-parallel process model over gloo, on CPU with ``trl.use_cpu``; on GPUs refused so far): process
 0 runs the loop (rollouts, hooks, serving, metrics, checkpoints); the others wait in
 :meth:`TrlBackend.follow` and do what it tells them (:meth:`~TrlBackend.train` each step's rows,
 :meth:`~TrlBackend.load_checkpoint` on a resume) until it stops. Each trains its share of every
-mini-batch; DDP averages the gradients, so N processes make the one-process update.
+mini-batch, and the gradients are averaged over the processes before each optimizer step
+(:func:`~agl_backend_trl.trainer.average_gradients`), so N processes make the one-process update.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ REF_LOG_PROBS = (
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
 )
 DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU)
-"""accelerate's process models this backend trains in: one process, or data-parallel (DDP) CPU
+"""accelerate's process models this backend trains in: one process, or data-parallel CPU
 processes (several GPU processes over NCCL are not proven yet)."""
 
 
@@ -144,7 +145,12 @@ class TrlBackend(LoopBackend):
                 gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs or {"use_reentrant": False}
             )
         trainer.create_optimizer_and_scheduler(num_training_steps=self.total_steps)
-        trainer.model_wrapped, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+        # Not wrapped in DDP (``evaluation_mode``): mini_batch_step averages the gradients itself. DDP
+        # keeps the process group alive until the interpreter exits, and a gloo worker thread that
+        # releases a finished collective then aborts the exit ("terminate called without an active
+        # exception"); without it, :meth:`fit` ends the group and joins those threads.
+        trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model, evaluation_mode=True)
+        trainer.optimizer = trainer.accelerator.prepare_optimizer(trainer.optimizer)
         trainer.state.max_steps = self.total_steps
         self.device = trainer.accelerator.device
         self._began = False
@@ -278,7 +284,7 @@ class TrlBackend(LoopBackend):
 
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
         """The model (or adapter) as ``Trainer.save_model`` writes it; optimizer, schedule, sampler state
-        (process 0's: DDP keeps every process's the same)."""
+        (process 0's: every process makes the same optimizer steps)."""
         assert self.server is not None, "process 0 checkpoints"
         self.trainer.save_model(str(Path(folder) / self.weights_dir()))
         return {
@@ -327,13 +333,18 @@ class TrlBackend(LoopBackend):
     # -- several processes -----------------------------------------------------------------------
 
     def fit(self, on_step: Any = None) -> None:
-        """Process 0 runs agl's loop; the others follow it."""
+        """Process 0 runs agl's loop; the others follow it. A run that ends cleanly ends the process
+        group in every process, so that its worker threads are joined before the interpreter exits
+        (after a failure a process may still wait in a collective: the launcher stops it)."""
         if self.rank == 0:
-            return super().fit(on_step)
-        try:
-            self.follow()
-        finally:
-            self.close()
+            super().fit(on_step)
+        else:
+            try:
+                self.follow()
+            finally:
+                self.close()
+        if self.world > 1:
+            self.trainer.accelerator.end_training()
 
     def tell(self, command: str, *args: Any) -> None:
         """Process 0: have every other process call ``command(*args)`` too (``stop``: end :meth:`follow`)."""
@@ -364,7 +375,7 @@ def check_processes(args: Any, mini_batch_rows: int) -> None:
     if state.distributed_type not in DATA_PARALLEL:
         raise ConfigError(
             "agentlightning.backend",
-            f"backend 'trl' trains in one process or data-parallel (DDP) CPU processes, not accelerate's "
+            f"backend 'trl' trains in one process or data-parallel CPU processes, not accelerate's "
             f"{state.distributed_type.value} (set by the launcher and its config): it is not proven yet",
         )
     launched = int(os.environ.get("WORLD_SIZE", "1"))

@@ -391,7 +391,6 @@ def grpo_config(config: DictConfig, run_dir: Path) -> GRPOConfig:
         "disable_tqdm": True,
         "fp16": False,
         "dataloader_pin_memory": False,
-        "ddp_find_unused_parameters": False,  # every trained weight is in the loss
     }
     try:
         return GRPOConfig(**kwargs)

@@ -19,15 +19,15 @@ mini-batch, every micro-batch's loss its share of the mini-batch's, then
 :func:`agl_core.backends.ppo.optimizer_step` (clipping at ``actor.grad_clip``, a step with a
 non-finite gradient norm skipped and counted), with the callbacks' optimizer events around it. In
 several processes each trains its rows of the mini-batch (:func:`agl_core.backends.ppo.rank_rows`)
-with its share of the loss (``dp_size``, the mini-batch's trained tokens), so the gradients DDP
-averages are the one-process gradient of the whole mini-batch, and the step's metrics are gathered
-from every process.
+with its share of the loss (``dp_size``, the mini-batch's trained tokens), so the gradients
+:func:`average_gradients` averages are the one-process gradient of the whole mini-batch, and the
+step's metrics are gathered from every process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -45,13 +45,36 @@ from agl_core.backends.ppo import (
     trainable_parameters,
 )
 
-__all__ = ["AglGRPOTrainer", "agents_reward"]
+__all__ = ["AglGRPOTrainer", "agents_reward", "average_gradients"]
 
 
 def agents_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
     """The trainer's one reward function, never called: agl's agents report the rewards, and the
     trainer never generates (TRL requires a reward source)."""
     raise AglError("backend 'trl' takes its rewards from agl's agents; TRL's reward functions are not called")
+
+
+def average_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
+    """Replace each gradient by its mean over the processes (DDP's average, after the backward passes
+    instead of during them): one all-reduce per gradient dtype. A parameter some process has no
+    gradient for counts zero there; one no process has a gradient for keeps none, so the optimizer
+    skips it as it would in one process."""
+    params = list(parameters)
+    world = torch.distributed.get_world_size()
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    torch.distributed.all_reduce(has_grad)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for param, n in zip(params, has_grad.tolist()):
+        if n and param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if n:
+            by_dtype[param.grad.dtype].append(param.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= world
+        for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(mean.view_as(grad))
 
 
 class AglGRPOTrainer(GRPOTrainer):
@@ -117,17 +140,17 @@ class AglGRPOTrainer(GRPOTrainer):
     def mini_batch_step(self, micro_batches: Sequence[Mapping[str, Any]], n_tokens: int) -> dict[str, float]:
         """One optimizer step on this process's rows of a mini-batch of ``n_tokens`` trained tokens
         (over every process), in ``micro_batches``: TRL's ``training_step`` on each (agl's loss, its
-        backward accumulating the gradients; DDP averages them after the last), then the toolkit's
+        backward accumulating the gradients; :func:`average_gradients` over the processes), then the toolkit's
         clipped step; the mini-batch's metrics (:func:`~agl_core.backends.ppo.step_metrics`), from
         every process's parts, and ``actor/n_micro_batches`` (this process's passes)."""
         world = self.accelerator.num_processes
         settings = attrs.evolve(self.loss_settings, dp_size=world, batch_num_tokens=n_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         self._parts = []
-        for i, inputs in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with nullcontext() if last else self.accelerator.no_sync(self.model_wrapped):
-                self.training_step(self.model_wrapped, {**inputs, "settings": settings}, None)
+        for inputs in micro_batches:
+            self.training_step(self.model_wrapped, {**inputs, "settings": settings}, None)
+        if world > 1:
+            average_gradients(trainable_parameters(self.model))
         passes = len(self._parts)
         self._metrics["train"].clear()  # TRL's step times, which only its own log() empties: agl reports its own
         parts = gather_object(self._parts) if world > 1 else self._parts

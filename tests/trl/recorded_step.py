@@ -4,8 +4,10 @@
 policy, runs the step pipeline on the recorded rollouts and the update, and returns what the
 comparisons read. Run as a module under ``torchrun`` (``python -m torch.distributed.run
 --nproc-per-node N -m tests.trl.recorded_step OUT POLICY FOLDER``) it makes the trl update of every
-case of :data:`DATA_PARALLEL_CASES` in N processes: process 0 saves the results to ``OUT``, the
-others follow it (:meth:`agl_backend_trl.backend.TrlBackend.fit`).
+case of :data:`DATA_PARALLEL_CASES` in N processes: the others follow process 0
+(:meth:`agl_backend_trl.backend.TrlBackend.follow`), then every process ends the process group as a
+run's ``fit`` does, and process 0 saves the cases' results and its gloo worker threads left after
+the end to ``OUT``.
 """
 
 from __future__ import annotations
@@ -90,20 +92,26 @@ def recorded_step(backend, compute_dtype: torch.dtype | None = None) -> dict:
     return {"old": old, "after": after, "metrics": metrics, "weights": weights, "n_mini": n_mini}
 
 
+def gloo_worker_threads() -> int:
+    """This process's threads that run gloo's collectives (Linux: named in ``/proc``)."""
+    return sum((task / "comm").read_text().strip() == "pt_gloo_runloop" for task in Path("/proc/self/task").iterdir())
+
+
 def main(out: str, policy: str, folder: str) -> None:
     torch.set_num_threads(1)
     results = {}
     for case, (loss, extra) in DATA_PARALLEL_CASES.items():
         backend = build_backend("trl", loss, policy, Path(folder) / case, (*extra, "trl.use_cpu=true"))
-        if backend.rank > 0:
-            backend.fit()  # follows process 0 until it closes
-            continue
         try:
-            results[case] = {**recorded_step(backend), "world": backend.world}
+            if backend.rank > 0:
+                backend.follow()  # until process 0 closes
+            else:
+                results[case] = {**recorded_step(backend), "world": backend.world}
         finally:
             backend.close()
+    backend.trainer.accelerator.end_training()  # what fit does after a run
     if results:
-        torch.save(results, out)
+        torch.save({"cases": results, "gloo_worker_threads_after_end": gloo_worker_threads()}, out)
 
 
 if __name__ == "__main__":

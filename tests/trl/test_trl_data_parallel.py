@@ -1,5 +1,5 @@
-"""Two processes under torchrun (accelerate's data-parallel process model, DDP over gloo) make the
-update one process makes, on the recorded corridor step.
+"""Two processes under torchrun (accelerate's data-parallel process model over gloo) make the
+update one process makes, on the recorded corridor step, and end their process group cleanly.
 
 Each case of :data:`~tests.trl.recorded_step.DATA_PARALLEL_CASES` (token_mean over 2 mini-batches in
 micro-batches of 3 rows; per_rollout_mean over 2 mini-batches × 2 PPO epochs with the entropy bonus
@@ -9,7 +9,8 @@ by ``torchrun`` (one launch for all cases). Compared: the update's loss terms an
 (relative ≤ 1e-5, or absolute ≤ 1e-6 near 0) and the updated policy's log-probs (max abs ≤ 1e-5);
 with bf16 forward passes, to bf16's rounding (relative ≤ 1e-3, log-probs ≤ 2e-2). The two processes'
 sums of the loss run in another order than one process's, so they agree to float rounding, not bit
-for bit."""
+for bit. After the cases, the processes end the process group as a run does: no gloo worker thread
+is left to release a collective while the interpreter shuts down (which aborts the process)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm
 
 @pytest.fixture(scope="module")
 def two_processes(corridor_policy, tmp_path_factory):
-    """Every case's update in two processes (process 0's results)."""
+    """Every case's update in two processes, and the gloo worker threads left after the end (process 0's)."""
     root = tmp_path_factory.mktemp("trl-two-processes")
     out = root / "results.pt"
     command = [
@@ -52,7 +53,7 @@ def test_two_processes_make_the_one_process_update(two_processes, corridor_polic
     torch.set_num_threads(1)
     loss, extra = DATA_PARALLEL_CASES[case]
     one = recorded_step(build_backend("trl", loss, corridor_policy, tmp_path, (*extra, "trl.use_cpu=true")))
-    two = two_processes[case]
+    two = two_processes["cases"][case]
     rtol, after_atol = (BF16_METRIC_RTOL, BF16_AFTER_ATOL) if "bf16" in case else (METRIC_RTOL, AFTER_ATOL)
     assert two["world"] == 2
     assert two["metrics"]["actor/n_updates"] == one["metrics"]["actor/n_updates"]
@@ -65,3 +66,7 @@ def test_two_processes_make_the_one_process_update(two_processes, corridor_polic
     print(case, "log-probs after, max abs:", after, {n: two["metrics"][n] - one["metrics"][n] for n in METRICS})
     assert far == {}, f"{case}: metrics beyond the tolerances (two processes, one): {far}"
     assert after <= after_atol, f"{case}: the updated policies' log-probs differ by {after}"
+
+
+def test_two_processes_end_with_no_gloo_worker_thread_left(two_processes):
+    assert two_processes["gloo_worker_threads_after_end"] == 0
