@@ -1,4 +1,4 @@
-"""``agl train … backend=trl`` in two processes under ``torchrun`` (DDP over gloo) through the real
+"""``agl train … backend=trl`` in two processes under ``torchrun`` (data-parallel over gloo) through the real
 Agent Lightning gateway and ``agl-controller runner_type=local`` on 127.0.0.1, both started once
 (``tests/helpers/verl_e2e.py``'s stack), in one run folder:
 
