@@ -65,10 +65,11 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
     torch.distributed.all_reduce(has_grad)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for param, n in zip(params, has_grad.tolist()):
-        if n and param.grad is None:
+        if not n:
+            continue
+        if param.grad is None:
             param.grad = torch.zeros_like(param)
-        if n:
-            by_dtype[param.grad.dtype].append(param.grad)
+        by_dtype[param.grad.dtype].append(param.grad)
     for grads in by_dtype.values():
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         torch.distributed.all_reduce(flat)
