@@ -39,8 +39,8 @@ from agl_core import AglError, LossSettings, PolicyLoss
 from agl_core.backends.ppo import (
     optimizer_step,
     ppo_loss,
-    response_distributions,
     response_log_probs,
+    response_stats,
     step_metrics,
     trainable_parameters,
 )
@@ -110,7 +110,7 @@ class AglGRPOTrainer(GRPOTrainer):
         loss, metrics = ppo_loss(
             self.loss_fn,
             inputs["settings"],
-            response_distributions(model, rows),
+            response_stats(model, rows),
             rows,
             inputs["old_log_prob"],
             inputs["advantages"],

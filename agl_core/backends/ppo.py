@@ -3,11 +3,17 @@ step of verl's actor update on it. The torch backend (:mod:`agl_core.backends.to
 ``examples/ddp_backend`` are both written with it; ``docs/architecture.md`` ("The update toolkit")
 states the formulas that the backend contract checks a backend's update against.
 
-What the model computes. Logits are computed only where a response token is predicted
-(``logits_to_keep``): for padded rows the last ``response_len + 1`` columns
-(:func:`response_distributions`), for rows packed with their shared prefixes computed once the
-columns their :class:`~agl_core.backends.torch.prefix_packing.PackedForward` keeps
-(:func:`packed_distributions`), which each row then reads through the pass's ``index``.
+What the model computes (:func:`response_stats`): the log-prob of each response token and the entropy
+of the distribution it was drawn from, as :class:`ResponseStats`, without a ``[rows, response_len,
+vocab]`` tensor. The model's forward runs with its output head applied to nothing: the hidden states
+the head would read are taken where a response token is predicted (``logits_to_keep``: for padded
+rows the last ``response_len + 1`` columns, for rows packed with their shared prefixes the columns
+their :class:`~agl_core.backends.torch.prefix_packing.PackedForward` keeps, which each row reads
+through the pass's ``index``). Then the head is applied, under the autocast the forward would have
+applied it under, to :data:`CHUNK_BYTES` of logits at a time, each chunk recomputed in the backward
+pass (:func:`head_stats`), its log-softmax in float32 (float64 for a float64 model). A model that
+transforms its head's output into its logits (softcapping, a logit scale) is refused
+(:func:`check_output_head`).
 
 The optimizer (:func:`make_optimizer`, :func:`lr_schedule`): AdamW over the trainable parameters and
 verl's learning-rate schedules, as ``actor_rollout_ref.actor.optim`` says.
@@ -34,10 +40,13 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from agl_core.config import ConfigError
+from agl_core.errors import UsageError
 from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean, policy_loss_spec
 
 if TYPE_CHECKING:
@@ -47,13 +56,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADDITIVE_METRICS",
+    "CHUNK_BYTES",
+    "LOGIT_TRANSFORMS",
     "MULTI_MODAL_INPUTS",
     "UPDATE_KEYS",
+    "ResponseStats",
     "attention_implementation",
+    "check_output_head",
     "check_splittable",
-    "chosen_log_probs",
     "frozen_log_probs",
     "has_images",
+    "head_stats",
     "low_var_kl",
     "lr_lambda",
     "lr_schedule",
@@ -64,14 +77,11 @@ __all__ = [
     "model_attention_mask",
     "model_inputs",
     "optimizer_step",
-    "packed_distributions",
-    "per_row",
     "ppo_loss",
     "rank_rows",
-    "response_distributions",
     "response_log_probs",
+    "response_stats",
     "step_metrics",
-    "token_entropy",
     "take_rows",
     "trainable_parameters",
 ]
@@ -143,54 +153,161 @@ def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((causal & valid[:, None, :]) | itself)[:, None]
 
 
-def response_distributions(model: torch.nn.Module, tensors: Mapping[str, Any]) -> torch.Tensor:
-    """Log-softmax over the vocabulary at every response position, ``[rows, response_len, vocab]``, in
-    float32 whatever dtype the model computes in."""
+CHUNK_BYTES = 128 * 2**20
+"""The float32 logits one chunk of :func:`head_stats` computes at a time (its softmax and their gradients
+take a few times as much while the chunk is computed): 682 positions of a 49,152-token vocabulary."""
+
+#: ``config`` attributes by which a model family turns its output head's result into its logits
+#: (Gemma's softcapping, Cohere's and Granite's scales, Falcon-H1's multiplier), with the value at
+#: which the logits are the head's.
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,
+}
+
+
+@attrs.frozen
+class ResponseStats:
+    """The policy at each response token of each row, ``[rows, response_len]`` (float32, or float64
+    for a float64 model); past a row's response, values of no token."""
+
+    log_prob: torch.Tensor
+    """The log-prob of the row's token."""
+    entropy: torch.Tensor
+    """The entropy of the distribution the token was drawn from."""
+
+
+def check_output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s output head (of the model a ``DistributedDataParallel`` wraps), refused, naming the
+    ``config`` attribute, when the model's logits are not the head's output (:data:`LOGIT_TRANSFORMS`)."""
+    model = getattr(model, "module", model)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        for name, plain in LOGIT_TRANSFORMS.items():
+            value = getattr(config, name, plain)
+            if value != plain:
+                raise ConfigError(
+                    "actor_rollout_ref.model.path",
+                    f"a {config.model_type!r} model with {name}={value!r} transforms its output head's result"
+                    " into its logits, which agl's chunked log-probs do not compute; use a model without it",
+                )
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ConfigError("actor_rollout_ref.model.path", f"a {model.config.model_type!r} model has no output head")
+    return head
+
+
+def head_input(
+    model: torch.nn.Module, head: torch.nn.Module, inputs: Mapping[str, Any], logits_to_keep: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.autocast]:
+    """The hidden states ``model``'s output ``head`` reads at the ``logits_to_keep`` columns of a forward
+    on ``inputs``, the head itself applied to none of them (no logits are computed), and the autocast
+    it would have run under (a wrapper such as accelerate's may autocast inside the forward only)."""
+    seen: list[tuple[torch.Tensor, torch.autocast]] = []
+
+    def take(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        device = args[0].device.type
+        enabled, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        seen.append((args[0], torch.autocast(device, dtype=dtype, enabled=enabled)))
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(take)
+    try:
+        model(**inputs, use_cache=False, logits_to_keep=logits_to_keep)
+    finally:
+        handle.remove()
+    if len(seen) != 1:
+        raise UsageError(f"the model's forward called its output head {len(seen)} times; agl reads it once")
+    return seen[0]
+
+
+def response_hidden(
+    model: torch.nn.Module, head: torch.nn.Module, tensors: Mapping[str, Any]
+) -> tuple[torch.Tensor, torch.autocast]:
+    """The head's hidden states at the positions predicting padded rows' response tokens,
+    ``[rows, response_len, hidden]``, and their autocast (:func:`head_input`)."""
     width = tensors["responses"].shape[1]
     inputs = model_inputs(tensors)
     if attention_implementation(model) == "eager":
         inputs["attention_mask"] = model_attention_mask(model, padded_attention_mask(inputs["attention_mask"]))
-    logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :-1, :]
-    return torch.log_softmax(logits.float(), dim=-1)
+    hidden, autocast = head_input(model, head, inputs, width + 1)
+    return hidden[:, :-1], autocast
 
 
-def packed_distributions(model: torch.nn.Module, packed: PackedForward) -> torch.Tensor:
-    """Log-softmax over the vocabulary at the columns ``packed`` keeps of each of its packs,
-    ``[packs × kept columns, vocab]`` (what ``packed.index`` points into), in float32."""
-    logits = model(
-        input_ids=packed.input_ids,
-        attention_mask=model_attention_mask(model, packed.attention_mask),
-        position_ids=packed.position_ids,
-        use_cache=False,
-        logits_to_keep=packed.keep,
-    ).logits
-    return torch.log_softmax(logits.flatten(0, 1).float(), dim=-1)
+def packed_hidden(
+    model: torch.nn.Module, head: torch.nn.Module, packed: PackedForward
+) -> tuple[torch.Tensor, torch.autocast]:
+    """The head's hidden states at the columns ``packed`` keeps of each of its packs,
+    ``[packs × kept columns, hidden]`` (what ``packed.index`` points into), and their autocast."""
+    inputs = {
+        "input_ids": packed.input_ids,
+        "attention_mask": model_attention_mask(model, packed.attention_mask),
+        "position_ids": packed.position_ids,
+    }
+    hidden, autocast = head_input(model, head, inputs, packed.keep)
+    return hidden.flatten(0, 1), autocast
 
 
-def per_row(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """Per-position ``values`` as ``[rows, response_len]``: as they are (``index`` ``None``: already
-    per row), or read through a packed pass's ``index``."""
-    return values if index is None else values[index]
+def chunk_stats(
+    head: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs of ``tokens`` at ``positions`` of a chunk of hidden states, and the entropy at each
+    of its positions: one log-softmax over the chunk's logits, in at least float32."""
+    logits = head(hidden)
+    log_probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+    return log_probs[positions, tokens], -(log_probs.exp() * log_probs).sum(-1)
 
 
-def chosen_log_probs(
-    distributions: torch.Tensor, responses: torch.Tensor, index: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The log-probs of the ``responses`` tokens, ``[rows, response_len]``, from
-    :func:`response_distributions` (or :func:`packed_distributions` read through its ``index``)."""
-    if index is None:
-        return distributions.gather(-1, responses[..., None]).squeeze(-1)
-    return distributions[index, responses]
+def head_stats(head: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor) -> ResponseStats:
+    """:class:`ResponseStats` of the rows whose token ``tokens[r, t]`` is predicted from
+    ``hidden[index[r, t]]`` (``hidden`` ``[positions, hidden size]``), ``head`` applied to
+    :data:`CHUNK_BYTES` of logits at a time, each chunk recomputed for the backward pass: a pass holds
+    one chunk's logits, never every position's."""
+    flat = index.flatten()
+    order = flat.argsort(stable=True)
+    positions, tokens = flat[order], tokens.flatten()[order]
+    size = max(1, CHUNK_BYTES // (4 * head.weight.shape[0]))
+    starts = list(range(0, hidden.shape[0], size))
+    bounds = torch.searchsorted(positions, torch.tensor([*starts, hidden.shape[0]], device=positions.device)).tolist()
+    parts = [
+        torch.utils.checkpoint.checkpoint(
+            chunk_stats,
+            head,
+            hidden[start : start + size],
+            positions[first:last] - start,
+            tokens[first:last],
+            use_reentrant=False,
+        )
+        for start, first, last in zip(starts, bounds, bounds[1:])
+    ]
+    chosen, entropy = (torch.cat(values) for values in zip(*parts))
+    return ResponseStats(log_prob=chosen[order.argsort()].view(index.shape), entropy=entropy[index])
+
+
+def response_stats(
+    model: torch.nn.Module, tensors: Mapping[str, Any], packed: PackedForward | None = None
+) -> ResponseStats:
+    """:class:`ResponseStats` of the response tokens under ``model``: from the padded rows, or from
+    ``packed`` (the same rows with their shared prefixes computed once). The head is applied under the
+    autocast the model's forward would have applied it under."""
+    head = check_output_head(model)
+    if packed is None:
+        hidden, autocast = response_hidden(model, head, tensors)
+        index = torch.arange(hidden.shape[0] * hidden.shape[1], device=hidden.device).view(hidden.shape[:2])
+        hidden = hidden.flatten(0, 1)
+    else:
+        (hidden, autocast), index = packed_hidden(model, head, packed), packed.index
+    with autocast:
+        return head_stats(head, hidden, index, tensors["responses"])
 
 
 def response_log_probs(
     model: torch.nn.Module, tensors: Mapping[str, Any], packed: PackedForward | None = None
 ) -> torch.Tensor:
-    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``: from the padded
-    rows, or from ``packed`` (the same rows with their shared prefixes computed once)."""
-    if packed is None:
-        return chosen_log_probs(response_distributions(model, tensors), tensors["responses"])
-    return chosen_log_probs(packed_distributions(model, packed), tensors["responses"], packed.index)
+    """Log-probs of the response tokens under ``model``, ``[rows, response_len]``
+    (:func:`response_stats`)."""
+    return response_stats(model, tensors, packed).log_prob
 
 
 def frozen_log_probs(
@@ -204,11 +321,6 @@ def frozen_log_probs(
             return response_log_probs(model, tensors, packed)
         finally:
             model.train()
-
-
-def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    """The policy's entropy at every position, from its log-softmax ``[..., vocab]``."""
-    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -303,7 +415,7 @@ def rank_rows(rows: slice, rank: int, world: int) -> list[int]:
 def ppo_loss(
     loss_fn: PolicyLoss,
     settings: LossSettings,
-    distributions: torch.Tensor,
+    stats: ResponseStats,
     rows: Mapping[str, Any],
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -311,23 +423,20 @@ def ppo_loss(
     entropy_coeff: float = 0.0,
     ref_log_prob: torch.Tensor | None = None,
     kl_loss_coef: float = 0.0,
-    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl's actor loss on ``rows`` (their ``responses`` and ``response_mask``) from the policy's
-    ``distributions`` over them (read through ``index`` for a packed pass), and its metrics:
-    ``loss_fn``'s loss − ``entropy_coeff`` × the entropy, + ``kl_loss_coef`` × the KL to the reference
-    when ``ref_log_prob`` is given; the entropy and the KL are token means under ``settings`` (verl's
-    ``agg_loss`` ``token-mean``), whatever the policy loss's own reduction. The entropy carries no
-    gradient when ``entropy_coeff`` is 0 (it is only reported)."""
+    """verl's actor loss on ``rows`` (their ``response_mask``) from the policy's ``stats`` at their
+    response tokens (:func:`response_stats`), and its metrics: ``loss_fn``'s loss − ``entropy_coeff`` ×
+    the entropy, + ``kl_loss_coef`` × the KL to the reference when ``ref_log_prob`` is given; the
+    entropy and the KL are token means under ``settings`` (verl's ``agg_loss`` ``token-mean``),
+    whatever the policy loss's own reduction. The entropy carries no gradient when ``entropy_coeff``
+    is 0 (it is only reported)."""
     mask = rows["response_mask"]
-    log_prob = chosen_log_probs(distributions, rows["responses"], index)
-    pg_loss, pg_metrics = loss_fn(old_log_prob, log_prob, advantages, mask, settings)
-    with torch.set_grad_enabled(entropy_coeff > 0):
-        entropy = batch_token_mean(per_row(token_entropy(distributions), index), mask, settings)
+    pg_loss, pg_metrics = loss_fn(old_log_prob, stats.log_prob, advantages, mask, settings)
+    entropy = batch_token_mean(stats.entropy if entropy_coeff > 0 else stats.entropy.detach(), mask, settings)
     loss = pg_loss - entropy_coeff * entropy
     metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy_loss": entropy.item()}
     if ref_log_prob is not None:
-        kl = batch_token_mean(low_var_kl(log_prob, ref_log_prob), mask, settings)
+        kl = batch_token_mean(low_var_kl(stats.log_prob, ref_log_prob), mask, settings)
         loss = loss + kl_loss_coef * kl
         metrics.update({"actor/kl_loss": kl.item(), "actor/kl_coef": kl_loss_coef})
     metrics["actor/loss"] = loss.item()

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
+from transformers import PretrainedConfig
 
 from agl_core.backends.ppo import (
     frozen_log_probs,
@@ -40,14 +41,20 @@ def test_the_old_log_probs_are_taken_without_gradient_in_eval_mode_and_training_
     seen = []
 
     class Policy(torch.nn.Module):
+        """Zero hidden states at every position, so every token's log-prob is -log(vocab)."""
+
         def __init__(self):
             super().__init__()
-            self.logits = torch.nn.Parameter(torch.zeros(1, 3, 5))
-            self.config = type("Config", (), {"_attn_implementation": "sdpa"})()
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.config = PretrainedConfig()
+
+        def get_output_embeddings(self):
+            return self.head
 
         def forward(self, input_ids, logits_to_keep, **_):
             seen.append((self.training, torch.is_grad_enabled()))
-            return type("Output", (), {"logits": self.logits.expand(input_ids.shape[0], logits_to_keep, 5)})
+            hidden = torch.zeros(*input_ids.shape, 3)
+            return type("Output", (), {"logits": self.head(hidden[:, -logits_to_keep:])})
 
     policy = Policy().train()
     ids = torch.zeros(2, 4, dtype=torch.long)

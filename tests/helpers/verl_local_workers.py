@@ -45,7 +45,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from agl_backend_verl.agent_loop import RolloutLoopManager
 from agl_backend_verl.run import fit_reports
 from agl_backend_verl.trainer import StepReport, trainer_class
-from agl_core.backends.ppo import chosen_log_probs, response_distributions, token_entropy
+from agl_core.backends.ppo import response_stats
 
 # What verl's TrainingWorker adds to the loss function's metrics of every mini-batch
 # (verl/workers/engine_workers.py, TrainingWorker._postprocess_output and train_batch): the summed
@@ -106,9 +106,9 @@ def sequence_outputs(model: torch.nn.Module, data: TensorDict, *, entropy: bool)
         pieces = [torch.cat([values[i, : n - 1], values.new_zeros(1)]) for i, n in enumerate(lengths.tolist())]
         return torch.nested.as_nested_tensor(pieces, layout=torch.jagged)
 
-    output = {"log_probs": nested(chosen_log_probs(distributions, ids[:, 1:]))}
+    output = {"log_probs": nested(distributions.gather(-1, ids[:, 1:, None]).squeeze(-1))}
     if entropy:
-        output["entropy"] = nested(token_entropy(distributions))
+        output["entropy"] = nested(-(distributions.exp() * distributions).sum(-1))
     return output
 
 
@@ -118,10 +118,10 @@ def model_output(model: torch.nn.Module, data: TensorDict, *, entropy: bool = Tr
     if data["prompts"].is_nested:
         return sequence_outputs(model, data, entropy=entropy)
     inputs = padded_inputs(data)
-    distributions = response_distributions(model, inputs)
-    output = {"log_probs": engine_layout(chosen_log_probs(distributions, inputs["responses"]), data)}
+    stats = response_stats(model, inputs)
+    output = {"log_probs": engine_layout(stats.log_prob, data)}
     if entropy:
-        output["entropy"] = engine_layout(token_entropy(distributions), data)
+        output["entropy"] = engine_layout(stats.entropy, data)
     return output
 
 

@@ -63,10 +63,9 @@ from agl_core.backends.ppo import (
     micro_batches,
     mini_batches,
     optimizer_step,
-    packed_distributions,
     ppo_loss,
-    response_distributions,
     response_log_probs,
+    response_stats,
     step_metrics,
     trainable_parameters,
 )
@@ -331,19 +330,15 @@ class ActorUpdate:
         the metrics of every term; ``settings`` (a micro-batch's) replaces the configured loss settings."""
         settings = self.settings.loss if settings is None else settings
         with self.settings.precision.autocast(self.device):
-            if mini.packed is None:
-                distributions = response_distributions(self.model, mini.tensors)
-            else:
-                distributions = packed_distributions(self.model, mini.packed)
+            stats = response_stats(self.model, mini.tensors, mini.packed)
         return ppo_loss(
             self.loss_fn,
             settings,
-            distributions,
+            stats,
             mini.tensors,
             mini.old_log_prob,
             mini.advantages,
             entropy_coeff=self.settings.entropy_coeff,
             ref_log_prob=mini.ref_log_prob,
             kl_loss_coef=self.settings.kl_loss_coef,
-            index=None if mini.packed is None else mini.packed.index,
         )

@@ -29,7 +29,7 @@ from agl_core.backends.ppo import (
     optimizer_step,
     ppo_loss,
     rank_rows,
-    response_distributions,
+    response_stats,
     step_metrics,
     take_rows,
 )
@@ -101,9 +101,7 @@ class Rank:
         parts = []
         for rows in micro_batches(share, self.actor.ppo_micro_batch_size_per_gpu):
             part = take_rows(tensors, rows)
-            loss, metrics = self.loss(
-                settings, response_distributions(self.model, part), part, old[rows], advantages[rows]
-            )
+            loss, metrics = self.loss(settings, response_stats(self.model, part), part, old[rows], advantages[rows])
             loss.backward()
             parts.append((metrics, float(part["response_mask"].sum())))
         ranks: list[Any] = [None] * self.world

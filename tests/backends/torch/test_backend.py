@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agl_core import hookimpl
-from agl_core.backends.ppo import response_log_probs, token_entropy
+from agl_core.backends.ppo import response_log_probs
 from agl_core.backends.torch.backend import TorchBackend
 from agl_core.plugins import PluginManager
 from agl_core.plugins.registry import RegistryError
@@ -213,7 +213,8 @@ def _next_token_entropy(backend, content):
     )
     ids = torch.tensor([backend.tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
-        return float(token_entropy(torch.log_softmax(backend.model(ids).logits[0, -1].float(), -1)))
+        log_probs = torch.log_softmax(backend.model(ids).logits[0, -1].float(), -1)
+        return float(-(log_probs.exp() * log_probs).sum())
 
 
 @pytest.mark.parametrize("loss_normalization", ["rollouts", "upstream"])

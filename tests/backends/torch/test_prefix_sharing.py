@@ -9,13 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agl_core.backends.ppo import (
-    chosen_log_probs,
-    packed_distributions,
-    per_row,
-    response_distributions,
-    token_entropy,
-)
+from agl_core.backends.ppo import response_stats
 from agl_core.backends.torch.backend import load_policy
 from agl_core.backends.torch.micro_batching import split_shared
 from agl_core.backends.torch.prefix_packing import check_packable, pack_cost
@@ -103,10 +97,9 @@ def model(tiny_model_dir):
 def shared_log_probs_and_entropy(model, tensors, budget, cost):
     log_probs, entropy = torch.zeros(tensors["responses"].shape), torch.zeros(tensors["responses"].shape)
     for micro in split_shared(tensors, budget, "budget", cost):
-        distributions = packed_distributions(model, micro.packed)
-        responses = micro.cut(tensors)["responses"]
-        log_probs[micro.rows, : micro.response_length] = chosen_log_probs(distributions, responses, micro.packed.index)
-        entropy[micro.rows, : micro.response_length] = per_row(token_entropy(distributions), micro.packed.index)
+        stats = response_stats(model, micro.cut(tensors), micro.packed)
+        log_probs[micro.rows, : micro.response_length] = stats.log_prob
+        entropy[micro.rows, : micro.response_length] = stats.entropy
     return log_probs, entropy
 
 
@@ -135,13 +128,11 @@ def test_shared_log_probs_entropy_loss_and_gradients_equal_the_unshared_ones(mod
     cost = PackCost(pack_cost(model).per_token, per_pair)  # 0: share every prefix, with tree masks
     responses = tensors["attention_mask"][:, tensors["prompts"].shape[1] :].bool()
     with torch.no_grad():
-        distributions = response_distributions(model, tensors)
-        log_probs = chosen_log_probs(distributions, tensors["responses"])
+        stats = response_stats(model, tensors)
+        log_probs = stats.log_prob
         shared_log_probs, shared_entropy = shared_log_probs_and_entropy(model, tensors, budget, cost)
     torch.testing.assert_close(shared_log_probs[responses], log_probs[responses], rtol=0, atol=LOG_PROB_ATOL)
-    torch.testing.assert_close(
-        shared_entropy[responses], token_entropy(distributions)[responses], rtol=0, atol=LOG_PROB_ATOL
-    )
+    torch.testing.assert_close(shared_entropy[responses], stats.entropy[responses], rtol=0, atol=LOG_PROB_ATOL)
 
     advantages = torch.as_tensor(np.random.default_rng(len(rows)).normal(size=log_probs.shape), dtype=torch.float32)
     batch = UpdateBatch(tensors, advantages * tensors["response_mask"], log_probs - 0.05, None)
