@@ -8,12 +8,12 @@ update made before its head was chunked: the model's logits at every response po
 log-softmax ``[rows, T, vocab]``, the chosen tokens' log-probs and the entropy from it. Each case runs
 in its own process; its peak RSS (``ru_maxrss``) is that process's, including what importing torch
 and transformers and building the model took (``setup``, the peak before the pass). ``[T, vocab] f32``
-is the size of one ``[rows, T, vocab]`` float32 tensor. Values are
-checked equal between the sides (float32, to 1e-4).
+is the size of one ``[rows, T, vocab]`` float32 tensor. The two sides' losses are checked equal (to
+1e-4).
 
-The full side needs about 6.5 times its ``[T, vocab]`` tensor (measured at 1,024 and 2,048 tokens);
-a case whose full side would leave less than 4 GiB of the machine's available memory runs the chunked
-side only.
+The full side's peak is about 6 ``[T, vocab]`` tensors over its setup (measured from 1,024 to 4,096
+tokens; 6.5 are assumed): a case whose full side would leave less than 4 GiB of the machine's
+available memory runs the chunked side only.
 
     python benchmarks/bench_vocab_memory.py          # 1,024 and 2,048 tokens, both vocabularies
     python benchmarks/bench_vocab_memory.py --full   # 1,024 to 8,192 tokens
@@ -30,7 +30,7 @@ import sys
 VOCABS = (49_152, 151_936)
 PROMPT = 16
 FULL_SIDE_TENSORS = 6.5
-"""The full side's peak over its setup, in ``[T, vocab]`` float32 tensors (measured)."""
+"""The full side's peak over its setup, in ``[T, vocab]`` float32 tensors (about 6 measured)."""
 HEADROOM_MIB = 4096
 """What a full side leaves of the available memory, for whatever else the machine runs."""
 
