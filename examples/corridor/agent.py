@@ -21,29 +21,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
-import httpx
-
+from examples.agent_http import chat, post_rewards
 from examples.corridor.task import SYSTEM_PROMPT, action, observation
 
 MAX_TOKENS = 1  # the direction word; see the module docstring
-MAX_PAUSED_WAITS = 60  # a paused gateway (weight update) answers 429 with Retry-After; wait that out
-
-# One connection pool per process: the controller starts a process per rollout, the embedded source
-# runs many rollouts in one process. The pool never trims its idle connections: httpcore 1.0's pool
-# can close a connection it has just handed to another thread when it drops surplus or expired
-# keep-alive connections (encode/httpcore#1110), and that call then fails or hangs until its timeout.
-_client = httpx.Client(
-    timeout=300, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=None)
-)
 
 
 class CorridorAgent:
     def run(self) -> float:
-        base_url = os.environ["AGL_OPENAI_BASE_URL"].rstrip("/")
-        event_url = os.environ["AGL_EVENT_URL"]
-        headers = {"Authorization": f"Bearer {os.environ.get('AGL_KEY', '')}"}
         signs = json.loads(os.environ["CORRIDOR_SIGNS"])
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
         correct = None
@@ -51,26 +37,11 @@ class CorridorAgent:
         rewards = []
         for junction, sign in enumerate(signs, start=1):
             messages.append({"role": "user", "content": observation(junction, sign, correct)})
-            response = _chat(f"{base_url}/chat/completions", headers, messages)
-            reply = response.json()["choices"][0]["message"]["content"]
+            reply = chat(messages, max_tokens=MAX_TOKENS)
             messages.append({"role": "assistant", "content": reply})
             correct = action(reply) == sign
             n_correct += correct
             rewards.append({"value": (1.0 if correct else 0.0) / len(signs), "call_index": junction - 1})
         reward = n_correct / len(signs)
-        for data in [*rewards, {"value": reward}]:
-            _client.post(event_url, headers=headers, json={"event_type": "reward", "data": data}).raise_for_status()
+        post_rewards(*rewards, {"value": reward})
         return reward
-
-
-def _chat(url: str, headers: dict[str, str], messages: list[dict[str, str]]) -> httpx.Response:
-    """One chat call; while the gateway is paused for a weight update, retry after the wait it asks for."""
-    for _ in range(MAX_PAUSED_WAITS):
-        response = _client.post(
-            url, headers=headers, json={"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS}
-        )
-        if response.status_code != 429:
-            break
-        time.sleep(float(response.headers.get("Retry-After", "1")))
-    response.raise_for_status()
-    return response
