@@ -68,6 +68,8 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
     if not by_step:
         raise FileFormatError(f"{metrics_path} holds no steps to plot")
     panels = [(key, title) for key, title in PANELS if any(key in m for m in by_step.values())]
+    if not panels:
+        raise FileFormatError(f"{metrics_path} holds none of the metrics agl plots ({', '.join(k for k, _ in PANELS)})")
     series = {key: _points(by_step, key) for key, _ in panels}
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True, squeeze=False)
     for ax, (key, title) in zip(axes[:, 0], panels):

@@ -285,6 +285,7 @@ def test_a_hook_file_that_fails_to_import_is_one_line(tmp_path, capsys):
     "content, message",
     [
         ("", "holds no steps to plot"),
+        ('{"step": 1, "note": "x"}\n', "holds none of the metrics agl plots (training/reward, val/reward,"),
         ('{"step": 1, "training/reward": 0.5}\n{not json\n', "line 2 is not valid JSON"),
         ('{"training/reward": 0.5}\n', "line 1 has no integer 'step'"),
         ("[1, 2]\n", "line 1 must be a JSON object"),
