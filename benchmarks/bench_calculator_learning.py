@@ -2,9 +2,11 @@
 
 Held-out accuracy (the test split, greedy, never trained on) of the converted model, then ``agl
 train`` of ``examples/calculator/config.yaml`` (``backend=NAME`` and any other overrides passed on),
-then the held-out accuracy of the trained policy (the run's ``merged_model_dir``). Prints one JSON
-line per phase and a summary: accuracy before and after, the training's wall time, seconds per step,
-tokens per second and the peak RSS of the training process, and writes them to ``RUN_DIR/learning.json``
+then the held-out accuracy of the trained policy (the run's ``merged_model_dir``; on a backend that
+does not merge, its last checkpoint's model: keep the last step saved with ``trainer.save_freq``).
+Prints one JSON line per phase and a summary: accuracy before and after, the training's wall time,
+seconds per step, tokens per second (where the backend reports ``perf/total_num_tokens``) and the
+peak RSS of the training process, and writes them to ``RUN_DIR/learning.json``
 beside the run's ``metrics.jsonl`` and ``metrics.png``.
 
     python benchmarks/bench_calculator_learning.py [--run-dir DIR] [--limit N] [key=value ...]
@@ -47,6 +49,17 @@ def accuracy(model_dir: Path, out: Path, limit: int | None) -> dict:
     }
 
 
+def trained_policy(run_dir: Path, merged: Path) -> Path:
+    """The trained policy's folder: the run's merged model (torch backend), else the model folder of
+    its newest checkpoint (the trl backend's ``global_step_N/model``)."""
+    if merged.is_dir():
+        return merged
+    saved = sorted(run_dir.glob("global_step_*/*/config.json"), key=lambda p: int(p.parts[-3].rsplit("_", 1)[1]))
+    if not saved:
+        raise SystemExit(f"{run_dir} holds no trained model: no {merged.name}/ and no global_step_N/*/config.json")
+    return saved[-1].parent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, default=Path("outputs/calculator/learning"))
@@ -70,19 +83,20 @@ def main() -> None:
     seconds, peak_rss = run(train)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "timing/step_s" in s]
-    step_s = sum(s["timing/step_s"] for s in steps) / len(steps)
-    tokens_s = sum(s["perf/total_num_tokens"] for s in steps) / sum(s["timing/step_s"] for s in steps)
+    total_s = sum(s["timing/step_s"] for s in steps)
+    tokens = [s["perf/total_num_tokens"] for s in steps if "perf/total_num_tokens" in s]
+    tokens_s = round(sum(tokens) / total_s, 1) if len(tokens) == len(steps) else None
     training = {
         "steps": len(steps),
         "wall_s": round(seconds, 1),
-        "step_s": round(step_s, 1),
-        "tokens_per_s": round(tokens_s, 1),
+        "step_s": round(total_s / len(steps), 1),
+        "tokens_per_s": tokens_s,
         "peak_rss_mib": peak_rss,
         "reward_first": steps[0]["training/reward"],
         "reward_last": steps[-1]["training/reward"],
     }
     print(json.dumps({"phase": "train", **training}), flush=True)
-    after = accuracy(policy, run_dir / "test_after.jsonl", args.limit)
+    after = accuracy(trained_policy(run_dir, policy), run_dir / "test_after.jsonl", args.limit)
     print(json.dumps({"phase": "after", **after}), flush=True)
     summary = {"overrides": args.overrides, "before": before, "training": training, "after": after}
     (run_dir / "learning.json").write_text(json.dumps(summary, indent=2) + "\n")
