@@ -52,7 +52,7 @@ grep -q "aggregators: .*trajectory" plugins.txt || { cat plugins.txt; fail "the 
 
 step "3 steps of the corridor example"
 mkdir -p examples
-cp -r "$root/examples/corridor" examples/
+cp -r "$root/examples/corridor" "$root/examples/agent_http.py" examples/  # the agent and the HTTP helpers it imports
 "$venv/python" examples/corridor/build_policy.py
 "$venv/agl" train examples/corridor/config.yaml trainer.total_training_steps=3 "trainer.default_local_dir=$work/run"
 "$venv/python" - "$work/run/metrics.jsonl" <<'PY'
