@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from examples.calculator.evaluate import score  # noqa: E402
+
 CONFIG = ROOT / "examples/calculator/config.yaml"
 
 
@@ -41,12 +44,7 @@ def accuracy(model_dir: Path, out: Path, limit: int | None) -> dict:
     command = [sys.executable, "examples/calculator/evaluate.py", str(model_dir), "--out", str(out)]
     seconds, _ = run(command + (["--limit", str(limit)] if limit else []))
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    return {
-        "problems": len(results),
-        "accuracy": sum(r["reward"] for r in results) / len(results),
-        "called_tool": sum(r["called_tool"] for r in results) / len(results),
-        "seconds": round(seconds, 1),
-    }
+    return {**score(results), "seconds": round(seconds, 1)}
 
 
 def trained_policy(run_dir: Path, merged: Path) -> Path:

@@ -55,6 +55,16 @@ def evaluate(model_dir: Path, problems: list[dict], temperature: float = 0.0, co
         server.close()
 
 
+def score(results: list[dict]) -> dict:
+    """How many problems, the share answered exactly and the share that called the calculator."""
+    n = len(results)
+    return {
+        "problems": n,
+        "accuracy": sum(r["reward"] for r in results) / n,
+        "called_tool": sum(r["called_tool"] for r in results) / n,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path)
@@ -70,11 +80,8 @@ def main() -> None:
     start = time.perf_counter()
     results = evaluate(args.model_dir, problems, args.temperature)
     seconds = time.perf_counter() - start
-    accuracy = sum(r["reward"] for r in results) / len(results)
-    tool = sum(r["called_tool"] for r in results) / len(results)
-    summary = {"model": str(args.model_dir), "split": args.split, "problems": len(results)}
-    summary.update(temperature=args.temperature, accuracy=accuracy, called_tool=tool, seconds=round(seconds, 1))
-    print(json.dumps(summary))
+    summary = {"model": str(args.model_dir), "split": args.split, "temperature": args.temperature}
+    print(json.dumps({**summary, **score(results), "seconds": round(seconds, 1)}))
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in results))
 
