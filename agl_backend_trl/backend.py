@@ -7,9 +7,10 @@ rollout source, hooks, metrics, validation and checkpoints of the data position,
 carried rollouts; and TRL's model lives in this process, so the loop can drive it.
 
 Per step (:meth:`TrlBackend.update`): the rows padded, the old (and reference) log-probs, then
-``actor.ppo_epochs`` passes over the mini-batches, one optimizer step each through
-:meth:`~agl_backend_trl.trainer.AglGRPOTrainer.mini_batch_step`, then the lr schedule's step and the
-callbacks' step events. What the callbacks then ask in TRL's ``TrainerControl`` steers agl's loop
+``actor.ppo_epochs`` passes over the mini-batches, one optimizer step each (the toolkit's
+:func:`~agl_core.backends.ppo.train_batch`: TRL's model forward, agl's loss, the backward through
+TRL's accelerator, the callbacks' optimizer events around the step), then the lr schedule's step and
+the callbacks' step events. What the callbacks then ask in TRL's ``TrainerControl`` steers agl's loop
 (:meth:`TrlBackend.control`): ``should_evaluate`` a validation (their ``on_evaluate`` gets its
 ``val/*`` metrics), ``should_save`` a checkpoint (then ``on_save``), ``should_training_stop`` the end of
 the run after the step. The weights are served with agl's in-process :class:`agl_core.PolicyServer`,
@@ -30,21 +31,22 @@ mini-batch, and the gradients are averaged over the processes before each optimi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from omegaconf import OmegaConf
 from transformers.trainer_callback import ExportableState, PrinterCallback
 
 from agl_backend_trl.config import callback_classes, check_trl_config, grpo_config
-from agl_backend_trl.trainer import AglGRPOTrainer
+from agl_backend_trl.trainer import AglGRPOTrainer, average_gradients
 from agl_core import (
     ConfigError,
     LoopBackend,
@@ -56,14 +58,20 @@ from agl_core import (
     tensorize,
 )
 from agl_core.backends.lora import load_adapter, lora_config, lora_enabled
-from agl_core.backends.micro_batching import batch_results, split, split_rows
+from agl_core.backends.micro_batching import MiniBatch, UpdateBatch, batch_results, split, split_rows
 from agl_core.backends.ppo import (
+    ActorLoss,
+    ActorStep,
+    DataParallel,
+    ResponseStats,
     check_splittable,
     frozen_log_probs,
-    mean_over_steps,
     mini_batches,
     rank_rows,
+    response_stats,
     take_rows,
+    train_batch,
+    trainable_parameters,
 )
 
 if TYPE_CHECKING:
@@ -131,10 +139,6 @@ class TrlBackend(LoopBackend):
             processing_class=self.tokenizer,
             callbacks=[cls() for cls in callback_classes(config)],
             peft_config=lora_config(model_cfg) if lora_enabled(model_cfg) else None,
-            loss_fn=loss_fn,
-            loss_settings=LossSettings.from_actor_config(actor),
-            entropy_coeff=float(actor.entropy_coeff),
-            grad_clip=float(actor.grad_clip),
         )
         trainer = self.trainer
         trainer.remove_callback(PrinterCallback)  # it prints every step's logs; agl's metric sinks report them
@@ -145,7 +149,7 @@ class TrlBackend(LoopBackend):
                 gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs or {"use_reentrant": False}
             )
         trainer.create_optimizer_and_scheduler(num_training_steps=self.total_steps)
-        # Not wrapped in DDP (``evaluation_mode``): mini_batch_step averages the gradients itself. DDP
+        # Not wrapped in DDP (``evaluation_mode``): the step averages the gradients itself. DDP
         # keeps the process group alive until the interpreter exits, and a gloo worker thread that
         # releases a finished collective then aborts the exit ("terminate called without an active
         # exception"); without it, :meth:`fit` ends the group and joins those threads.
@@ -153,6 +157,20 @@ class TrlBackend(LoopBackend):
         trainer.optimizer = trainer.accelerator.prepare_optimizer(trainer.optimizer)
         trainer.state.max_steps = self.total_steps
         self.device = trainer.accelerator.device
+        parameters = trainable_parameters(self.model)
+        average = functools.partial(average_gradients, parameters)
+        self.actor_step = ActorStep(
+            forward=self._stats,
+            loss=ActorLoss(loss_fn, LossSettings.from_actor_config(actor), float(actor.entropy_coeff), trainer.beta),
+            optimizer=trainer.optimizer,
+            parameters=parameters,
+            grad_clip=float(actor.grad_clip),
+            data_parallel=None
+            if self.world == 1
+            else DataParallel(self.world, gather_object, reduce_gradients=average),
+            backward=trainer.accelerator.backward,
+            optimizer_events=self._optimizer_events,
+        )
         self._began = False
 
     @property
@@ -175,57 +193,64 @@ class TrlBackend(LoopBackend):
     def train(
         self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, n_mini_batches: int, step: int, epoch: float
     ) -> dict[str, float]:
-        """Step ``step``'s PPO epochs over the mini-batches of ``rows`` on TRL's trainer, this process
-        training its rows of each, then the lr schedule's step; the update's metrics, with
-        ``actor/n_processes`` (the data-parallel processes that trained it), ``timing/log_prob_s`` (the
-        old and reference log-probs) and ``timing/actor_update_s`` (the PPO epochs), as the torch
-        backend reports them."""
+        """Step ``step``'s actor update on TRL's trainer: the toolkit's
+        :func:`~agl_core.backends.ppo.train_batch` (PPO epochs over the mini-batches, this process
+        training its rows of each, then the lr schedule's step); the update's metrics, with
+        ``actor/n_processes`` (the data-parallel processes that trained it) and ``timing/log_prob_s``
+        (the old and reference log-probs), as the torch backend reports them."""
         trainer = self.trainer
         trainer.state.global_step = step - 1
         self.event("on_step_begin")
         started = time.perf_counter()
         rows = {name: value.to(self.device) for name, value in rows.items()}
         advantages = advantages.to(self.device)
-        parts = mini_batches(len(advantages), n_mini_batches)
-        inputs = [self._micro_batches(rows, advantages, rank_rows(part, self.rank, self.world)) for part in parts]
-        log_probs_done = time.perf_counter()
-        steps = [
-            trainer.mini_batch_step(part_inputs, n_tokens=int(rows["response_mask"][part].sum()))
-            for _ in range(int(self.config.actor_rollout_ref.actor.ppo_epochs))
-            for part, part_inputs in zip(parts, inputs)
+        minis = [
+            MiniBatch(
+                self._micro_batches(rows, advantages, rank_rows(part, self.rank, self.world)),
+                int(rows["response_mask"][part].sum()),
+            )
+            for part in mini_batches(len(advantages), n_mini_batches)
         ]
+        log_probs_done = time.perf_counter()
+        trainer.model_wrapped.train()
+        epochs = int(self.config.actor_rollout_ref.actor.ppo_epochs)
         metrics = {
-            **mean_over_steps(steps),
-            "actor/lr": float(trainer.lr_scheduler.get_last_lr()[0]),
+            **train_batch(self.actor_step, minis, epochs=epochs, scheduler=trainer.lr_scheduler),
             "actor/n_processes": float(self.world),
             "timing/log_prob_s": log_probs_done - started,
             "timing/actor_update_s": time.perf_counter() - log_probs_done,
         }
-        if metrics["actor/n_updates"] > metrics.get("actor/n_skipped_nonfinite_grad", 0.0):
-            trainer.lr_scheduler.step()  # the schedule advances with the optimizer only
         trainer.state.global_step = step
         trainer.state.epoch = epoch
         self.event("on_step_end")
         self.event("on_log", metrics)
         return metrics
 
-    def _micro_batches(self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, share: list[int]) -> list[Any]:
-        """This process's ``share`` of a mini-batch as :meth:`~AglGRPOTrainer.mini_batch_step`'s inputs:
-        its micro-batches (of rows, or of a token budget: :meth:`_split`) with their rows, advantages
-        and old and reference log-probs, each log-prob pass in its own micro-batches (computed here,
-        once for every PPO epoch)."""
-        mine, advantages = take_rows(rows, share), advantages[share]
+    def _micro_batches(
+        self, rows: dict[str, torch.Tensor], advantages: torch.Tensor, share: list[int]
+    ) -> list[UpdateBatch]:
+        """This process's ``share`` of a mini-batch in micro-batches (of rows, or of a token budget:
+        :meth:`_split`) with their advantages and old and reference log-probs, each log-prob pass in
+        its own micro-batches (computed here, once for every PPO epoch)."""
+        mine = take_rows(rows, share)
         old = self._pass(functools.partial(frozen_log_probs, self.model), mine, OLD_LOG_PROBS)
         ref = self._pass(self.trainer.reference_log_probs, mine, REF_LOG_PROBS) if self.trainer.beta else None
-        return [
-            {
-                "rows": micro.cut(mine),
-                "old_log_prob": micro.cut_responses(old),
-                "advantages": micro.cut_responses(advantages),
-                "ref_log_prob": None if ref is None else micro.cut_responses(ref),
-            }
-            for micro in self._split(mine, UPDATE)
-        ]
+        rows_of_share = UpdateBatch(mine, advantages[share], old, ref)
+        return [rows_of_share.cut(micro) for micro in self._split(mine, UPDATE)]
+
+    def _stats(self, rows: UpdateBatch) -> ResponseStats:
+        """The policy's response stats of ``rows``, through the model TRL wraps, in TRL's loss context
+        (its autocast)."""
+        with self.trainer.compute_loss_context_manager():
+            return response_stats(self.trainer.model_wrapped, rows.tensors)
+
+    @contextlib.contextmanager
+    def _optimizer_events(self) -> Iterator[None]:
+        """The callbacks' ``on_pre_optimizer_step`` and ``on_optimizer_step`` around the optimizer's step."""
+        trainer = self.trainer
+        trainer.callback_handler.on_pre_optimizer_step(trainer.args, trainer.state, trainer.control)
+        yield
+        trainer.callback_handler.on_optimizer_step(trainer.args, trainer.state, trainer.control)
 
     def _pass(self, log_probs: Any, tensors: dict[str, torch.Tensor], budget: tuple[str, str]) -> torch.Tensor:
         """``log_probs`` of every row of ``tensors``, ``[rows, response width]``, computed in the

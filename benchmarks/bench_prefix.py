@@ -45,9 +45,10 @@ sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).parent)]
 
 from gateway_bodies import WORKLOADS, rollouts  # noqa: E402
 
+from agl_core.backends.micro_batching import UpdateBatch  # noqa: E402
 from agl_core.backends.torch.backend import load_policy  # noqa: E402
 from agl_core.backends.torch.prefix_packing import RowLengths, pack_cost, row_packs  # noqa: E402
-from agl_core.backends.torch.update import ActorSettings, ActorUpdate, UpdateBatch  # noqa: E402
+from agl_core.backends.torch.update import ActorSettings, ActorUpdate  # noqa: E402
 from agl_core.builtins.aggregators import trajectory, transition  # noqa: E402
 from agl_core.config import load_config  # noqa: E402
 from agl_core.data import RolloutRequest, TrainingRow  # noqa: E402

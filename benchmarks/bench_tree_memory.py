@@ -35,8 +35,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from agl_core.backends.micro_batching import UpdateBatch  # noqa: E402
 from agl_core.backends.torch.backend import load_policy  # noqa: E402
-from agl_core.backends.torch.update import ActorSettings, ActorUpdate, UpdateBatch  # noqa: E402
+from agl_core.backends.torch.update import ActorSettings, ActorUpdate  # noqa: E402
 from agl_core.config import load_config  # noqa: E402
 from agl_core.data import TrainingRow  # noqa: E402
 from agl_core.plugins import PluginManager  # noqa: E402

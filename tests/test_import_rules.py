@@ -239,6 +239,52 @@ def test_a_private_import_of_the_core_is_reported(tmp_path):
     ]
 
 
+def import_cycles(root: Path) -> list[list[str]]:
+    """The cycles of the module import graph under ``root``, imports under ``TYPE_CHECKING``
+    included (an annotation that names a module's type still ties the two modules together); an
+    import of a module's own package does not count."""
+    known = _known_modules(root)
+    graph: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            importer = _module_name(root, path)
+            targets = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    targets.update(alias.name for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    targets.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+            graph[importer] = {t for t in targets & known if t != importer and not importer.startswith(f"{t}.")}
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    return cycles
+
+
+def test_the_import_graph_has_no_cycle():
+    assert import_cycles(REPO_ROOT) == []
+
+
+def test_a_planted_type_only_import_cycle_is_found(tmp_path):
+    (tmp_path / "agl_core").mkdir()
+    (tmp_path / "agl_core" / "__init__.py").write_text("")
+    (tmp_path / "agl_core" / "a.py").write_text("from agl_core.b import B\n")
+    (tmp_path / "agl_core" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agl_core.a import A\n"
+    )
+    assert import_cycles(tmp_path) == [["agl_core.a", "agl_core.b", "agl_core.a"]]
+
+
 def test_every_rollout_module_is_shared_or_in_one_source_family():
     named = [m for modules in SOURCE_FAMILIES.values() for m in modules] + list(SHARED_ROLLOUT_MODULES)
     actual = {m for m in _known_modules(REPO_ROOT) if m.startswith("agl_core.rollouts")}

@@ -1,44 +1,83 @@
-"""A tensorised batch cut into token-budget micro-batches, each padded only to its own widths: what a
-backend runs ``actor.use_dynamic_bsz`` with (the torch and trl backends).
+"""The rows a backend's update passes compute, below every backend: a tensorised batch cut into
+micro-batches, each padded only to its own widths, and the rows an optimizer step trains.
 
-:func:`split` groups the batch's rows with :func:`agl_core.stages.micro_batches.micro_batches` (or
-:func:`split_rows`, by a number of rows) and
-:meth:`MicroBatch.cut` takes a group's rows out of the batch's tensors, keeping only the columns its
-longest prompt and response reach. In :func:`agl_core.stages.tensorize.tensorize`'s layout prompts are
-left-padded and responses right-padded, so the columns cut away hold only padding, and the result
-equals tensorising the group's rows with those widths. A response-aligned tensor of the batch (old
-log-probs, advantages) is cut alike (:meth:`MicroBatch.cut_responses`), and what a pass computes on a
-micro-batch goes back into the batch's width at its rows and first ``response_length`` columns.
+:func:`split` groups the batch's rows into token-budget micro-batches (verl's ``actor.use_dynamic_bsz``)
+with :func:`agl_core.stages.micro_batches.micro_batches`, :func:`split_rows` by a number of rows
+(:func:`row_groups`), and :meth:`MicroBatch.cut` takes a group's rows out of the batch's tensors,
+keeping only the columns its longest prompt and response reach. In
+:func:`agl_core.stages.tensorize.tensorize`'s layout prompts are left-padded and responses
+right-padded, so the columns cut away hold only padding, and the result equals tensorising the
+group's rows with those widths. A response-aligned tensor of the batch (old log-probs, advantages) is
+cut alike (:meth:`MicroBatch.cut_responses`), and what a pass computes on a micro-batch goes back into
+the batch's width at its rows and first ``response_length`` columns (:func:`batch_results`).
 
 Vision-language rows cut the same way: their ``(B, 4, L)`` position ids along the last dimension,
-their per-row image inputs (:data:`~agl_core.backends.ppo.MULTI_MODAL_INPUTS`, or any
-non-tensor column: :meth:`MicroBatch.cut_rows`) by row, in the micro-batch's row order, which is the
-order the forward concatenates their images in. The torch backend's prefix sharing groups packs of
-rows instead (``agl_core.backends.torch.micro_batching.split_shared``), into the same
-:class:`MicroBatch` with the pass that computes them.
+their per-row image inputs (:data:`MULTI_MODAL_INPUTS`, or any non-tensor column:
+:meth:`MicroBatch.cut_rows`) by row, in the micro-batch's row order, which is the order the forward
+concatenates their images in. The torch backend's prefix sharing groups packs of rows instead
+(:func:`agl_core.backends.torch.prefix_packing.split_shared`), into the same :class:`MicroBatch` with
+the :class:`PackedForward` that computes them.
+
+What an update trains: :class:`UpdateBatch` (rows with their advantages and old and reference
+log-probs) and :class:`MiniBatch` (one optimizer step's micro-batches), which
+:func:`agl_core.backends.ppo.train_batch` steps on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
-from agl_core.backends.ppo import MULTI_MODAL_INPUTS
-from agl_core.backends.ppo import micro_batches as row_micro_batches
 from agl_core.stages.micro_batches import micro_batches
 
-if TYPE_CHECKING:
-    from agl_core.backends.torch.prefix_packing import PackedForward
+__all__ = [
+    "MULTI_MODAL_INPUTS",
+    "MicroBatch",
+    "MiniBatch",
+    "PackedForward",
+    "RowLengths",
+    "UpdateBatch",
+    "batch_results",
+    "row_groups",
+    "split",
+    "split_rows",
+]
 
-__all__ = ["MicroBatch", "RowLengths", "batch_results", "split", "split_rows"]
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
+"""The batch entry (beside the tensors) holding each row's image inputs: a numpy object array of dicts,
+``{}`` for a text row, else ``pixel_values`` and ``image_grid_thw``."""
 
 # The tensors holding prompt and response side by side; ``prompts`` holds the prompt alone, every other
 # tensor is aligned with the responses.
 SEQUENCE_TENSORS = frozenset({"input_ids", "attention_mask", "position_ids"})
+
+
+@attrs.frozen
+class PackedForward:
+    """One forward pass over packs, and where each of its rows reads its response log-probs."""
+
+    input_ids: torch.Tensor
+    """``[packs, L]``, right-padded."""
+    position_ids: torch.Tensor | None
+    """``[packs, L]``; ``None`` for chains (positions 0, 1, 2...)."""
+    attention_mask: torch.Tensor | None
+    """``[packs, 1, L, L]`` boolean (True: attend); ``None`` for chains (causal)."""
+    keep: torch.Tensor
+    """The columns whose logits are computed (``logits_to_keep``), ascending."""
+    index: torch.Tensor
+    """``[rows, response_len]``: for each row's response token, its row in the flattened
+    ``[packs × len(keep)]`` logits (0 past the row's response)."""
+    n_tokens: int
+    """Tokens computed (the packs' lengths, no padding)."""
+
+    @property
+    def n_elements(self) -> int:
+        """Tensor elements of the pass, padding included."""
+        return self.input_ids.numel()
 
 
 @attrs.frozen
@@ -107,6 +146,15 @@ class MicroBatch:
         return values[:, : self.response_length][self.rows]
 
 
+def row_groups(rows: Sequence[int], size: int | None) -> list[Sequence[int]]:
+    """``rows`` (a mini-batch's, or a process's share of it) in consecutive groups of at most ``size``
+    rows (``actor.ppo_micro_batch_size_per_gpu``), whose gradients one optimizer step accumulates;
+    ``None``: one group of them all."""
+    if size is None:
+        return [rows]
+    return [rows[start : start + size] for start in range(0, len(rows), size)]
+
+
 def split(tensors: Mapping[str, torch.Tensor], max_tokens: int, key: str) -> list[MicroBatch]:
     """The batch's rows in micro-batches of at most ``max_tokens`` padded elements; ``key`` names the
     budget in the error for a row longer than it."""
@@ -126,7 +174,7 @@ def split_rows(tensors: Mapping[str, torch.Tensor], size: int | None) -> list[Mi
     device = tensors["attention_mask"].device
     return [
         MicroBatch(torch.as_tensor(list(group), device=device), _prompt_width(tensors), response_width)
-        for group in row_micro_batches(range(n_rows), size)
+        for group in row_groups(range(n_rows), size)
     ]
 
 
@@ -143,6 +191,59 @@ def batch_results(
     for micro in micro_batches:
         out[micro.rows, : micro.response_length] = compute(micro)
     return out
+
+
+@attrs.frozen
+class UpdateBatch:
+    """Rows an update trains, row-aligned, so a mini-batch or micro-batch is the same cut of each."""
+
+    tensors: dict[str, Any]
+    """Name → ``[rows, ...]`` tensor (:func:`~agl_core.stages.tensorize.tensorize`'s), and the rows'
+    image inputs (:data:`MULTI_MODAL_INPUTS`) if any has one."""
+    advantages: torch.Tensor
+    old_log_prob: torch.Tensor
+    ref_log_prob: torch.Tensor | None = None
+    packed: PackedForward | None = None
+    """The pass computing these rows with their shared prefixes once (a micro-batch's), else ``None``."""
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.tensors["response_mask"]
+
+    @property
+    def computed(self) -> tuple[int, int]:
+        """Tensor elements of this batch's forward pass, and the tokens among them that are not padding."""
+        if self.packed is not None:
+            return self.packed.n_elements, self.packed.n_tokens
+        return self.tensors["input_ids"].numel(), int(self.tensors["attention_mask"].sum())
+
+    def rows(self, part: slice | Sequence[int]) -> UpdateBatch:
+        """The rows ``part`` (a slice, or row indices), at the batch's widths."""
+        return UpdateBatch(
+            {k: v[part] for k, v in self.tensors.items()},
+            self.advantages[part],
+            self.old_log_prob[part],
+            None if self.ref_log_prob is None else self.ref_log_prob[part],
+        )
+
+    def cut(self, micro: MicroBatch) -> UpdateBatch:
+        """The rows of ``micro``, padded only to its widths."""
+        return UpdateBatch(
+            micro.cut(self.tensors),
+            micro.cut_responses(self.advantages),
+            micro.cut_responses(self.old_log_prob),
+            None if self.ref_log_prob is None else micro.cut_responses(self.ref_log_prob),
+            micro.packed,
+        )
+
+
+@attrs.frozen
+class MiniBatch:
+    """One optimizer step's rows: this process's micro-batches of a mini-batch, and the mini-batch's
+    trained tokens over every process (the denominator of its token means)."""
+
+    parts: Sequence[UpdateBatch]
+    n_tokens: int
 
 
 def _prompt_width(tensors: Mapping[str, Any]) -> int:

@@ -8,7 +8,7 @@ of the distribution it was drawn from, as :class:`ResponseStats`, without a ``[r
 vocab]`` tensor. The model's forward runs with its output head applied to nothing: the hidden states
 the head would read are taken where a response token is predicted (``logits_to_keep``: for padded
 rows the last ``response_len + 1`` columns, for rows packed with their shared prefixes the columns
-their :class:`~agl_core.backends.torch.prefix_packing.PackedForward` keeps, which each row reads
+their :class:`~agl_core.backends.micro_batching.PackedForward` keeps, which each row reads
 through the pass's ``index``). Then the head is applied, under the autocast the forward would have
 applied it under, to :data:`CHUNK_BYTES` of logits at a time, each chunk recomputed in the backward
 pass (:func:`head_stats`), its log-softmax in float32 (float64 for a float64 model). A model that
@@ -18,8 +18,10 @@ transforms its head's output into its logits (softcapping, a logit scale) is ref
 The optimizer (:func:`make_optimizer`, :func:`lr_schedule`): AdamW over the trainable parameters and
 verl's learning-rate schedules, as ``actor_rollout_ref.actor.optim`` says.
 
-The step (:func:`mini_batches`, :func:`micro_batches`, :func:`frozen_log_probs`, :func:`ppo_loss`,
-:func:`optimizer_step`, :func:`step_metrics`, :func:`mean_over_steps`): the policy loss −
+The update (:func:`train_batch`, :class:`ActorStep`, written once for every loop backend, each
+supplying its forward and, in several processes, how they meet, :class:`DataParallel`; the parts:
+:func:`mini_batches`, :func:`frozen_log_probs`, :func:`ppo_loss`, :func:`optimizer_step`,
+:func:`step_metrics`, :func:`mean_over_steps`): the policy loss −
 ``entropy_coeff`` × the entropy (+ ``kl_loss_coef`` × the low-variance KL to the reference policy),
 the entropy and KL being token means over the mini-batch (``LossSettings.batch_num_tokens``,
 ``dp_size``); gradients clipped at ``grad_clip``, the step skipped and counted when their norm is not
@@ -37,7 +39,10 @@ concatenates in row order, the order their placeholder tokens have in the flatte
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,6 +50,7 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 
+from agl_core.backends.micro_batching import MULTI_MODAL_INPUTS, MiniBatch, PackedForward, UpdateBatch, row_groups
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
 from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_mean, policy_loss_spec
@@ -52,14 +58,15 @@ from agl_core.stages.policy_loss import LossSettings, PolicyLoss, batch_token_me
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from agl_core.backends.torch.prefix_packing import PackedForward
-
 __all__ = [
     "ADDITIVE_METRICS",
     "CHUNK_BYTES",
     "LOGIT_TRANSFORMS",
     "MULTI_MODAL_INPUTS",
     "UPDATE_KEYS",
+    "ActorLoss",
+    "ActorStep",
+    "DataParallel",
     "ResponseStats",
     "attention_implementation",
     "check_output_head",
@@ -83,16 +90,12 @@ __all__ = [
     "response_stats",
     "step_metrics",
     "take_rows",
+    "train_batch",
     "trainable_parameters",
 ]
 
 ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/loss"})
 """The loss terms: a step's parts add up to them; every other metric of a step is a token mean."""
-
-
-MULTI_MODAL_INPUTS = "multi_modal_inputs"
-"""The batch entry (beside the tensors) holding each row's image inputs: a numpy object array of dicts,
-``{}`` for a text row, else ``pixel_values`` and ``image_grid_thw``."""
 
 
 UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -313,14 +316,16 @@ def response_log_probs(
 def frozen_log_probs(
     model: torch.nn.Module, tensors: Mapping[str, Any], packed: PackedForward | None = None
 ) -> torch.Tensor:
-    """:func:`response_log_probs` of the policy as it is before an update (the old log-probs): under
-    ``eval()`` and ``no_grad``, the model back in ``train()`` for the steps."""
+    """:func:`response_log_probs` of a policy that is not being stepped (the old log-probs of the policy
+    before an update, a reference policy's): under ``eval()`` and ``no_grad``, the model then back in
+    the mode it was in."""
+    training = model.training
     with torch.no_grad():
         model.eval()
         try:
             return response_log_probs(model, tensors, packed)
         finally:
-            model.train()
+            model.train(training)
 
 
 def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -387,12 +392,13 @@ def mini_batches(n_rows: int, n_mini_batches: int) -> list[slice]:
 
 
 def micro_batches(rows: Sequence[int], size: int | None) -> list[Sequence[int]]:
-    """``rows`` (a mini-batch's, or a rank's share of it) in consecutive micro-batches of at most
-    ``size`` rows (``actor.ppo_micro_batch_size_per_gpu``), whose gradients one optimizer step
-    accumulates; ``None``: one pass over them all."""
-    if size is None:
-        return [rows]
-    return [rows[start : start + size] for start in range(0, len(rows), size)]
+    """Deprecated: :func:`agl_core.backends.micro_batching.row_groups`, where the batch module keeps it."""
+    warnings.warn(
+        "agl_core.backends.ppo.micro_batches moved to agl_core.backends.micro_batching.row_groups",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return row_groups(rows, size)
 
 
 def check_splittable(loss_fn: PolicyLoss, key: str, parts: str) -> None:
@@ -486,3 +492,111 @@ def mean_over_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 def _is_count(name: str) -> bool:
     return name.rpartition("/")[2].startswith("n_")
+
+
+# -- the update --------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ActorLoss:
+    """verl's actor loss (:func:`ppo_loss`): the policy loss ``fn`` under ``settings``, the entropy bonus
+    and the KL term's coefficients."""
+
+    fn: PolicyLoss
+    settings: LossSettings
+    entropy_coeff: float = 0.0
+    kl_loss_coef: float = 0.0
+
+    def __call__(
+        self, stats: ResponseStats, rows: UpdateBatch, settings: LossSettings
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return ppo_loss(
+            self.fn,
+            settings,
+            stats,
+            rows.tensors,
+            rows.old_log_prob,
+            rows.advantages,
+            entropy_coeff=self.entropy_coeff,
+            ref_log_prob=rows.ref_log_prob,
+            kl_loss_coef=self.kl_loss_coef,
+        )
+
+
+@attrs.frozen
+class DataParallel:
+    """How one process's share of an optimizer step meets the other processes' (each trains its rows of
+    every mini-batch with its share of the loss, ``dp_size`` = ``world``)."""
+
+    world: int
+    gather: Callable[[list[Any]], list[Any]]
+    """Every process's list, concatenated in rank order (the step's metric parts)."""
+    no_sync: Callable[[], AbstractContextManager[Any]] = nullcontext
+    """Around every forward-backward of a step but its last: a wrapper that averages the gradients in
+    the backward pass (``DistributedDataParallel.no_sync``) then averages them once per step, whatever
+    number of micro-batches each process has."""
+    reduce_gradients: Callable[[], None] | None = None
+    """After a step's backward passes: average the gradients over the processes, where no wrapper does."""
+
+
+@attrs.frozen
+class ActorStep:
+    """One optimizer step of the actor update, as verl's engine runs it: zero the gradients, then for
+    each micro-batch the backend's ``forward`` (the policy's :class:`ResponseStats` of its rows), the
+    ``loss`` (each micro-batch's its share of the mini-batch's) and ``backward``; with several
+    processes their gradients averaged (:class:`DataParallel`); the gradients clipped at ``grad_clip``
+    and ``optimizer`` stepped (:func:`optimizer_step`), inside ``optimizer_events`` (a backend's
+    callbacks around the step). Called on a :class:`MiniBatch`, it returns the step's metrics, from
+    every process's parts (:func:`step_metrics`), and ``actor/n_micro_batches`` (this process's passes)."""
+
+    forward: Callable[[UpdateBatch], ResponseStats]
+    loss: ActorLoss
+    optimizer: torch.optim.Optimizer
+    parameters: Sequence[torch.nn.Parameter]
+    grad_clip: float
+    data_parallel: DataParallel | None = None
+    backward: Callable[[torch.Tensor], Any] = torch.Tensor.backward
+    optimizer_events: Callable[[], AbstractContextManager[Any]] = nullcontext
+
+    def __call__(self, mini: MiniBatch) -> dict[str, float]:
+        data_parallel, settings = self.data_parallel, self.loss.settings
+        world = 1 if data_parallel is None else data_parallel.world
+        if data_parallel is not None:
+            settings = attrs.evolve(settings, dp_size=world)
+        settings = attrs.evolve(settings, batch_num_tokens=mini.n_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for i, rows in enumerate(mini.parts):
+            last = i == len(mini.parts) - 1
+            with nullcontext() if data_parallel is None or last else data_parallel.no_sync():
+                loss, metrics = self.loss(self.forward(rows), rows, settings)
+                self.backward(loss)
+            parts.append((metrics, float(rows.mask.sum())))
+        if data_parallel is not None:
+            if data_parallel.reduce_gradients is not None:
+                data_parallel.reduce_gradients()
+            parts = data_parallel.gather(parts)
+        metrics = {**step_metrics(parts, 1 / world), "actor/n_micro_batches": float(len(mini.parts))}
+        with self.optimizer_events():
+            metrics.update(optimizer_step(self.optimizer, self.parameters, self.grad_clip))
+        return metrics
+
+
+def train_batch(
+    step: ActorStep,
+    mini_batches: Sequence[MiniBatch],
+    *,
+    epochs: int = 1,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> dict[str, float]:
+    """The actor update of a training step (verl's ``BaseEngine.train_batch``): ``epochs`` passes of
+    ``step`` over ``mini_batches`` (this process's), then ``scheduler``'s step, taken only when some
+    optimizer step was (the schedule advances with the optimizer). Its metrics: each step's, averaged
+    over the steps with counts summed (:func:`mean_over_steps`), ``actor/lr`` (the rate the steps
+    used) and ``timing/actor_update_s``."""
+    started = time.perf_counter()
+    lr = float(step.optimizer.param_groups[0]["lr"])
+    metrics = mean_over_steps([step(mini) for _ in range(epochs) for mini in mini_batches])
+    if scheduler is not None and metrics["actor/n_updates"] > metrics.get("actor/n_skipped_nonfinite_grad", 0.0):
+        scheduler.step()
+    return {**metrics, "actor/lr": lr, "timing/actor_update_s": time.perf_counter() - started}

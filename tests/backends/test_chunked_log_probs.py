@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from agl_core.backends import ppo
-from agl_core.backends.torch.micro_batching import split_shared
+from agl_core.backends.torch.prefix_packing import split_shared
 from agl_core.config import ConfigError
 from agl_core.data import TrainingRow
 from agl_core.stages.prefix_sharing import PackCost

@@ -1,9 +1,12 @@
 """The update toolkit's bookkeeping (agl_core.backends.ppo): how rows are cut, how a step's parts
-and an update's steps combine, and the finiteness guard. Its forward passes and loss are checked
-through the backends built on it (the torch backend's tests, the ddp example's contract)."""
+and an update's steps combine, the finiteness guard, and the step it runs for every loop backend
+(train_batch): micro-batches that add up to one pass, the data-parallel hooks once per step, the lr
+rule. Its forward passes and loss are checked through the backends built on it (the torch
+backend's tests, the ddp example's contract)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -11,7 +14,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers import PretrainedConfig
 
+from agl_core.backends.micro_batching import MiniBatch, UpdateBatch, row_groups
 from agl_core.backends.ppo import (
+    ActorLoss,
+    ActorStep,
+    DataParallel,
+    ResponseStats,
     frozen_log_probs,
     lr_schedule,
     make_optimizer,
@@ -21,8 +29,11 @@ from agl_core.backends.ppo import (
     optimizer_step,
     rank_rows,
     step_metrics,
+    train_batch,
 )
 from agl_core.config import ConfigError
+from agl_core.plugins import PluginManager
+from agl_core.stages.policy_loss import LossSettings
 
 
 def test_mini_batches_are_consecutive_equal_slices_and_ranks_share_them_round_robin():
@@ -32,9 +43,11 @@ def test_mini_batches_are_consecutive_equal_slices_and_ranks_share_them_round_ro
     assert sorted(i for rows in slices for rank in range(3) for i in rank_rows(rows, rank, 3)) == list(range(8))
 
 
-def test_micro_batches_cut_a_share_into_consecutive_groups_of_at_most_the_size():
-    assert micro_batches([4, 6, 8, 10, 12], 2) == [[4, 6], [8, 10], [12]]
-    assert micro_batches(range(3), None) == [range(3)]  # null: one pass
+def test_row_groups_cut_a_share_into_consecutive_groups_of_at_most_the_size():
+    assert row_groups([4, 6, 8, 10, 12], 2) == [[4, 6], [8, 10], [12]]
+    assert row_groups(range(3), None) == [range(3)]  # null: one pass
+    with pytest.warns(DeprecationWarning, match="micro_batching.row_groups"):
+        assert micro_batches([4, 6, 8], 2) == [[4, 6], [8]]
 
 
 def test_the_old_log_probs_are_taken_without_gradient_in_eval_mode_and_training_mode_is_restored():
@@ -133,3 +146,86 @@ def test_a_step_with_a_non_finite_gradient_norm_is_skipped_and_counted(gradient)
     assert metrics.get("actor/n_skipped_nonfinite_grad") == (None if finite else 1.0)
     assert torch.equal(weight.detach(), torch.tensor([0.9, 1.0]) if finite else torch.ones(2))
     assert metrics["actor/grad_norm"] == gradient or not finite
+
+
+# -- the step every loop backend runs ----------------------------------------------------------------
+
+
+class RowPolicy(torch.nn.Module):
+    """A policy whose log-prob of each response token of row ``r`` is ``logsigmoid(theta[r, t])``."""
+
+    def __init__(self, rows: int = 4, width: int = 3):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.linspace(-1.0, 1.0, rows * width).view(rows, width))
+
+    def forward(self, rows: UpdateBatch) -> ResponseStats:
+        log_prob = torch.nn.functional.logsigmoid(self.theta[rows.tensors["row"]])
+        return ResponseStats(log_prob=log_prob, entropy=torch.zeros_like(log_prob))
+
+
+def row_batch(policy: RowPolicy) -> UpdateBatch:
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.float32)
+    old = torch.nn.functional.logsigmoid(policy.theta.detach()) + 0.1 * torch.tensor([[1.0, -1.0, 0.0]] * 4)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])[:, None] * mask
+    return UpdateBatch({"row": torch.arange(4), "response_mask": mask}, advantages, old)
+
+
+def actor_step(policy: RowPolicy, data_parallel: DataParallel | None = None) -> ActorStep:
+    loss = PluginManager(load_entrypoints=False).policy_losses.get("token_mean")
+    return ActorStep(
+        forward=policy,
+        loss=ActorLoss(loss, LossSettings()),
+        optimizer=torch.optim.SGD(policy.parameters(), lr=1.0),
+        parameters=list(policy.parameters()),
+        grad_clip=100.0,
+        data_parallel=data_parallel,
+    )
+
+
+def test_a_steps_micro_batches_make_the_one_pass_step():
+    one, split = RowPolicy(), RowPolicy()
+    batch = row_batch(one)
+    whole = actor_step(one)(MiniBatch([batch], int(batch.mask.sum())))
+    parts = actor_step(split)(MiniBatch([batch.rows(rows) for rows in ([0, 1], [2, 3])], int(batch.mask.sum())))
+    assert torch.allclose(one.theta, split.theta, atol=1e-7) and not torch.equal(one.theta, RowPolicy().theta)
+    assert parts["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], abs=1e-7)
+    assert (whole["actor/n_micro_batches"], parts["actor/n_micro_batches"]) == (1.0, 2.0)
+
+
+def test_data_parallel_hooks_run_once_per_step_and_no_sync_wraps_all_but_the_last_pass():
+    calls = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        calls.append("no_sync")
+        yield
+
+    def gather(parts):
+        calls.append("gather")
+        return parts + parts  # a second process with the same parts
+
+    policy = RowPolicy()
+    batch = row_batch(policy)
+    data_parallel = DataParallel(2, gather, no_sync=no_sync, reduce_gradients=lambda: calls.append("reduce"))
+    three = MiniBatch([batch.rows(rows) for rows in ([0], [1, 2], [3])], 2 * int(batch.mask.sum()))
+    metrics = actor_step(policy, data_parallel)(three)
+    assert calls == ["no_sync", "no_sync", "reduce", "gather"]
+    # each process's loss terms are its share x dp_size, the step's their mean: two processes holding
+    # the same rows report the one-process loss of those rows
+    alone = actor_step(RowPolicy())(MiniBatch(list(three.parts), int(batch.mask.sum())))
+    assert metrics["actor/pg_loss"] == pytest.approx(alone["actor/pg_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_the_lr_schedule_steps_only_when_some_optimizer_step_was_taken(finite):
+    policy = RowPolicy()
+    batch = row_batch(policy)
+    if not finite:
+        batch = UpdateBatch(batch.tensors, batch.advantages * math.nan, batch.old_log_prob)
+    step = actor_step(policy)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda n: 0.5**n)
+    minis = [MiniBatch([batch.rows(rows)], int(batch.mask[rows].sum())) for rows in mini_batches(4, 2)]
+    metrics = train_batch(step, minis, epochs=2, scheduler=scheduler)
+    assert metrics["actor/n_updates"] == 4.0 and metrics["actor/lr"] == 1.0
+    assert metrics.get("actor/n_skipped_nonfinite_grad", 0.0) == (0.0 if finite else 4.0)
+    assert step.optimizer.param_groups[0]["lr"] == (0.5 if finite else 1.0)

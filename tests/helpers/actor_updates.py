@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from agl_core.backends.torch.update import ActorUpdate, UpdateBatch
+from agl_core.backends.micro_batching import UpdateBatch
+from agl_core.backends.torch.update import ActorUpdate
 
 
 def applied_gradients(update: ActorUpdate, batch: UpdateBatch) -> tuple[dict[str, torch.Tensor], dict]:

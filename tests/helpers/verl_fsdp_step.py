@@ -285,7 +285,7 @@ def _step(rank: int, world_size: int, case: dict, plugins) -> dict:
     verl_metrics = actor_metrics(output)
 
     torch_grads = _capture_grads(
-        update.optimizer, lambda: {n: p.grad.detach().clone() for n, p in update.model.named_parameters()}
+        update.step.optimizer, lambda: {n: p.grad.detach().clone() for n, p in update.model.named_parameters()}
     )
     torch_minis = [update.mini_batch_step(batch.rows(rows)) for rows in mini_batches(n_rows, n_mini)]
     torch_after = {n: p.detach().clone() for n, p in update.model.named_parameters()}

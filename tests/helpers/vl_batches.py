@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agl_core.backends.ppo import MULTI_MODAL_INPUTS
+from agl_core.backends.micro_batching import MULTI_MODAL_INPUTS
 from agl_core.data import TrainingRow
 from agl_core.stages.tensorize import PaddedBatch, tensorize
 from agl_core.stages.vision import VisionSpec

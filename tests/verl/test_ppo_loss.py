@@ -94,7 +94,7 @@ def test_verls_ppo_loss_equals_the_torch_update(
     )
 
     update.model.zero_grad(set_to_none=True)
-    torch_loss, torch_metrics = update.loss(mini)
+    torch_loss, torch_metrics = update.step.loss(update.stats(mini), mini, update.settings.loss)
     torch_loss.backward()
     torch_grad = flat_grad(update.model)
     assert torch_metrics["actor/pg_clipfrac"] > 0, "the perturbed old log-probs make some ratios clip"

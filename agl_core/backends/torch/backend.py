@@ -128,7 +128,15 @@ class TorchBackend(LoopBackend):
 
             self.vision = VisionSpec.from_pretrained(folder)
         self.actor_update = ActorUpdate(
-            self.model, ref_model, self.optimizer, loss_fn, settings, device, self.pad_token_id, self.vision
+            self.model,
+            ref_model,
+            self.optimizer,
+            loss_fn,
+            settings,
+            device,
+            self.pad_token_id,
+            self.vision,
+            self.scheduler,
         )
         self.model_folder = folder
         self.engine = None
@@ -149,12 +157,8 @@ class TorchBackend(LoopBackend):
     # -- the step loop's interface --------------------------------------------------------------
 
     def update(self, prepared: PreparedBatch) -> dict[str, float]:
-        """The actor update (:class:`ActorUpdate`), then the lr schedule's step."""
-        update = self.actor_update(prepared)
-        metrics = {**update, "actor/lr": float(self.scheduler.get_last_lr()[0])}
-        if update["actor/n_updates"] > update.get("actor/n_skipped_nonfinite_grad", 0.0):
-            self.scheduler.step()  # the schedule advances with the optimizer only
-        return metrics
+        """The actor update (:class:`ActorUpdate`, which steps the lr schedule)."""
+        return self.actor_update(prepared)
 
     def serve(self, version: int) -> Served:
         """Push the weights to the engine (made and started by the first call; its sampler state

@@ -11,6 +11,14 @@ as its position id. Logits are computed only at the columns that predict some ro
 (``logits_to_keep``), and a row's response token ``t`` reads its log-prob from the token before it in
 its pack.
 
+In token-budget micro-batches (:func:`split_shared`) the unit is a pack of rows instead of a row
+(:func:`agl_core.backends.micro_batching.split`): the batch's rows are packed, each pack within the
+budget, and the packs grouped by the same rule (a pack's length as its size), chains apart from trees
+so that only the trees' passes pay for a mask. A micro-batch is then its packs' rows, with the
+:class:`~agl_core.backends.micro_batching.PackedForward` that computes them. A pass over trees is also
+bounded by ``agentlightning.torch.max_tree_tokens``: its mask has the square of its length in
+elements, where a chain needs none.
+
 Models whose attention is not plain causal attention over every layer (sliding-window layers, other
 attention implementations) or whose family is not proven to take its positions from ``position_ids``
 (:data:`PROVEN_MODEL_TYPES`) are refused: the mask or the positions would not mean what they compute.
@@ -20,17 +28,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import attrs
 import numpy as np
 import torch
 
-from agl_core.backends.micro_batching import RowLengths
+from agl_core.backends.micro_batching import MicroBatch, PackedForward, RowLengths
 from agl_core.backends.ppo import attention_implementation
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
+from agl_core.stages.micro_batches import check_budget, micro_batches
 from agl_core.stages.prefix_sharing import PackCost, PrefixPacks, prefix_packs
 
-__all__ = ["PackedForward", "check_packable", "pack_cost", "packed_forward", "row_packs"]
+__all__ = ["check_packable", "pack_cost", "packed_forward", "row_packs", "split_shared"]
 
 SHARE_KEY = "agentlightning.torch.share_prefixes"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -39,30 +47,6 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 #: the update matrix test. Others (alibi or relative biases, which follow a token's place in the pack)
 #: are refused until proven.
 PROVEN_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen2_vl")
-
-
-@attrs.frozen
-class PackedForward:
-    """One forward pass over packs, and where each of its rows reads its response log-probs."""
-
-    input_ids: torch.Tensor
-    """``[packs, L]``, right-padded."""
-    position_ids: torch.Tensor | None
-    """``[packs, L]``; ``None`` for chains (positions 0, 1, 2...)."""
-    attention_mask: torch.Tensor | None
-    """``[packs, 1, L, L]`` boolean (True: attend); ``None`` for chains (causal)."""
-    keep: torch.Tensor
-    """The columns whose logits are computed (``logits_to_keep``), ascending."""
-    index: torch.Tensor
-    """``[rows, response_len]``: for each row's response token, its row in the flattened
-    ``[packs × len(keep)]`` logits (0 past the row's response)."""
-    n_tokens: int
-    """Tokens computed (the packs' lengths, no padding)."""
-
-    @property
-    def n_elements(self) -> int:
-        """Tensor elements of the pass, padding included."""
-        return self.input_ids.numel()
 
 
 def check_packable(model: torch.nn.Module) -> None:
@@ -161,3 +145,36 @@ def packed_forward(
         index=torch.as_tensor(index, device=device),
         n_tokens=sum(len(p) for p in packs),
     )
+
+
+def split_shared(
+    tensors: Mapping[str, torch.Tensor],
+    max_tokens: int | None,
+    key: str,
+    cost: PackCost,
+    max_tree_tokens: int | None = None,
+) -> list[MicroBatch]:
+    """The batch's rows packed with their shared prefixes computed once, in micro-batches of at most
+    ``max_tokens`` padded elements (``None``: no bound), chains apart from trees; ``key`` names the
+    budget in the error for a row longer than it. A tree pack holds at most ``max_tree_tokens`` tokens
+    and so does a pass over trees, which bounds its mask (and the scores of an attention that cannot
+    skip masked pairs) to ``max_tree_tokens`` squared elements (``None``: no bound)."""
+    lengths = RowLengths.of(tensors)
+    if max_tokens is not None:
+        check_budget(lengths.prompts, lengths.responses, max_tokens, key=key)
+    layout = row_packs(tensors, lengths, cost, max_tokens, max_tree_tokens)
+    groups = []
+    for chains in (True, False):
+        members = [i for i, p in enumerate(layout.packs) if p.is_chain == chains]
+        bounds = [max_tokens] if chains else [max_tokens, max_tree_tokens]
+        bound = min((b for b in bounds if b is not None), default=None)
+        if bound is None:
+            groups += [members] if members else []
+            continue
+        sizes = np.array([len(layout.packs[i]) for i in members], np.int64)
+        groups += [[members[j] for j in g] for g in micro_batches(0 * sizes, sizes, bound, key=key)]
+    device = tensors["attention_mask"].device
+    return [
+        MicroBatch.of(rows, lengths, device, packed)
+        for rows, packed in (packed_forward(layout, group, lengths, device) for group in groups)
+    ]

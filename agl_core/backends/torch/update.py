@@ -46,7 +46,7 @@ per token of the rows trained: below 1 as far as prefixes are shared, 1 without 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -54,24 +54,29 @@ import attrs
 import torch
 
 from agl_core.backends.lora import base_policy
-from agl_core.backends.micro_batching import MicroBatch, batch_results, split
-from agl_core.backends.ppo import (
+from agl_core.backends.micro_batching import (
     MULTI_MODAL_INPUTS,
+    MicroBatch,
+    MiniBatch,
+    UpdateBatch,
+    batch_results,
+    row_groups,
+    split,
+)
+from agl_core.backends.ppo import (
+    ActorLoss,
+    ActorStep,
+    ResponseStats,
     check_splittable,
+    frozen_log_probs,
     has_images,
-    mean_over_steps,
-    micro_batches,
     mini_batches,
-    optimizer_step,
-    ppo_loss,
-    response_log_probs,
     response_stats,
-    step_metrics,
+    train_batch,
     trainable_parameters,
 )
 from agl_core.backends.precision import Precision
-from agl_core.backends.torch.micro_batching import split_shared
-from agl_core.backends.torch.prefix_packing import PackedForward, check_packable, pack_cost
+from agl_core.backends.torch.prefix_packing import check_packable, pack_cost, split_shared
 from agl_core.errors import UsageError
 from agl_core.serving.weights import is_adapted
 from agl_core.stages.pipeline import PreparedBatch
@@ -83,7 +88,7 @@ if TYPE_CHECKING:
 
     from agl_core.stages.vision import VisionSpec
 
-__all__ = ["ActorSettings", "ActorUpdate", "UpdateBatch"]
+__all__ = ["ActorSettings", "ActorUpdate"]
 
 UPDATE_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 OLD_LOG_PROB_BUDGET_KEY = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
@@ -137,48 +142,6 @@ class ActorSettings:
         )
 
 
-@attrs.frozen
-class UpdateBatch:
-    """The tensors an update reads, row-aligned, so a mini-batch is the same slice of every one."""
-
-    tensors: dict[str, Any]
-    """Name → ``[rows, ...]`` tensor, and the rows' image inputs (a numpy object array) if any has one."""
-    advantages: torch.Tensor
-    old_log_prob: torch.Tensor
-    ref_log_prob: torch.Tensor | None
-    packed: PackedForward | None = None
-    """The pass computing these rows with their shared prefixes once (a micro-batch's), else ``None``."""
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.tensors["response_mask"]
-
-    @property
-    def computed(self) -> tuple[int, int]:
-        """Tensor elements of this batch's forward pass, and the tokens among them that are not padding."""
-        if self.packed is not None:
-            return self.packed.n_elements, self.packed.n_tokens
-        return self.tensors["input_ids"].numel(), int(self.tensors["attention_mask"].sum())
-
-    def rows(self, part: slice) -> UpdateBatch:
-        return UpdateBatch(
-            {k: v[part] for k, v in self.tensors.items()},
-            self.advantages[part],
-            self.old_log_prob[part],
-            None if self.ref_log_prob is None else self.ref_log_prob[part],
-        )
-
-    def cut(self, micro: MicroBatch) -> UpdateBatch:
-        """The rows of ``micro``, padded only to its widths."""
-        return UpdateBatch(
-            micro.cut(self.tensors),
-            micro.cut_responses(self.advantages),
-            micro.cut_responses(self.old_log_prob),
-            None if self.ref_log_prob is None else micro.cut_responses(self.ref_log_prob),
-            micro.packed,
-        )
-
-
 class ActorUpdate:
     """PPO epochs of ``loss_fn`` over a prepared batch's mini-batches, stepping ``optimizer``;
     ``ref_model`` (the initial policy, frozen) adds the KL term when given. ``ref_model`` may be
@@ -195,6 +158,7 @@ class ActorUpdate:
         device: torch.device,
         pad_token_id: int,
         vision: VisionSpec | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     ):
         split_by = "use_dynamic_bsz" if settings.update_max_tokens is not None else "ppo_micro_batch_size_per_gpu"
         if split_by != "ppo_micro_batch_size_per_gpu" or settings.update_micro_rows is not None:
@@ -203,30 +167,36 @@ class ActorUpdate:
             raise UsageError("the reference policy can be the trained model itself only when it is a PEFT (LoRA) model")
         if settings.share_prefixes:
             check_packable(model)
-        self.model, self.ref_model, self.optimizer = model, ref_model, optimizer
+        self.model, self.ref_model, self.scheduler = model, ref_model, scheduler
         self.pack_cost = pack_cost(model) if settings.share_prefixes else None
-        self.parameters = trainable_parameters(model)
-        self.loss_fn, self.settings = loss_fn, settings
+        self.settings = settings
         self.device, self.pad_token_id, self.vision = device, pad_token_id, vision
+        self.step = ActorStep(
+            forward=self.stats,
+            loss=ActorLoss(loss_fn, settings.loss, settings.entropy_coeff, settings.kl_loss_coef),
+            optimizer=optimizer,
+            parameters=trainable_parameters(model),
+            grad_clip=settings.grad_clip,
+        )
 
     def __call__(self, prepared: PreparedBatch) -> dict[str, float]:
-        """Update on ``prepared`` (which has a shaped batch); the actor metrics, means over the
-        optimizer steps, counts summed (:func:`~agl_core.backends.ppo.mean_over_steps`)."""
+        """Update on ``prepared`` (which has a shaped batch): the toolkit's
+        :func:`~agl_core.backends.ppo.train_batch` over its mini-batches, the lr schedule stepped; the
+        actor metrics (means over the optimizer steps, counts summed), with what the passes computed."""
         assert prepared.shaped is not None
         started = time.perf_counter()
         batch = self.batch(prepared)
         log_prob_s = time.perf_counter() - started
-        steps = [
-            self.mini_batch_step(batch.rows(rows))
-            for _ in range(self.settings.ppo_epochs)
+        minis = [
+            self.mini_batch(batch.rows(rows))
             for rows in mini_batches(len(prepared.shaped.rows), prepared.shaped.n_mini_batches)
         ]
-        metrics = mean_over_steps(steps)
-        padded, real = metrics.pop("perf/n_padded_tokens"), metrics.pop("perf/n_real_tokens")
-        row_tokens = metrics.pop("perf/n_row_tokens")
-        metrics["perf/total_num_tokens"] = float(int(batch.tensors["attention_mask"].sum()))
-        metrics["perf/padded_per_real_tokens"] = padded / real
-        metrics["perf/computed_per_row_tokens"] = real / row_tokens
+        self.model.train()
+        metrics = train_batch(self.step, minis, epochs=self.settings.ppo_epochs, scheduler=self.scheduler)
+        counts = pass_counts([part for mini in minis for part in mini.parts], batch)
+        metrics["perf/total_num_tokens"] = counts["perf/n_row_tokens"]
+        metrics["perf/padded_per_real_tokens"] = counts["perf/n_padded_tokens"] / counts["perf/n_real_tokens"]
+        metrics["perf/computed_per_row_tokens"] = counts["perf/n_real_tokens"] / counts["perf/n_row_tokens"]
         metrics["timing/log_prob_s"] = log_prob_s
         metrics["timing/actor_update_s"] = time.perf_counter() - started - log_prob_s
         if self.pack_cost is not None and MULTI_MODAL_INPUTS in batch.tensors:
@@ -242,18 +212,14 @@ class ActorUpdate:
         images = padded.non_tensors.get(MULTI_MODAL_INPUTS)
         if images is not None and any(images):
             tensors[MULTI_MODAL_INPUTS] = images
-        with torch.no_grad():
-            self.model.eval()
-            old_log_prob = self.log_probs(
-                self.model, tensors, self.settings.old_log_prob_max_tokens, OLD_LOG_PROB_BUDGET_KEY
-            )
-            ref_log_prob = None
-            if self.ref_model is not None:
-                with self.reference() as ref_model:
-                    ref_log_prob = self.log_probs(
-                        ref_model, tensors, self.settings.ref_log_prob_max_tokens, REF_LOG_PROB_BUDGET_KEY
-                    )
-        self.model.train()
+        settings = self.settings
+        old_log_prob = self.log_probs(self.model, tensors, settings.old_log_prob_max_tokens, OLD_LOG_PROB_BUDGET_KEY)
+        ref_log_prob = None
+        if self.ref_model is not None:
+            with self.reference() as ref_model:
+                ref_log_prob = self.log_probs(
+                    ref_model, tensors, settings.ref_log_prob_max_tokens, REF_LOG_PROB_BUDGET_KEY
+                )
         return UpdateBatch(
             tensors,
             prepared.advantages(tensors["response_mask"].shape[1]).to(self.device),
@@ -269,14 +235,15 @@ class ActorUpdate:
     def log_probs(
         self, model: torch.nn.Module, tensors: Mapping[str, Any], max_tokens: int | None, key: str
     ) -> torch.Tensor:
-        """``model``'s response log-probs of a batch, ``[rows, response_len]`` (0 past each micro-batch's
-        widths): in one pass, or in micro-batches of at most ``max_tokens`` padded elements (``key``'s)."""
+        """``model``'s response log-probs of a batch as it is before the update, ``[rows, response_len]``
+        (:func:`~agl_core.backends.ppo.frozen_log_probs`; 0 past each micro-batch's widths): in one pass,
+        or in micro-batches of at most ``max_tokens`` padded elements (``key``'s)."""
         with self.settings.precision.autocast(self.device):
             if max_tokens is None and not self.shares(tensors):
-                return response_log_probs(model, tensors)
+                return frozen_log_probs(model, tensors)
             micro_batches = self.split(tensors, max_tokens, key)
             return batch_results(
-                tensors, micro_batches, lambda micro: response_log_probs(model, micro.cut(tensors), micro.packed)
+                tensors, micro_batches, lambda micro: frozen_log_probs(model, micro.cut(tensors), micro.packed)
             )
 
     def shares(self, tensors: Mapping[str, Any]) -> bool:
@@ -291,54 +258,39 @@ class ActorUpdate:
         assert max_tokens is not None
         return split(tensors, max_tokens, key)
 
-    def mini_batch_step(self, mini: UpdateBatch) -> dict[str, float]:
-        """One optimizer step on ``mini``, its gradients accumulated over micro-batches: of
-        ``update_micro_rows`` rows, each cut in token-budget micro-batches when ``update_max_tokens``
-        is set or into packs when prefixes are shared; its metrics (the loss terms summed over the
-        micro-batches, the other metrics weighted by their share of the trained tokens, as one pass
-        would give them)."""
-        loss_settings = self.settings.loss
+    def mini_batch(self, mini: UpdateBatch) -> MiniBatch:
+        """``mini``'s micro-batches: of ``update_micro_rows`` rows, each cut in token-budget
+        micro-batches when ``update_max_tokens`` is set or into packs when prefixes are shared. Their
+        token means divide by the mini-batch's trained tokens (or the configured
+        ``LossSettings.batch_num_tokens``, a data-parallel process's)."""
         parts = [mini]
         if self.settings.update_micro_rows is not None:
-            groups = micro_batches(range(len(mini.mask)), self.settings.update_micro_rows)
+            groups = row_groups(range(len(mini.mask)), self.settings.update_micro_rows)
             parts = [mini.rows(slice(group.start, group.stop)) for group in groups]
         if self.settings.update_max_tokens is not None or self.shares(mini.tensors):
             budget = self.settings.update_max_tokens
             parts = [part.cut(micro) for part in parts for micro in self.split(part.tensors, budget, UPDATE_BUDGET_KEY)]
-        if len(parts) > 1 and loss_settings.batch_num_tokens is None:
-            loss_settings = attrs.evolve(loss_settings, batch_num_tokens=int(mini.mask.sum()))
-        metrics = {
-            "actor/n_micro_batches": float(len(parts)),
-            "perf/n_padded_tokens": 0.0,
-            "perf/n_real_tokens": 0.0,
-            "perf/n_row_tokens": float(mini.tensors["attention_mask"].sum()),
-        }
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for part in parts:
-            loss, part_metrics = self.loss(part, loss_settings)
-            loss.backward()
-            losses.append((part_metrics, float(part.mask.sum())))
-            elements, computed = part.computed
-            metrics["perf/n_padded_tokens"] += elements
-            metrics["perf/n_real_tokens"] += computed
-        metrics.update(step_metrics(losses))
-        return {**metrics, **optimizer_step(self.optimizer, self.parameters, self.settings.grad_clip)}
+        return MiniBatch(parts, self.settings.loss.batch_num_tokens or int(mini.mask.sum()))
 
-    def loss(self, mini: UpdateBatch, settings: LossSettings | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The policy loss on ``mini`` − the entropy bonus + the KL term (see the module docstring), and
-        the metrics of every term; ``settings`` (a micro-batch's) replaces the configured loss settings."""
-        settings = self.settings.loss if settings is None else settings
+    def mini_batch_step(self, mini: UpdateBatch) -> dict[str, float]:
+        """One optimizer step on ``mini`` (:class:`~agl_core.backends.ppo.ActorStep` on its
+        :meth:`mini_batch`): its metrics, and what its passes computed (:func:`pass_counts`)."""
+        parts = self.mini_batch(mini)
+        return {**self.step(parts), **pass_counts(parts.parts, mini)}
+
+    def stats(self, rows: UpdateBatch) -> ResponseStats:
+        """The policy's :class:`~agl_core.backends.ppo.ResponseStats` of ``rows``, under the configured autocast."""
         with self.settings.precision.autocast(self.device):
-            stats = response_stats(self.model, mini.tensors, mini.packed)
-        return ppo_loss(
-            self.loss_fn,
-            settings,
-            stats,
-            mini.tensors,
-            mini.old_log_prob,
-            mini.advantages,
-            entropy_coeff=self.settings.entropy_coeff,
-            ref_log_prob=mini.ref_log_prob,
-            kl_loss_coef=self.settings.kl_loss_coef,
-        )
+            return response_stats(self.model, rows.tensors, rows.packed)
+
+
+def pass_counts(parts: Sequence[UpdateBatch], rows: UpdateBatch) -> dict[str, float]:
+    """What the forward passes over ``parts`` (``rows`` cut into micro-batches or packs) compute:
+    ``perf/n_padded_tokens`` (tensor elements), ``perf/n_real_tokens`` (the tokens among them) and
+    ``perf/n_row_tokens`` (the tokens of the rows: more than the real ones where prefixes are shared)."""
+    padded, real = (sum(values) for values in zip(*(part.computed for part in parts)))
+    return {
+        "perf/n_padded_tokens": float(padded),
+        "perf/n_real_tokens": float(real),
+        "perf/n_row_tokens": float(rows.tensors["attention_mask"].sum()),
+    }

@@ -11,27 +11,25 @@ from __future__ import annotations
 import io
 import traceback
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from agl_core import LossSettings, PolicyLoss
+from agl_core.backends.micro_batching import MiniBatch, UpdateBatch, row_groups
 from agl_core.backends.ppo import (
+    ActorLoss,
+    ActorStep,
+    DataParallel,
     frozen_log_probs,
     make_optimizer,
-    mean_over_steps,
-    micro_batches,
     mini_batches,
-    optimizer_step,
-    ppo_loss,
     rank_rows,
     response_stats,
-    step_metrics,
     take_rows,
+    train_batch,
 )
 
 
@@ -70,44 +68,43 @@ class Rank:
         from transformers import AutoModelForCausalLM
 
         self.rank, self.world, self.actor = rank, world, OmegaConf.create(actor)
-        self.loss_settings = LossSettings.from_actor_config(self.actor)
-        self.loss = partial(ppo_loss, loss, entropy_coeff=self.actor.entropy_coeff)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model = torch.nn.parallel.DistributedDataParallel(model)
         self.optimizer = make_optimizer(model, self.actor.optim)
+        self.step = ActorStep(
+            forward=lambda rows: response_stats(self.model, rows.tensors),
+            loss=ActorLoss(loss, LossSettings.from_actor_config(self.actor), float(self.actor.entropy_coeff)),
+            optimizer=self.optimizer,
+            parameters=list(model.parameters()),
+            grad_clip=float(self.actor.grad_clip),
+            # DDP averages the gradients in a step's last backward pass, whatever number each rank runs
+            data_parallel=DataParallel(world, self.gather, no_sync=self.model.no_sync),
+        )
+
+    def gather(self, parts: list[Any]) -> list[Any]:
+        """Every rank's ``parts``, in rank order."""
+        ranks: list[Any] = [None] * self.world
+        dist.all_gather_object(ranks, parts)
+        return [part for rank in ranks for part in rank]
 
     def update(self, tensors: dict[str, torch.Tensor], advantages: torch.Tensor, n_mini_batches: int):
-        """PPO epochs over the mini-batches, this rank training its rows of each (:func:`rank_rows`);
-        the update's metrics, and (rank 0) the new weights."""
+        """PPO epochs over the mini-batches (the toolkit's ``train_batch``), this rank training its rows
+        of each (:func:`rank_rows`) in micro-batches; the update's metrics, and (rank 0) the new weights."""
         slices = mini_batches(advantages.shape[0], n_mini_batches)
         shares = [rank_rows(rows, self.rank, self.world) for rows in slices]
         mine = [i for share in shares for i in share]
         old = torch.zeros(advantages.shape)
         old[mine] = frozen_log_probs(self.model.module, take_rows(tensors, mine))
-        steps = [
-            self.step(tensors, advantages, old, share, int(tensors["response_mask"][rows].sum()))
-            for _ in range(self.actor.ppo_epochs)
+        batch = UpdateBatch(tensors, advantages, old)
+        micro_rows = self.actor.ppo_micro_batch_size_per_gpu
+        minis = [
+            MiniBatch([batch.rows(group) for group in row_groups(share, micro_rows)], int(batch.mask[rows].sum()))
             for rows, share in zip(slices, shares)
         ]
-        metrics = {**mean_over_steps(steps), "actor/lr": float(self.optimizer.param_groups[0]["lr"])}
+        self.model.train()
+        metrics = train_batch(self.step, minis, epochs=int(self.actor.ppo_epochs))
         weights = {name: value.detach().clone() for name, value in self.model.module.state_dict().items()}
         return metrics, weights if self.rank == 0 else None
-
-    def step(self, tensors: dict, advantages: torch.Tensor, old: torch.Tensor, share: list[int], n_tokens: int):
-        """One optimizer step on this rank's rows ``share`` of a mini-batch of ``n_tokens`` trained
-        tokens, in micro-batches; its metrics are the mini-batch's, gathered from every part of every rank."""
-        settings = attrs.evolve(self.loss_settings, dp_size=self.world, batch_num_tokens=n_tokens)
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = []
-        for rows in micro_batches(share, self.actor.ppo_micro_batch_size_per_gpu):
-            part = take_rows(tensors, rows)
-            loss, metrics = self.loss(settings, response_stats(self.model, part), part, old[rows], advantages[rows])
-            loss.backward()
-            parts.append((metrics, float(part["response_mask"].sum())))
-        ranks: list[Any] = [None] * self.world
-        dist.all_gather_object(ranks, parts)
-        stepped = optimizer_step(self.optimizer, self.model.parameters(), self.actor.grad_clip)
-        return {**step_metrics([part for rank in ranks for part in rank], 1 / self.world), **stepped}
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

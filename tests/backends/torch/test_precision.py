@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agl_core.backends.micro_batching import UpdateBatch
 from agl_core.backends.torch.backend import TorchBackend
-from agl_core.backends.torch.update import UpdateBatch
 from agl_core.config import ConfigError
 from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager
@@ -68,7 +68,8 @@ def _step(backend, old_log_prob=None, lora_seed=None):
             old_log_prob = update.log_probs(model, tensors, None, "unused").float() + 0.01
     model.train()
     model.zero_grad(set_to_none=True)
-    loss, _ = update.loss(UpdateBatch(tensors, advantages, old_log_prob, None))
+    rows = UpdateBatch(tensors, advantages, old_log_prob, None)
+    loss, _ = update.step.loss(update.stats(rows), rows, update.settings.loss)
     loss.backward()
     grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.requires_grad])
     return loss.detach(), grads, old_log_prob

@@ -9,11 +9,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agl_core.backends.micro_batching import UpdateBatch
 from agl_core.backends.ppo import response_stats
 from agl_core.backends.torch.backend import load_policy
-from agl_core.backends.torch.micro_batching import split_shared
-from agl_core.backends.torch.prefix_packing import check_packable, pack_cost
-from agl_core.backends.torch.update import ActorSettings, ActorUpdate, UpdateBatch
+from agl_core.backends.torch.prefix_packing import check_packable, pack_cost, split_shared
+from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.config import ConfigError, load_config
 from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager

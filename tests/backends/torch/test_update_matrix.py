@@ -29,8 +29,9 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from agl_core.backends.micro_batching import UpdateBatch
 from agl_core.backends.torch.backend import build_policy
-from agl_core.backends.torch.update import OLD_LOG_PROB_BUDGET_KEY, ActorSettings, ActorUpdate, UpdateBatch
+from agl_core.backends.torch.update import OLD_LOG_PROB_BUDGET_KEY, ActorSettings, ActorUpdate
 from agl_core.config import load_config
 from agl_core.data import TrainingRow
 from agl_core.plugins import PluginManager

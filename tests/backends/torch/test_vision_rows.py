@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from agl_core.backends.micro_batching import split
-from agl_core.backends.ppo import MULTI_MODAL_INPUTS, model_inputs, response_log_probs
+from agl_core.backends.micro_batching import MULTI_MODAL_INPUTS, split
+from agl_core.backends.ppo import model_inputs, response_log_probs
 from tests.helpers.vl_batches import call_rows, vision_tensors
 
 
