@@ -106,7 +106,7 @@ def agl_register_policy_losses(register: Register, settings: PluginSettings) -> 
     Called once per plugin manager, and again inside every worker process that runs an update (the
     verl backend does this for Ray workers). Call ``register(name, loss_fn)`` for each loss; ``name``
     is what ``actor_rollout_ref.actor.policy_loss.loss_mode`` selects (built-ins:
-    ``per_rollout_mean``, ``token_mean``).
+    ``per_rollout_mean``, ``token_mean``, ``cispo_per_rollout_mean``).
 
     ``loss_fn`` is an :class:`agl_core.PolicyLoss`, ``loss_fn(old_log_prob, log_prob, advantages,
     response_mask, settings, rollout_is_weights=None) -> (loss, metrics)`` over padded
@@ -130,7 +130,8 @@ def agl_register_backends(register: Register, settings: PluginSettings) -> None:
     """Register training backends: the engines that run a training step.
 
     Called once per plugin manager. Call ``register(name, spec)``; ``name`` is what
-    ``agentlightning.backend`` selects (built-in: ``torch``; ``agl-backend-verl`` adds ``verl``).
+    ``agentlightning.backend`` selects (built-in: ``torch``; ``agl-backend-verl`` adds ``verl``, and
+    ``trl`` with its ``trl`` extra installed).
     ``spec`` is a :class:`~agl_core.backends.contract.BackendSpec`: ``factory(config, plugins)``
     returns a :class:`~agl_core.backends.contract.Backend` for the validated run config and this
     plugin manager, and ``load_config(path, overrides)`` is what validates that run config (by
@@ -234,8 +235,9 @@ def agl_on_enqueue(request: RolloutRequest) -> RolloutRequest | None:
     Called once per rollout, in plugin order, each plugin receiving the request as rewritten by the
     plugins before it (a chain, not a broadcast). Return a new
     :class:`~agl_core.data.RolloutRequest` (e.g. ``attrs.evolve(request, metadata=...)``) to replace
-    it, or ``None`` to keep it. ``rollout_id`` and ``group_id`` are the trainer's and cannot be
-    changed: a rewrite that changes them is refused and counted as a hook failure.
+    it, or ``None`` to keep it. A request's ids and its place in the batch are the trainer's and cannot
+    be changed: a rewrite that changes them has those fields put back (the rest of it is kept), and
+    the call is counted in ``training/n_hook_changes_ignored`` and warned about once per plugin and field.
 
     A rollout that must run anew (lost to a gateway restart, or gone when a run resumes) comes
     through the chain again as the request it replaces (already rewritten once) under a fresh

@@ -1,7 +1,9 @@
 """How the plugin manager calls hook implementations: one at a time, in plugin order, isolated, bounded in time.
 
 agl calls each implementation of its registry and lifecycle hooks on its own (not through pluggy's
-hook caller), so one plugin's failure cannot stop the others; it reads the implementation from
+hook caller): a lifecycle hook's failure cannot stop the other plugins' (this module), while a
+registry hook's failure stops the run with a ``PluginError`` naming its plugin (a plugin whose
+entries are missing would change what runs; ``PluginManager``). It reads the implementation from
 pluggy's public :class:`pluggy.HookImpl` (``function``, ``argnames``, ``plugin_name``, ``tryfirst``,
 ``trylast``). :class:`HookCalls` runs each lifecycle call on one of a few daemon threads it keeps
 (:class:`HookThreads`, with the caller's context variables) and waits at most its time limit: a

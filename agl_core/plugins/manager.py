@@ -338,7 +338,14 @@ class PluginManager:
                     "register": lambda entry_name, obj, _p=impl.plugin_name: registry.add(entry_name, obj, _p),
                     "settings": self.settings if "settings" in impl.argnames else None,
                 }
-                impl.function(*[args[name] for name in impl.argnames])
+                try:
+                    impl.function(*[args[name] for name in impl.argnames])
+                except AglError:
+                    raise
+                except Exception as exc:  # a plugin's bug, not agl's: name the plugin
+                    raise PluginError(
+                        f"plugin {impl.plugin_name!r} failed in {hook_name}: {type(exc).__name__}: {exc}"
+                    ) from exc
             self._registries[prop] = registry
         return self._registries[prop]
 

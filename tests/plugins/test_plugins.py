@@ -161,6 +161,21 @@ def test_duplicate_registry_names_name_both_plugins():
         _ = manager.aggregators
 
 
+class _FailsToRegister:
+    @hookimpl
+    def agl_register_aggregators(self, register):
+        raise RuntimeError("boom")
+
+
+def test_a_failing_registry_hook_names_its_plugin():
+    manager = PluginManager(load_entrypoints=False, builtins={})
+    manager.register(_FailsToRegister(), name="broken-plugin")
+    with pytest.raises(
+        PluginError, match="plugin 'broken-plugin' failed in agl_register_aggregators: RuntimeError: boom"
+    ):
+        _ = manager.aggregators
+
+
 def test_unknown_name_lists_what_is_registered():
     manager = PluginManager(load_entrypoints=False, builtins={})
     manager.register(_Registers("alpha"), name="p")
