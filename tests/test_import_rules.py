@@ -16,7 +16,16 @@ import pytest
 
 from tests.helpers.paths import REPO_ROOT
 
-PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl")
+PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl", "agl_backend_trl")
+BACKEND_PACKAGES = ("agl_backend_verl", "agl_backend_trl")
+# The modules the stable surface declares for backends besides the public API (CHANGELOG.md, Stability
+# policy): the update toolkit, LoRA, dtypes and the batch module.
+BACKEND_TOOLKIT = (
+    "agl_core.backends.ppo",
+    "agl_core.backends.lora",
+    "agl_core.backends.precision",
+    "agl_core.backends.micro_batching",
+)
 
 # Top-level agl_core modules everything may use: the data model, the config, the hookspecs, helpers.
 # The package root (the public API) is its own part; a name imported from it counts as an import of
@@ -73,13 +82,15 @@ ALLOWED = {
     "entry": {"base", "plugins", "rollouts", "backends", "tracking", "entry"},
     "agl_hooks": {"base", "plugins", "stages", "rollouts"},
     "backend:verl": {"base", "plugins", "stages", "rollouts", "serving", "backends", "entry"},
+    "backend:trl": {"base", "plugins", "stages", "rollouts", "serving", "backends", "entry"},
 }
 
 
 def part_of(module: str) -> str:
     """Which part of the package map ``module`` belongs to."""
-    if module.startswith("agl_backend_verl"):
-        return "backend:verl"
+    for package in BACKEND_PACKAGES:
+        if module.startswith(package):
+            return f"backend:{package.removeprefix('agl_backend_')}"
     if module.startswith("agl_hooks"):
         return "agl_hooks"
     if module == API:
@@ -198,17 +209,24 @@ def test_every_import_follows_the_package_map():
     assert forbidden_imports(REPO_ROOT) == []
 
 
-def private_core_imports(root: Path, package: str = "agl_backend_verl") -> list[str]:
-    """Every import in ``package`` of ``agl_core`` other than ``from agl_core import <public name>``
-    (imports under ``TYPE_CHECKING`` included): a backend outside the core uses its public API only."""
+def private_core_imports(root: Path, package: str) -> list[str]:
+    """Every import in ``package`` of ``agl_core`` other than ``from agl_core import <public name>`` or
+    of the toolkit declared for backends (:data:`BACKEND_TOOLKIT`), imports under ``TYPE_CHECKING``
+    included: a backend outside the core uses its public names only."""
     public = set(_api_literal(root, "__all__"))
     problems = []
     for path in sorted((root / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Import):
-                problems += [f"{where} imports {a.name}" for a in node.names if a.name.startswith(f"{API}.")]
+                problems += [
+                    f"{where} imports {a.name}"
+                    for a in node.names
+                    if a.name.startswith(f"{API}.") and a.name not in BACKEND_TOOLKIT
+                ]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == API:
+                if node.module in BACKEND_TOOLKIT:
+                    continue
                 if node.module != API:
                     problems.append(f"{where} imports {node.module}")
                 else:
@@ -220,8 +238,9 @@ def private_core_imports(root: Path, package: str = "agl_backend_verl") -> list[
     return problems
 
 
-def test_the_verl_backend_imports_only_public_names_of_agl_core():
-    assert private_core_imports(REPO_ROOT) == []
+@pytest.mark.parametrize("package", BACKEND_PACKAGES)
+def test_a_backend_package_imports_only_public_names_of_agl_core(package):
+    assert private_core_imports(REPO_ROOT, package) == []
 
 
 def test_a_private_import_of_the_core_is_reported(tmp_path):
@@ -232,8 +251,9 @@ def test_a_private_import_of_the_core_is_reported(tmp_path):
     (tmp_path / "agl_backend_verl").mkdir()
     (tmp_path / "agl_backend_verl" / "x.py").write_text(
         "from agl_core import Triplet\nfrom agl_core import _MODULES\nfrom agl_core.stages.tensorize import tensorize\n"
+        "from agl_core.backends.ppo import ppo_loss\n"
     )
-    assert private_core_imports(tmp_path) == [
+    assert private_core_imports(tmp_path, "agl_backend_verl") == [
         "agl_backend_verl/x.py:2 imports agl_core._MODULES, which is not public",
         "agl_backend_verl/x.py:3 imports agl_core.stages.tensorize",
     ]
@@ -298,6 +318,11 @@ def test_every_rollout_module_is_shared_or_in_one_source_family():
             "agl_backend_verl/planted.py",
             "from agl_core.backends.torch.backend import TorchBackend\n",
             "backend:verl may not import backend:torch",
+        ),
+        (
+            "agl_backend_trl/planted.py",
+            "from agl_core.backends.torch.update import ActorUpdate\n",
+            "backend:trl may not import backend:torch",
         ),
         ("agl_core/stages/planted.py", "import agl_core.rollouts.events\n", "stages may not import rollouts"),
         ("agl_core/plugins/planted.py", "from agl_hooks import loader\n", "plugins may not import agl_hooks"),
