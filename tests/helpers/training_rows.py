@@ -19,7 +19,7 @@ def row_sequences(draw, max_rows: int = 10, max_length: int = 120, max_token: in
         kind = draw(st.sampled_from(["fresh", "extend", "branch", "cut", "repeat"]))
         tokens = st.lists(st.integers(3, max_token), min_size=1, max_size=24)
         if kind == "fresh" or not out:
-            out.append(np.array(draw(tokens) + draw(tokens), np.int64))
+            out.append(np.array(draw(tokens) + draw(tokens), np.int64)[:max_length])
             continue
         base = out[draw(st.integers(0, len(out) - 1))]
         if kind == "repeat":
@@ -29,7 +29,7 @@ def row_sequences(draw, max_rows: int = 10, max_length: int = 120, max_token: in
         else:
             keep = draw(st.integers(2, len(base))) if len(base) > 2 else len(base)
             tail = draw(tokens) if kind == "branch" else []
-            out.append(np.concatenate([base[:keep], np.array(tail, np.int64)]))
+            out.append(np.concatenate([base[:keep], np.array(tail, np.int64)])[:max_length])
     return out
 
 

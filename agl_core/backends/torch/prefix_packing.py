@@ -20,12 +20,15 @@ bounded by ``agentlightning.torch.max_tree_tokens``: its mask has the square of 
 elements, where a chain needs none.
 
 Models whose attention is not plain causal attention over every layer (sliding-window layers, other
-attention implementations) or whose family is not proven to take its positions from ``position_ids``
-(:data:`PROVEN_MODEL_TYPES`) are refused: the mask or the positions would not mean what they compute.
+attention implementations) or whose positions are not read from ``position_ids`` alone (no
+``position_ids`` argument, alibi, a rope scaled by the pass's longest position) are refused, decided
+from what the model computes (:func:`agl_core.backends.torch.checks.position_problem`), not its name:
+the mask or the positions would not mean what they compute.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -33,6 +36,7 @@ import torch
 
 from agl_core.backends.micro_batching import MicroBatch, PackedForward, RowLengths
 from agl_core.backends.ppo import attention_implementation
+from agl_core.backends.torch.checks import SHARE_KEY, position_problem
 from agl_core.config import ConfigError
 from agl_core.errors import UsageError
 from agl_core.stages.micro_batches import check_budget, micro_batches
@@ -40,36 +44,27 @@ from agl_core.stages.prefix_sharing import PackCost, PrefixPacks, prefix_packs
 
 __all__ = ["check_packable", "pack_cost", "packed_forward", "row_packs", "split_shared"]
 
-SHARE_KEY = "agentlightning.torch.share_prefixes"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
-#: Model families whose positions a tree pack gives each token by its depth (rotary or learned
-#: absolute position embeddings read from ``position_ids``), each proven against a per-row forward by
-#: the update matrix test. Others (alibi or relative biases, which follow a token's place in the pack)
-#: are refused until proven.
-PROVEN_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen2_vl")
 
 
 def check_packable(model: torch.nn.Module) -> None:
-    """Refuse, naming :data:`SHARE_KEY`, a model whose attention a tree mask does not describe."""
-    config = model.config
+    """Refuse, naming :data:`~agl_core.backends.torch.checks.SHARE_KEY`, a model whose attention a tree
+    mask does not describe or whose positions a pack does not compute
+    (:func:`~agl_core.backends.torch.checks.position_problem`, the loaded model's forward asked
+    whether it takes ``position_ids``)."""
     implementation = attention_implementation(model)
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(
             SHARE_KEY,
             f"needs the model's attention to be one of {', '.join(ATTENTION_IMPLEMENTATIONS)},"
-            f" not {implementation!r}; turn it off",
+            f" not {implementation!r}; set {SHARE_KEY}=false",
         )
-    if config.model_type not in PROVEN_MODEL_TYPES:
-        raise ConfigError(
-            SHARE_KEY,
-            f"is proven for the model types {', '.join(PROVEN_MODEL_TYPES)} (positions from position_ids),"
-            f" not {config.model_type!r}, whose positions may follow a token's place in the pack; turn it off",
-        )
-    text = config.get_text_config()  # a vision-language model's language model holds its layers
-    layer_types = getattr(text, "layer_types", None) or ["full_attention"]
-    windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
-    if windowed or any(kind != "full_attention" for kind in layer_types):
-        raise ConfigError(SHARE_KEY, "needs full causal attention in every layer (this model has sliding windows)")
+    model = getattr(model, "module", model)  # a DistributedDataParallel's
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's
+    takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
+    problem = position_problem(model.config.to_dict(), takes_positions)
+    if problem is not None:
+        raise ConfigError(SHARE_KEY, f"cannot share prefixes of {problem}; set {SHARE_KEY}=false")
 
 
 def pack_cost(model: torch.nn.Module) -> PackCost:

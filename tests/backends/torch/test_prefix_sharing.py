@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from agl_core.backends.micro_batching import UpdateBatch
 from agl_core.backends.ppo import response_stats
 from agl_core.backends.torch.backend import load_policy
+from agl_core.backends.torch.checks import check_positions, forward_takes_position_ids, position_problem
 from agl_core.backends.torch.prefix_packing import check_packable, pack_cost, split_shared
 from agl_core.backends.torch.update import ActorSettings, ActorUpdate
 from agl_core.config import ConfigError, load_config
@@ -35,7 +36,7 @@ def unique_prefixes(sequences: list[np.ndarray]) -> int:
 
 
 @given(
-    sequences=row_sequences(),
+    sequences=row_sequences(max_length=60),  # within the cap of 60 drawn below
     per_pair=st.sampled_from([0.0, 1.0, 1000.0]),
     cap=st.sampled_from([None, 60]),
     tree_cap=st.sampled_from([None, 30]),
@@ -183,9 +184,9 @@ def test_the_update_reports_what_sharing_saved(model):
     [
         {"_attn_implementation": "flash_attention_2"},
         {"sliding_window": 16, "use_sliding_window": True},
-        {"model_type": "bloom"},  # alibi: its biases follow a token's place in the pack, not its depth
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
     ],
-    ids=["attention", "sliding-window", "unproven-positions"],
+    ids=["attention", "sliding-window", "batch-dependent-rope"],
 )
 def test_a_model_the_mask_does_not_describe_is_refused_naming_the_key(model, setting):
     check_packable(model)
@@ -198,3 +199,79 @@ def test_a_model_the_mask_does_not_describe_is_refused_naming_the_key(model, set
     finally:
         for name, value in before.items():
             setattr(model.config, name, value)
+
+
+# -- which models a pack computes: decided by what they compute -------------------------------------
+
+TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+TINY_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+FAMILIES = {  # model type -> config settings beyond the tiny sizes
+    "qwen3": {},
+    "mistral": {"sliding_window": None},
+    "gemma": {},
+    "phi3": {"pad_token_id": 0},
+    "llama": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+}
+REFUSED = {  # model type -> (settings, what the refusal says)
+    "llama": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
+    "mistral": ({"sliding_window": 8}, "sliding-window"),
+}
+
+
+def tiny_family(model_type: str, settings: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **TINY, **TINY_HEADS, **settings)
+    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def branching_rows() -> list[TrainingRow]:
+    """Three rows of one prompt whose responses branch: their pack is a tree."""
+    prompt = list(range(3, 15))
+    return [
+        TrainingRow(
+            prompt_ids=prompt,
+            response_ids=response,
+            response_mask=[1] * len(response),
+            reward=0.0,
+            rollout_id=f"r{i}",
+            group_id="g",
+        )
+        for i, response in enumerate([[20, 21, 22, 23], [20, 21, 30], [40, 41, 42, 43, 44]])
+    ]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_model_whose_positions_a_pack_computes_is_accepted_and_exact(model_type, tmp_path):
+    model = tiny_family(model_type, FAMILIES[model_type])
+    check_packable(model)
+    model.config.to_json_file(tmp_path / "config.json")
+    check_positions(tmp_path)  # agl check's verdict, from config.json and the modeling source
+    tensors = tensorize(branching_rows()).tensors
+    responses = tensors["attention_mask"][:, tensors["prompts"].shape[1] :].bool()
+    with torch.no_grad():
+        padded = response_stats(model, tensors).log_prob
+        (micro,) = split_shared(tensors, None, "budget", PackCost(1.0, 0.0))
+        assert micro.packed.attention_mask is not None, "the rows form a tree pass"
+        shared, _ = shared_log_probs_and_entropy(model, tensors, None, PackCost(1.0, 0.0))
+    torch.testing.assert_close(shared[responses], padded[responses], rtol=0, atol=LOG_PROB_ATOL)
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
+def test_a_model_whose_positions_a_pack_changes_is_refused_by_agl_check_and_agl_train(model_type, tmp_path):
+    settings, reason = REFUSED[model_type]
+    model = tiny_family(model_type, settings)
+    model.config.to_json_file(tmp_path / "config.json")
+    for check in (lambda: check_packable(model), lambda: check_positions(tmp_path)):
+        with pytest.raises(ConfigError, match=rf"{reason}.*agentlightning\.torch\.share_prefixes=false"):
+            check()
+
+
+def test_a_model_whose_forward_takes_no_position_ids_is_refused():
+    from transformers import BloomConfig
+
+    config = {**BloomConfig().to_dict(), "architectures": ["BloomForCausalLM"]}
+    assert not forward_takes_position_ids(config)
+    assert "takes no position_ids" in position_problem(config, forward_takes_position_ids(config))
