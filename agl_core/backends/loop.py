@@ -11,6 +11,9 @@ validate the step, checkpoint it, or end the run after it: a TRL callback's ``Tr
 
 A step is reported before it is checkpointed: a run killed in between resumes from the previous
 checkpoint, redoes the step, and the run log (:class:`agl_core.runs.train.MetricsLog`) replaces its line.
+A step whose report stops the run (the consumer raises: ``agentlightning.max_untrained_steps`` steps
+that trained nothing) still gets the checkpoint the schedule gives it, once the consumer closes the
+loop, as verl's loop checkpoints a step before reporting it.
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ def run_steps(
 ) -> Iterator[Step]:
     """Train until ``settings.total_steps``, or until ``control()`` asks to stop, yielding each step's
     ``(step, total_steps, metrics)`` before it is checkpointed (the checkpoint is written when the next
-    item is asked for). A run stopped early reports ``training/stopped_early`` on its last step."""
+    item is asked for, or when the loop is closed at that step). A run stopped early reports
+    ``training/stopped_early`` on its last step."""
     start, total = trainer.step, settings.total_steps
     if start >= total and not settings.val_only:
         logger.warning(
@@ -133,11 +137,13 @@ def run_steps(
         if stopped:
             metrics["training/stopped_early"] = 1.0
             logger.warning("training stopped after step %d of %d: the trainer asked to stop", step, total)
-        yield step, total, metrics
-        if (settings.save_freq > 0 and (last or stopped or step % settings.save_freq == 0)) or control().save:
-            started = time.perf_counter()
-            trainer.save()
-            logger.info("checkpoint of step %d saved in %.2f s", step, time.perf_counter() - started)
+        try:
+            yield step, total, metrics
+        finally:  # also when the consumer stops the run at this step (close(): a step that trained nothing)
+            if (settings.save_freq > 0 and (last or stopped or step % settings.save_freq == 0)) or control().save:
+                started = time.perf_counter()
+                trainer.save()
+                logger.info("checkpoint of step %d saved in %.2f s", step, time.perf_counter() - started)
         if stopped:
             return
 

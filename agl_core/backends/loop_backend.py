@@ -156,13 +156,18 @@ class LoopBackend(abc.ABC):
 
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train until the configured number of steps, calling ``on_step`` after every step."""
+        steps = None
         try:
-            settings = self.start()
-            for step, total, metrics in run_steps(self, settings, self.control):
+            steps = run_steps(self, self.start(), self.control)
+            for step, total, metrics in steps:
                 if on_step is not None:
                     on_step(step, total, metrics, self.pipeline.take_samples())
         finally:
-            self.stop()
+            try:
+                if steps is not None:
+                    steps.close()  # a step whose report stopped the run is checkpointed as scheduled
+            finally:
+                self.stop()
 
     def start(self) -> LoopSettings:
         """Everything before the first step (the module docstring's ``start``); the loop's settings,

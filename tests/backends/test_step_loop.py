@@ -135,3 +135,20 @@ def test_a_validation_may_end_the_run():
         ("report", 2, 5, True),
         ("stopped early", 2),
     ]
+
+
+def test_a_step_whose_report_stops_the_run_is_checkpointed_as_scheduled():
+    """The consumer raising at a report (a run stopped for training nothing) closes the loop there:
+    the step still gets its scheduled checkpoint, as verl's loop gives it one before reporting."""
+    trainer = Recorder()
+    steps = run_steps(trainer, LoopSettings(total_steps=5, save_freq=2))
+    for step, _, _ in steps:
+        if step == 2:
+            steps.close()
+            break
+    assert trainer.log == [("train", 1, 2), ("train", 2, 2), ("save", 2)]
+    trainer = Recorder()
+    steps = run_steps(trainer, LoopSettings(total_steps=5, save_freq=2))
+    next(steps)
+    steps.close()  # step 1: not a checkpointed step
+    assert trainer.log == [("train", 1, 2)]

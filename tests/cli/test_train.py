@@ -145,11 +145,15 @@ def test_a_run_whose_every_rollout_fails_exits_non_zero_naming_why(policy, tmp_p
     nothing fails. Each step that trained nothing is logged as it happens, with its cause."""
     run_dir = tmp_path / "run"
     overrides = [*_small(policy, run_dir, steps=3), FAILING, "trainer.val_before_train=false", "trainer.test_freq=-1"]
-    overrides += ["trainer.save_freq=-1"]  # nothing to show in a checkpoint here
+    overrides += ["trainer.save_freq=2"]
     assert main(["train", CONFIG, *overrides, f"agentlightning.max_untrained_steps={limit}"]) == 2
     err = capsys.readouterr().err
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, stopped_at + 1))  # the stopping step is on record
+    # checkpointed as the schedule says, the stopping step too (verl's loop checkpoints before reporting)
+    assert (
+        sorted(p.name for p in run_dir.glob("global_step_*")) == [f"global_step_{n}" for n in (2, 3)][: stopped_at - 1]
+    )
     assert "every rollout failed (4 of 4)" in err and "run finished" not in err
     if limit:
         assert "agl: error: steps 1 to 2 trained nothing (2 in a row, agentlightning.max_untrained_steps=2)" in err
