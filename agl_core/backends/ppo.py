@@ -32,8 +32,9 @@ summed.
 Vision-language rows (:func:`agl_core.stages.tensorize.tensorize` with a ``VisionSpec``) carry
 ``position_ids`` as ``[rows, 4, L]`` (verl's layout: text positions, then mrope's temporal, height and
 width ones), which the model takes as ``[4, rows, L]``, and their images under
-:data:`MULTI_MODAL_INPUTS`: one dict per row, whose ``pixel_values`` and ``image_grid_thw`` the forward
-concatenates in row order, the order their placeholder tokens have in the flattened batch.
+:data:`~agl_core.backends.micro_batching.MULTI_MODAL_INPUTS`: one dict per row, whose ``pixel_values``
+and ``image_grid_thw`` the forward concatenates in row order, the order their placeholder tokens have
+in the flattened batch.
 """
 
 from __future__ import annotations
@@ -546,8 +547,9 @@ class ActorStep:
     ``loss`` (each micro-batch's its share of the mini-batch's) and ``backward``; with several
     processes their gradients averaged (:class:`DataParallel`); the gradients clipped at ``grad_clip``
     and ``optimizer`` stepped (:func:`optimizer_step`), inside ``optimizer_events`` (a backend's
-    callbacks around the step). Called on a :class:`MiniBatch`, it returns the step's metrics, from
-    every process's parts (:func:`step_metrics`), and ``actor/n_micro_batches`` (this process's passes)."""
+    callbacks around the step). Called on a :class:`~agl_core.backends.micro_batching.MiniBatch`, it
+    returns the step's metrics, from every process's parts (:func:`step_metrics`), and
+    ``actor/n_micro_batches`` (this process's passes)."""
 
     forward: Callable[[UpdateBatch], ResponseStats]
     loss: ActorLoss
