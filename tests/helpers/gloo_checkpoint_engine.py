@@ -6,6 +6,7 @@ does what verl's ``CheckpointEngineManager.update_weights`` does between them (c
 from __future__ import annotations
 
 import asyncio
+import pickle
 from typing import Any
 
 import torch
@@ -37,7 +38,9 @@ def play(role: str, versions: list[int], inbox: Any, outbox: Any) -> None:
         engine.init_process_group(**inbox.get())
         if role == "receiver":
             received = asyncio.run(_collect(engine.receive_weights(global_steps=version)))
-            outbox.put(("received", [(name, tensor.clone()) for name, tensor in received]))
+            # By value: a tensor put on a queue as it is travels as a file descriptor that the test
+            # process can only open while this process lives, and this one may have exited by then.
+            outbox.put(("received", pickle.dumps(received)))
         else:
             drained: list[str] = []
             asyncio.run(engine.send_weights(_tracked(weights(version), drained), global_steps=version))

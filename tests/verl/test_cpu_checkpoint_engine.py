@@ -5,6 +5,7 @@ processes, as ``CheckpointEngineManager.update_weights`` drives it (tests/helper
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def test_two_updates_reach_every_rollout_worker_equal_over_gloo():
             reports = [_expect(out, "sent" if role != "receiver" else "received") for role, out in zip(ROLES, outboxes)]
             want = weights(version)
             assert reports[0] == reports[1] == list(want)  # both actor ranks walked every tensor
-            for received in reports[2:]:
+            for received in map(pickle.loads, reports[2:]):
                 assert [name for name, _ in received] == list(want)
                 for name, tensor in received:
                     assert tensor.dtype == want[name].dtype and tensor.shape == want[name].shape, name
