@@ -54,9 +54,9 @@ from agl_core import (
     LossSettings,
     PolicyServer,
     Served,
-    load_policy_model,
     tensorize,
 )
+from agl_core.backends.dropout import load_update_model
 from agl_core.backends.lora import load_adapter, lora_config, lora_enabled
 from agl_core.backends.micro_batching import MiniBatch, UpdateBatch, batch_results, split, split_rows
 from agl_core.backends.ppo import (
@@ -128,7 +128,9 @@ class TrlBackend(LoopBackend):
         self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         torch.manual_seed(int(config.trainer.seed))
         # on the device TRL trains on, so that the served copy generates there too
-        model = load_policy_model(folder, dtype=torch.float32).to(args.device)
+        model = load_update_model(
+            folder, disable_dropout=bool(config.agentlightning.disable_dropout), device=args.device
+        )
         # made before TRL patches the model's forward: the served copy must not call back into the policy
         seed = int(config.trainer.seed)
         self.server = PolicyServer(model, self.tokenizer, folder, seed=seed) if self.rank == 0 else None

@@ -33,6 +33,7 @@ from agl_core import (
     merge_config,
     validate_config,
 )
+from agl_core.backends.dropout import DISABLE_DROPOUT
 from agl_core.backends.lora import check_lora_keys
 from agl_core.backends.precision import MIXED_PRECISION_KEY, MODEL_DTYPE_KEY, dtype_names
 
@@ -68,7 +69,6 @@ HONOURED = frozenset(
         "optim_args",
         "adam_epsilon",
         "gradient_checkpointing_kwargs",
-        "disable_dropout",
         "use_cpu",
     }
 )
@@ -136,6 +136,7 @@ PAIRS: Mapping[str, tuple[str, Callable[[DictConfig], Any], Callable[[Any], Any]
         bool,
     ),
     "seed": ("trainer.seed", lambda c: int(c.trainer.seed), int),
+    "disable_dropout": (DISABLE_DROPOUT, lambda c: bool(c.agentlightning.disable_dropout), bool),
 }
 """TRL keys for which agl has a key of its own: agl's key wins; the TRL key may be set only to what
 agl's says (``trl.loss_type`` has no such pair: agl's loss is ``policy_loss.loss_mode``, always)."""

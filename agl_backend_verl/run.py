@@ -37,6 +37,7 @@ from agl_backend_verl.config import (
 )
 from agl_backend_verl.cpu import mode as cpu_mode
 from agl_backend_verl.dataset import DATASET_SLOT
+from agl_backend_verl.dropout import turn_off_dropout
 from agl_backend_verl.ray_cluster import start_or_join
 from agl_backend_verl.ray_errors import nodes_watched, ray_failures_explained
 from agl_backend_verl.shipping import absolute_paths, localized_hook_files, shipped_runtime_env
@@ -179,9 +180,11 @@ def actor_steps(runner: Any, config: DictConfig, plugins: list) -> Iterator[Step
 def v1_config(config: DictConfig) -> DictConfig:
     """``config`` with verl's slots set to agl's: the dataset class, the agent-loop manager, the
     trainer mode (Agent Lightning's async rollout is ``colocate_async``) and its warm-up batches,
-    TransferQueue on, and no tracker of verl's own (``trainer.logger`` names agl's sinks, which run
-    in ``agl train``). Without ``data.val_files`` nothing is validated."""
+    TransferQueue on, no tracker of verl's own (``trainer.logger`` names agl's sinks, which run in
+    ``agl train``), and the models' dropout off (:func:`~agl_backend_verl.dropout.turn_off_dropout`).
+    Without ``data.val_files`` nothing is validated."""
     mode = trainer_mode(config)
+    turn_off_dropout(config)
     with open_dict(config):
         if not config.data.val_files:  # no validation: verl's loop still builds a dataset, never read
             config.data.val_files = config.data.train_files

@@ -14,18 +14,11 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.imports import BACKEND_TOOLKIT
 from tests.helpers.paths import REPO_ROOT
 
 PACKAGES = ("agl_core", "agl_hooks", "agl_backend_verl", "agl_backend_trl")
 BACKEND_PACKAGES = ("agl_backend_verl", "agl_backend_trl")
-# The modules the stable surface declares for backends besides the public API (CHANGELOG.md, Stability
-# policy): the update toolkit, LoRA, dtypes and the batch module.
-BACKEND_TOOLKIT = (
-    "agl_core.backends.ppo",
-    "agl_core.backends.lora",
-    "agl_core.backends.precision",
-    "agl_core.backends.micro_batching",
-)
 
 # Top-level agl_core modules everything may use: the data model, the config, the hookspecs, helpers.
 # The package root (the public API) is its own part; a name imported from it counts as an import of

@@ -210,6 +210,9 @@ class AgentLightningConfig:
     # Steps in a row that may train nothing before the run stops with an error (0: never stops; a run
     # that ends having trained nothing fails either way). agl_core.backends.untrained.
     max_untrained_steps: int = checked(3, integer(0))
+    # Dropout off in every update forward, so that it computes what the old log-probs' eval-mode pass
+    # computes (TRL's disable_dropout, on by default here); false trains with it. agl_core.backends.dropout.
+    disable_dropout: bool = checked(True, boolean())
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     torch: TorchBackendConfig = field(default_factory=TorchBackendConfig)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import ast
 
-# Modules of agl_core that are public as a whole (their __all__, CHANGELOG.md's stability policy).
-PUBLIC_MODULES = (
-    "agl_core",
-    "agl_core.backends.lora",
-    "agl_core.backends.micro_batching",
+# The modules the stable surface declares for backends besides the public API (CHANGELOG.md, Stability
+# policy): the update toolkit, LoRA, dtypes, the batch module and dropout in the update.
+BACKEND_TOOLKIT = (
     "agl_core.backends.ppo",
+    "agl_core.backends.lora",
     "agl_core.backends.precision",
+    "agl_core.backends.micro_batching",
+    "agl_core.backends.dropout",
 )
+# Modules of agl_core that are public as a whole (their __all__).
+PUBLIC_MODULES = ("agl_core", *BACKEND_TOOLKIT)
 
 
 def private_imports(source: str) -> list[str]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agl_core.backends.contract import OnStep
+from agl_core.backends.dropout import load_update_model
 from agl_core.backends.loop_backend import LoopBackend, Served
 from agl_core.backends.lora import check_lora_keys, lora_enabled, with_lora
 from agl_core.backends.ppo import lr_schedule, make_optimizer
@@ -83,10 +84,12 @@ def build_policy(
     """The policy to train and its reference (``actor.use_kl_loss``; else ``None``) as
     ``actor_rollout_ref.model`` says: gradient checkpointing (``enable_gradient_checkpointing``), LoRA
     (``lora_rank`` > 0; the reference is then the policy itself with its adapters disabled), else a
-    frozen second copy for the reference."""
+    frozen second copy for the reference; the policy's dropout off unless ``agentlightning.disable_dropout``
+    is false (:func:`~agl_core.backends.dropout.load_update_model`)."""
     model_cfg = config.actor_rollout_ref.model
     check_lora_keys(model_cfg)
-    model = load_policy(folder, device, dtype=dtype)
+    disable_dropout = bool(config.agentlightning.disable_dropout)
+    model = load_update_model(folder, disable_dropout=disable_dropout, dtype=dtype, device=device)
     if model_cfg.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_enabled(model_cfg):

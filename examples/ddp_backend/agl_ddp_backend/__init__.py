@@ -83,9 +83,10 @@ class DdpBackend(LoopBackend):
         self._store = tempfile.mkdtemp(prefix="agl-ddp-")
         context = torch.multiprocessing.get_context("spawn")
         self.pipes, self.processes = [], []
+        dropout = bool(config.agentlightning.disable_dropout)
         for rank in range(processes):
             here, there = context.Pipe()
-            args = (rank, processes, f"{self._store}/store", folder, actor, loss, there)
+            args = (rank, processes, f"{self._store}/store", folder, actor, loss, dropout, there)
             self.processes.append(context.Process(target=serve_rank, args=args, daemon=True))
             self.processes[-1].start()
             self.pipes.append(here)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from agl_core import LossSettings, PolicyLoss
+from agl_core.backends.dropout import load_update_model
 from agl_core.backends.micro_batching import MiniBatch, UpdateBatch, row_groups
 from agl_core.backends.ppo import (
     ActorLoss,
@@ -44,13 +45,22 @@ def unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def serve_rank(rank: int, world: int, store: str, model_dir: str, actor: dict[str, Any], loss: PolicyLoss, pipe: Any):
+def serve_rank(
+    rank: int,
+    world: int,
+    store: str,
+    model_dir: str,
+    actor: dict[str, Any],
+    loss: PolicyLoss,
+    disable_dropout: bool,
+    pipe: Any,
+):
     """A rank's process: answer the driver's packed ``(command, args)`` with ``(True, result)`` or
     ``(False, traceback)`` until ``stop``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        worker = Rank(rank, world, model_dir, actor, loss)
+        worker = Rank(rank, world, model_dir, actor, loss, disable_dropout)
         while (message := unpack(pipe.recv_bytes()))[0] != "stop":
             command, args = message
             try:
@@ -62,13 +72,14 @@ def serve_rank(rank: int, world: int, store: str, model_dir: str, actor: dict[st
 
 
 class Rank:
-    """The policy, its optimizer and the update of one rank, as ``actor`` (``actor_rollout_ref.actor``) says."""
+    """The policy, its optimizer and the update of one rank, as ``actor`` (``actor_rollout_ref.actor``)
+    says; the policy's dropout off when ``disable_dropout`` (``agentlightning.disable_dropout``)."""
 
-    def __init__(self, rank: int, world: int, model_dir: str, actor: dict[str, Any], loss: PolicyLoss):
-        from transformers import AutoModelForCausalLM
-
+    def __init__(
+        self, rank: int, world: int, model_dir: str, actor: dict[str, Any], loss: PolicyLoss, disable_dropout: bool
+    ):
         self.rank, self.world, self.actor = rank, world, OmegaConf.create(actor)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = load_update_model(model_dir, disable_dropout=disable_dropout)
         self.model = torch.nn.parallel.DistributedDataParallel(model)
         self.optimizer = make_optimizer(model, self.actor.optim)
         self.step = ActorStep(
