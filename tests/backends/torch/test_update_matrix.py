@@ -1,17 +1,19 @@
 """The update matrix: every combination the torch backend accepts computes what a plain forward of
 each row alone computes, its response log-probs and the gradients of its policy loss.
 
-Hypothesis draws the cells: rows (chains, branches, repeats, truncations:
-:mod:`tests.helpers.training_rows`) × model family (llama, qwen2, gpt2, and qwen2-vl on text rows) ×
-attention implementation (sdpa, eager) × compute dtype (float32, bf16 autocast) × LoRA × gradient
-checkpointing × prefix sharing (with the default tree bound, and one that splits the drawn trees) ×
-micro-batches of rows (``actor.ppo_micro_batch_size_per_gpu``: one pass, one row, two rows). The
-policy is built as the backend builds it (:func:`~agl_core.backends.torch.backend.build_policy` from
-the config keys), its attention set, and :class:`~agl_core.backends.torch.update.ActorUpdate`
-computes the old log-probs and one SGD step; the reference runs each row alone, unpadded, with no mask and no
-position ids. Each cell equals it within its dtype's tolerance (below). The weights are drawn with a
-standard deviation of 0.2 rather than the usual 0.02, so that a token's log-prob depends on the tokens
-it attends to: a wrong mask then moves log-probs by whole units (a boolean mask added to eager
+The cells are enumerated, not drawn: every model family (llama, qwen2, gpt2, and qwen2-vl on text
+rows) × attention implementation (sdpa, eager) × compute dtype (float32, bf16 autocast) has a *tree*
+cell, prefix sharing on with two rows that branch from a shared prefix in the same micro-batch (so at
+least one pass is a real tree pass, counted and asserted), and a *padded* cell, sharing off. Inside
+each cell hypothesis draws the rows (chains, branches, repeats, truncations:
+:mod:`tests.helpers.training_rows`), LoRA, gradient checkpointing, the tree bound (the default, and
+one that splits the drawn trees) and micro-batches of rows (``actor.ppo_micro_batch_size_per_gpu``).
+The policy is built as the backend builds it (:func:`~agl_core.backends.torch.backend.build_policy`
+from the config keys), its attention set, and :class:`~agl_core.backends.torch.update.ActorUpdate`
+computes the old log-probs and one SGD step; the reference runs each row alone, unpadded, with no mask
+and no position ids. Each cell equals it within its dtype's tolerance (below). The weights are drawn
+with a standard deviation of 0.2 rather than the usual 0.02, so that a token's log-prob depends on the
+tokens it attends to: a wrong mask then moves log-probs by whole units (a boolean mask added to eager
 attention's scores: 2.6 to 4.9), not by the hundredths that bf16 rounds by.
 
 What the backend cannot compute exactly is refused by name before a step runs:
@@ -40,9 +42,10 @@ from tests.helpers.actor_updates import applied_gradients
 from tests.helpers.training_rows import training_rows
 
 # The largest difference from the reference (for gradients, as a share of the reference's largest entry)
-# each compute dtype is allowed: (log-probs, gradients). Measured over 300 drawn cells (194 float32, 106
-# bf16): float32 log-probs within 5.0e-6 and gradients within 1.1e-5; bf16 autocast log-probs within
-# 0.023 and gradients within 0.017. With eager attention given the boolean tree mask, log-probs are off by 2.6 or more.
+# each compute dtype is allowed: (log-probs, gradients). Measured with AGL_MATRIX_EXAMPLES=10 (320
+# examples, 160 per dtype, half of them tree cells): float32 log-probs within 2.9e-6 and gradients within
+# 4.2e-6; bf16 autocast log-probs within 0.047 and gradients within 0.046. With eager attention given
+# the boolean tree mask, log-probs are off by 2.6 or more.
 TOLERANCE = {"float32": (1e-4, 1e-4), "bf16": (0.1, 0.1)}
 VOCAB = 256
 WEIGHT_STD = 0.2
@@ -92,6 +95,10 @@ def family_folders(tmp_path_factory, vision_policy_dir) -> dict[str, tuple[str, 
     return folders
 
 
+FAMILIES = ("llama", "qwen2", "gpt2", "qwen2_vl")
+COMBINATIONS = [(f, a, d) for f in FAMILIES for a in ("sdpa", "eager") for d in ("float32", "bf16")]
+
+
 @attrs.frozen
 class Cell:
     family: str
@@ -122,17 +129,21 @@ class Cell:
         return out
 
 
-cells = st.builds(
-    Cell,
-    family=st.sampled_from(["llama", "qwen2", "gpt2", "qwen2_vl"]),
-    attention=st.sampled_from(["sdpa", "eager"]),
-    dtype=st.sampled_from(["float32", "bf16"]),
-    lora=st.booleans(),
-    checkpointing=st.booleans(),
-    share=st.booleans(),
-    max_tree_tokens=st.sampled_from([8192, 40]),  # the default, and a bound that splits drawn trees
-    micro_rows=st.sampled_from([None, 1, 2]),
-)
+def cells(family: str, attention: str, dtype: str, layout: str) -> st.SearchStrategy[Cell]:
+    """The cells of one family × attention × dtype: ``tree`` shares prefixes, its micro-batches of rows
+    keeping the branching pair together (one pass, or two rows); ``padded`` does not share."""
+    tree = layout == "tree"
+    return st.builds(
+        Cell,
+        family=st.just(family),
+        attention=st.just(attention),
+        dtype=st.just(dtype),
+        lora=st.booleans(),
+        checkpointing=st.booleans(),
+        share=st.just(tree),
+        max_tree_tokens=st.sampled_from([8192, 40]),  # the default, and a bound that splits drawn trees
+        micro_rows=st.sampled_from([None, 2] if tree else [None, 1, 2]),
+    )
 
 
 def cell_update(cell: Cell, folder: str) -> ActorUpdate:
@@ -178,31 +189,53 @@ def _trained(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-@given(cell=cells, data=st.data())
-# CI draws 40 cells a run (about a minute); before a release, AGL_MATRIX_CELLS=300. No shrinking: a
-# failing cell is reported as drawn (shrinking re-runs whole updates for minutes).
-@settings(
+def tree_passes(update: ActorUpdate, tensors: dict, batch: UpdateBatch) -> tuple[int, int]:
+    """How many passes of the old log-probs and of the update step compute a tree (a pack whose rows
+    branch, under a tree mask)."""
+    old = update.split(tensors, None, OLD_LOG_PROB_BUDGET_KEY) if update.shares(tensors) else []
+    parts = update.mini_batch(batch).parts
+    return tuple(sum(p.packed is not None and p.packed.attention_mask is not None for p in ps) for ps in (old, parts))
+
+
+# Each cell draws AGL_MATRIX_EXAMPLES examples (default 1: 32 updates in CI, about 15 s on a quiet
+# machine; before a release, 10: about 5 minutes on two processes). No shrinking: a failing cell is
+# reported as drawn (shrinking re-runs whole updates).
+EXAMPLES = settings(
     deadline=None,
-    max_examples=int(os.environ.get("AGL_MATRIX_CELLS", "40")),
+    max_examples=int(os.environ.get("AGL_MATRIX_EXAMPLES", "1")),
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-def test_every_accepted_cell_computes_a_plain_per_row_forwards_log_probs_and_gradients(family_folders, cell, data):
+
+
+@pytest.mark.parametrize("layout", ["tree", "padded"])
+@pytest.mark.parametrize(("family", "attention", "dtype"), COMBINATIONS, ids=["-".join(c) for c in COMBINATIONS])
+@given(data=st.data())
+@EXAMPLES
+def test_every_accepted_cell_computes_a_plain_per_row_forwards_log_probs_and_gradients(
+    family_folders, family, attention, dtype, layout, data
+):
+    cell = data.draw(cells(family, attention, dtype, layout), label="cell")
     folder, max_token = family_folders[cell.family]
-    rows = data.draw(training_rows(max_rows=6, max_length=60, max_token=max_token), label="rows")
+    rows = data.draw(training_rows(branching=cell.share, max_rows=5, max_length=60, max_token=max_token), label="rows")
     update = cell_update(cell, folder)
     tensors = tensorize(rows, pad_token_id=0).tensors
     trained = tensors["response_mask"].bool()
     advantages = torch.as_tensor(np.random.default_rng(len(rows)).normal(size=trained.shape), dtype=torch.float32)
     update.model.train()  # gradient checkpointing acts in training mode; every dropout is 0
     reference, reference_gradients = per_row_reference(update, rows, advantages)
+    batch = UpdateBatch(tensors, advantages * tensors["response_mask"], reference, None)
+    old_trees, update_trees = tree_passes(update, tensors, batch)
+    if cell.share:  # the branching pair is one tree in each pass over it: coverage by construction
+        assert old_trees >= 1 and update_trees >= 1, (old_trees, update_trees)
+    else:
+        assert old_trees == update_trees == 0
     with torch.no_grad():
         log_probs = update.log_probs(update.model, tensors, None, OLD_LOG_PROB_BUDGET_KEY)
     log_prob_tolerance, gradient_tolerance = TOLERANCE[cell.dtype]
     responses = tensors["attention_mask"][:, tensors["prompts"].shape[1] :].bool()
     torch.testing.assert_close(log_probs[responses], reference[responses], rtol=0, atol=log_prob_tolerance)
 
-    batch = UpdateBatch(tensors, advantages * tensors["response_mask"], reference, None)
     gradients, metrics = applied_gradients(update, batch)
     if cell.micro_rows is not None:  # every micro-batch of rows is one pass at least (more when packed)
         assert metrics["actor/n_micro_batches"] >= -(-len(rows) // cell.micro_rows)
