@@ -47,9 +47,11 @@ The checks, each a test:
 - **plugin failures are isolated**: with a plugin that raises in every lifecycle hook, one step
   trains as without it, and ``agl_on_startup`` ran once.
 
-Every run is bounded: a step reported twice (or out of order) stops it, and a run that has not
-finished after :attr:`BackendContract.run_timeout_seconds` fails the checks that use it, saying what
-``on_step`` and the probe saw (its training thread is abandoned). The replay source refuses a step
+Every run is bounded: a step reported twice (or out of order) stops it, and a run that goes
+:attr:`BackendContract.stall_timeout_seconds` without progress (a step reported, or a weight version
+served for the first time) or has not finished after :attr:`BackendContract.run_timeout_seconds`
+fails the checks that use it, saying what ``on_step`` and the probe saw (its training thread is
+abandoned). The replay source refuses a step
 asked for before the backend told it of the weights (``after_weight_update``). The runs train with an
 entropy bonus (``actor_rollout_ref.actor.entropy_coeff=0.01``; ``overrides`` may change it), so that
 every trained token, one of zero advantage too, moves ``actor/grad_norm``: a backend that trains a
@@ -90,6 +92,7 @@ import functools
 import json
 import math
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -302,8 +305,11 @@ class BackendContract:
     metric_atol: ClassVar[float] = 1e-6
     #: absolute tolerance of the served log-probs compared after each step.
     served_atol: ClassVar[float] = 1e-4
-    #: the longest one run may take: a backend whose step never advances fails in bounded time.
+    #: the longest one run may take.
     run_timeout_seconds: ClassVar[float] = 900.0
+    #: the longest one run may go without progress (a step reported, or a weight version served for the
+    #: first time): a backend that stops advancing fails within it, not after the whole run's bound.
+    stall_timeout_seconds: ClassVar[float] = 60.0
 
     def recorded(self, folder: Path) -> tuple[Path, Path]:
         """The recording to replay and the policy folder it was recorded with (the tokenizer must
@@ -471,6 +477,7 @@ class ContractRuns:
             save_freq=save_freq,
             probe_file=probe_file,
             timeout=contract.run_timeout_seconds,
+            stall_timeout=contract.stall_timeout_seconds,
         )
 
 
@@ -495,11 +502,12 @@ def train_replayed(
     save_freq: int = -1,
     probe_file: str = "served.jsonl",
     timeout: float = BackendContract.run_timeout_seconds,
+    stall_timeout: float = BackendContract.stall_timeout_seconds,
 ) -> ContractRun:
     """Train backend ``backend_name`` on ``steps`` steps of ``recording`` from ``policy`` in
     ``folder/run``, with a :class:`ServedProbe` writing to ``folder/probe_file``; what it reported
-    (an error is kept, not raised). The run is abandoned after ``timeout`` seconds, and stopped at
-    a step reported again: both are its error."""
+    (an error is kept, not raised). The run is abandoned after ``timeout`` seconds, or after
+    ``stall_timeout`` seconds without progress, and stopped at a step reported again: each is its error."""
     run_dir = folder / "run"
     folder.mkdir(parents=True, exist_ok=True)
     recorded = read_recording(recording)
@@ -553,16 +561,39 @@ def train_replayed(
         except BaseException:
             errors.append(traceback.format_exc())
 
+    served_path = Path(probe.path)
+
+    def served() -> list[dict[str, Any]]:  # the probe may write from another process: read its file
+        return [json.loads(line) for line in served_path.read_text().splitlines()] if served_path.is_file() else []
+
     training = threading.Thread(target=fit, name=f"contract-{backend_name}", daemon=True)
     training.start()
-    training.join(timeout)
-    served_path = Path(probe.path)
-    served = [json.loads(line) for line in served_path.read_text().splitlines()] if served_path.is_file() else []
-    if training.is_alive():  # left running in its daemon thread: it cannot be stopped from outside
-        versions = collections.Counter(record["version"] for record in served)
+    stalled = _wait_for_progress(
+        training, lambda: (len(reported), {r["version"] for r in served()}), timeout, stall_timeout
+    )
+    records = served()
+    if stalled is not None:  # left running in its daemon thread: it cannot be stopped from outside
+        versions = collections.Counter(record["version"] for record in records)
         errors.append(
-            f"the backend did not finish {steps} steps within {timeout:g} s (run_timeout_seconds): on_step saw "
-            f"steps {[step for step, _, _ in reported]}, agl_on_weights_served was called {probe.n_records} times "
-            f"(versions of the first {len(served)}: {dict(versions)}); its step does not advance, or it hangs"
+            f"the backend {stalled}: on_step saw steps {[step for step, _, _ in reported]}, agl_on_weights_served "
+            f"was called {probe.n_records} times (versions of the first {len(records)}: {dict(versions)}); its step "
+            "does not advance, or it hangs"
         )
-    return ContractRun(run_dir, reported, served, errors[0] if errors else None)
+    return ContractRun(run_dir, reported, records, errors[0] if errors else None)
+
+
+def _wait_for_progress(thread: threading.Thread, progress: Any, timeout: float, stall_timeout: float) -> str | None:
+    """Wait for ``thread`` to end; what went wrong if it did not: no change of ``progress()`` for
+    ``stall_timeout`` seconds, or ``timeout`` seconds in all (``None`` when it ended)."""
+    start = last_change = time.monotonic()
+    seen = progress()
+    while thread.is_alive():
+        thread.join(min(1.0, stall_timeout))
+        now, current = time.monotonic(), progress()
+        if current != seen:
+            seen, last_change = current, now
+        if thread.is_alive() and now - last_change >= stall_timeout:
+            return f"made no progress for {stall_timeout:g} s (stall_timeout_seconds)"
+        if thread.is_alive() and now - start >= timeout:
+            return f"did not finish within {timeout:g} s (run_timeout_seconds)"
+    return None

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from agl_core.backends.checkpoints import SOURCE_STATE_FILE, latest_checkpoint
+from agl_core.testing.lifecycle import LifecycleLedger
 from tests.helpers.corridor_policy import build_corridor_policy
 from tests.helpers.gateway_fixtures import Plan, SimulatedController
 from tests.helpers.paths import REPO_ROOT
@@ -166,8 +167,9 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
         held = {3: Plan(release=release_3), 4: Plan(state=None)}  # the backlog's sample 4 never finishes
         return held.get(rollout["input"]["id"], Plan())
 
+    ledger = LifecycleLedger()  # both sources' hooks: a re-created rollout is enqueued before it ends
     with SimulatedController(gateway, plan):
-        before = gateway_source(async_config(gateway), plugin_manager())
+        before = gateway_source(async_config(gateway), plugin_manager(ledger))
         first = before.collect([{"id": 0}, {"id": 1}, {"id": 2}, {"id": 3}, {"id": 4}], step=1, is_train=True)
         taken = {r.input["id"] for r in first.rollouts}
         assert len(taken) == 2 and 3 not in taken
@@ -181,7 +183,7 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
         before.pending.clear()  # a killed run deletes nothing more
         before.close()
 
-        after = gateway_source(async_config(gateway), plugin_manager())
+        after = gateway_source(async_config(gateway), plugin_manager(ledger))
         assert after.restore(state) == 3  # two groups in flight and one waiting sample
         release_3.set()
         second = after.collect([], step=2, is_train=True)
@@ -196,6 +198,9 @@ def test_a_restored_source_polls_its_rollouts_again_and_recreates_those_the_gate
     assert resumed == {"groups": 2, "finished_rollouts": N, "pending_rollouts": N, "backlog_samples": 1}
     assert (m["training/rollouts/n_lost"], m["training/rollouts/n_reenqueued"]) == (1, 1)
     after.close()
+    assert ledger.problems() == []
+    (recreated,) = ids - finished - {p["request"]["rollout_id"] for p in state["pending"]}
+    assert ledger.enqueued.count(recreated) == 1, "the re-created rollout went through agl_on_enqueue"
 
     with pytest.raises(ConfigError, match=r"agentlightning\.async_rollout\.enabled"):
         gateway_source(gateway_config(gateway), plugin_manager()).restore(state)
@@ -216,8 +221,9 @@ def test_a_restored_rollout_that_failed_while_no_trainer_ran_is_run_again(gatewa
     def plan(rollout):
         return Plan(state=None) if hold["on"] and rollout["input"]["id"] in (1, 3) else Plan()
 
+    ledger = LifecycleLedger()  # both sources' hooks: a re-created rollout is enqueued before it ends
     with SimulatedController(gateway, plan), GatewayClient(gateway.url, gateway.key) as client:
-        before = gateway_source(async_config(gateway), plugin_manager())
+        before = gateway_source(async_config(gateway), plugin_manager(ledger))
         first = before.collect([{"id": 0}, {"id": 1}, {"id": 2}, {"id": 3}], step=1, is_train=True)
         assert {r.input["id"] for r in first.rollouts} == {0, 2}
         state = before.state()
@@ -231,7 +237,7 @@ def test_a_restored_rollout_that_failed_while_no_trainer_ran_is_run_again(gatewa
         patch_rollout(client, unserved, state="failed", error_message="upstream model server request failed")
         time.sleep(0.05)  # the gateway's clock ticks past the failure before the resumed run registers
 
-        after = gateway_source(async_config(gateway), plugin_manager())
+        after = gateway_source(async_config(gateway), plugin_manager(ledger))
         after.after_weight_update(["http://127.0.0.1:1/v1"], 1)
         time.sleep(0.05)  # and past the registration before the next failure
         patch_rollout(client, later, state="failed", error_message="the agent raised")
@@ -247,3 +253,5 @@ def test_a_restored_rollout_that_failed_while_no_trainer_ran_is_run_again(gatewa
     assert sorted(r.input["id"] for r in second.rollouts) == [1, 3, 3]
     assert not {r.rollout_id for r in second.rollouts} & {unserved, later, *running}
     assert {r.state for r in second.rollouts} == {"succeeded"}
+    assert ledger.problems() == []
+    assert all(ledger.enqueued.count(r.rollout_id) == 1 for r in second.rollouts), "re-created through agl_on_enqueue"
