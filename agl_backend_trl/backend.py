@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import time
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from omegaconf import OmegaConf
 from transformers.trainer_callback import ExportableState, PrinterCallback
 
-from agl_backend_trl.config import callback_classes, check_trl_config, grpo_config
+from agl_backend_trl.config import build_callbacks, check_trl_config, grpo_config
 from agl_backend_trl.trainer import AglGRPOTrainer, average_gradients
 from agl_core import (
     ConfigError,
@@ -54,6 +55,7 @@ from agl_core import (
     LossSettings,
     PolicyServer,
     Served,
+    UsageError,
     tensorize,
 )
 from agl_core.backends.dropout import load_update_model
@@ -139,7 +141,7 @@ class TrlBackend(LoopBackend):
             args=args,
             train_dataset=Dataset.from_dict({"prompt": [""]}),  # agl's DataOrder feeds the steps
             processing_class=self.tokenizer,
-            callbacks=[cls() for cls in callback_classes(config)],
+            callbacks=build_callbacks(config),
             peft_config=lora_config(model_cfg) if lora_enabled(model_cfg) else None,
         )
         trainer = self.trainer
@@ -225,7 +227,6 @@ class TrlBackend(LoopBackend):
         trainer.state.global_step = step
         trainer.state.epoch = epoch
         self.event("on_step_end")
-        self.event("on_log", metrics)
         return metrics
 
     def _micro_batches(
@@ -275,6 +276,11 @@ class TrlBackend(LoopBackend):
             validate=control.should_evaluate, save=control.should_save, stop=control.should_training_stop
         )
 
+    def on_report(self, metrics: Mapping[str, float]) -> None:
+        """The callbacks' ``on_log`` in every process, with every metric of the step (what
+        ``metrics.jsonl`` gets), before the loop reads what they asked."""
+        self.event_everywhere("on_log", dict(metrics))
+
     def validate(self) -> dict[str, float]:
         """agl's validation, then the callbacks' ``on_evaluate`` with its metrics in every process."""
         metrics = super().validate()
@@ -298,7 +304,10 @@ class TrlBackend(LoopBackend):
         if not self._began:
             self._began = True
             self.event("on_train_begin")
-        getattr(trainer.callback_handler, name)(trainer.args, trainer.state, trainer.control, *payload)
+        try:
+            getattr(trainer.callback_handler, name)(trainer.args, trainer.state, trainer.control, *payload)
+        except Exception as exc:
+            raise callback_failure(exc, name, trainer.callback_handler.callbacks) from exc
 
     def serve(self, version: int) -> Served:
         """Push the policy's weights to the in-process server (started by the first call; idempotent);
@@ -392,6 +401,15 @@ class TrlBackend(LoopBackend):
         if self.world > 1:
             raise ConfigError("agentlightning.backend", "backend 'trl' replays a step in one process only")
         return super().replay_step(rollouts, step)
+
+
+def callback_failure(exc: Exception, event: str, callbacks: Sequence[Any]) -> UsageError:
+    """The error of a callback that raised in ``event``, naming it (found in the traceback) and
+    ``trl.callbacks``: a callback's failure is the user's to fix, not agl's internal error."""
+    raised = [frame.f_locals.get("self") for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    culprit = next((cb for cb in reversed(raised) if any(cb is c for c in callbacks)), None)
+    who = "a callback" if culprit is None else f"{type(culprit).__module__}:{type(culprit).__qualname__}"
+    return UsageError(f"{who} (trl.callbacks) failed in {event}: {type(exc).__name__}: {exc}")
 
 
 def check_processes(args: Any, mini_batch_rows: int) -> None:

@@ -56,8 +56,10 @@ __all__ = [
 
 SECTION = "trl"
 CALLBACKS_KEY = "callbacks"
-"""``trl.callbacks``: import paths (``module:Class``) of ``transformers.TrainerCallback`` classes the
-trainer is given (built without arguments); the one key of the section that is not a ``GRPOConfig`` field."""
+"""``trl.callbacks``: the ``transformers.TrainerCallback`` classes the trainer is given, each an import
+path ``module:Class`` (built without arguments) or a one-key mapping ``{module:Class: {argument:
+value}}`` (built with those keyword arguments); the one key of the section that is not a
+``GRPOConfig`` field."""
 
 HONOURED = frozenset(
     {
@@ -284,7 +286,7 @@ def check_trl_section(config: DictConfig) -> None:
     for key in section:
         name = f"{SECTION}.{key}"
         if key == CALLBACKS_KEY:
-            _callback_paths(section[key])
+            callback_entries(section[key])
         elif key in HONOURED:
             continue
         elif key in PAIRS:
@@ -311,30 +313,49 @@ def check_trl_section(config: DictConfig) -> None:
             )
 
 
-def _callback_paths(value: Any) -> list[str]:
-    paths = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else None
-    if paths is None or not all(isinstance(p, str) and ":" in p for p in paths):
-        raise ConfigError(f"{SECTION}.{CALLBACKS_KEY}", f"must be a list of import paths module:Class, got {value!r}")
-    return paths
+def callback_entries(value: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``trl.callbacks``' entries as ``(module:Class, keyword arguments)``; a malformed one refused by
+    its place in the list."""
+    key = f"{SECTION}.{CALLBACKS_KEY}"
+    value = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(key, f"must be a list of import paths module:Class, got {value!r}")
+    entries = []
+    for i, entry in enumerate(value):
+        path, kwargs = next(iter(entry.items())) if isinstance(entry, dict) and len(entry) == 1 else (entry, {})
+        kwargs = {} if kwargs is None else kwargs
+        if not (isinstance(path, str) and ":" in path) or not isinstance(kwargs, dict):
+            raise ConfigError(
+                f"{key}[{i}]",
+                f"must be an import path module:Class, or {{module:Class: {{argument: value}}}}, got {entry!r}",
+            )
+        entries.append((path, kwargs))
+    return entries
 
 
-def callback_classes(config: DictConfig) -> list[type]:
-    """The ``TrainerCallback`` classes ``trl.callbacks`` names, imported."""
+def build_callbacks(config: DictConfig) -> list[Any]:
+    """The ``TrainerCallback`` objects ``trl.callbacks`` names, imported and built with their keyword
+    arguments; what cannot be is refused naming the entry."""
     import importlib
 
     from transformers import TrainerCallback
 
-    classes = []
-    for path in _callback_paths((config.get(SECTION) or {}).get(CALLBACKS_KEY, [])):
+    callbacks = []
+    entries = callback_entries((config.get(SECTION) or {}).get(CALLBACKS_KEY, []))
+    for i, (path, kwargs) in enumerate(entries):
+        key = f"{SECTION}.{CALLBACKS_KEY}[{i}]"
         module, _, name = path.partition(":")
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"{SECTION}.{CALLBACKS_KEY}", f"cannot import {path}: {exc}") from None
+            raise ConfigError(key, f"cannot import {path}: {exc}") from None
         if not (isinstance(cls, type) and issubclass(cls, TrainerCallback)):
-            raise ConfigError(f"{SECTION}.{CALLBACKS_KEY}", f"{path} is not a transformers.TrainerCallback class")
-        classes.append(cls)
-    return classes
+            raise ConfigError(key, f"{path} is not a transformers.TrainerCallback class")
+        try:
+            callbacks.append(cls(**kwargs))
+        except Exception as exc:  # the class's own check of its arguments, whatever it raises
+            raise ConfigError(key, f"{path}(**{kwargs!r}) cannot be built: {type(exc).__name__}: {exc}") from None
+    return callbacks
 
 
 # agl keys and the values this backend trains with, with why another value is refused.
@@ -355,8 +376,8 @@ AGL_KEYS: Mapping[str, tuple[Any, str]] = {
 
 def check_trl_config(config: DictConfig) -> None:
     """What ``agl check`` and ``agl train`` verify of a ``trl`` run before a model is loaded: the
-    ``trl`` section, the agl keys this backend does not implement, and that TRL builds a
-    ``GRPOConfig`` from the result."""
+    ``trl`` section, the agl keys this backend does not implement, that TRL builds a ``GRPOConfig``
+    from the result, and that the callbacks import and build."""
     check_trl_section(config)
     folder = Path(str(config.actor_rollout_ref.model.path))
     if not folder.is_dir():
@@ -369,6 +390,7 @@ def check_trl_config(config: DictConfig) -> None:
             raise ConfigError(key, f"backend 'trl' trains with {value!r} only: {why}")
     check_rollout_source(config)
     grpo_config(config, Path(config.trainer.default_local_dir))
+    build_callbacks(config)
 
 
 def grpo_config(config: DictConfig, run_dir: Path) -> GRPOConfig:
@@ -376,7 +398,7 @@ def grpo_config(config: DictConfig, run_dir: Path) -> GRPOConfig:
     GRPOConfig = grpo_config_class()  # noqa: N806 -- the class
 
     section = config.get(SECTION) or {}
-    honoured = {**DEFAULTS, **{k: _plain(section[k]) for k in section if k in HONOURED}}
+    honoured = _with_warmup({**DEFAULTS, **{k: _plain(section[k]) for k in section if k in HONOURED}}, section)
     values = {key: agl_value(config) for key, (_, agl_value, _) in PAIRS.items()}
     # TRL requires groups of two or more and a generation batch of whole groups; neither is read here.
     values["num_generations"] = max(2, values["num_generations"])
@@ -399,6 +421,22 @@ def grpo_config(config: DictConfig, run_dir: Path) -> GRPOConfig:
         if "use_cpu" in str(exc):  # bf16 on a machine without a GPU
             raise ConfigError(f"{SECTION}.use_cpu", f"TRL needs it set on this machine: {exc}") from None
         raise ConfigError(SECTION, f"TRL refuses the GRPOConfig these keys make: {exc}") from None
+
+
+def _with_warmup(honoured: dict[str, Any], section: Any) -> dict[str, Any]:
+    """``honoured`` with a warmup that takes effect: TRL's ``constant`` schedule ignores
+    ``warmup_steps`` / ``warmup_ratio``, so with agl's default schedule a warmup makes it
+    ``constant_with_warmup``, and a ``constant`` the user set beside a warmup is refused naming both."""
+    warmup = next((f"{SECTION}.{k}={honoured[k]}" for k in ("warmup_steps", "warmup_ratio") if honoured.get(k)), None)
+    if warmup is None or honoured["lr_scheduler_type"] != "constant":
+        return honoured
+    if "lr_scheduler_type" in section:
+        raise ConfigError(
+            f"{SECTION}.lr_scheduler_type",
+            f"is constant, which ignores {warmup}: set constant_with_warmup (or another schedule) to warm "
+            "up, or remove the warmup",
+        )
+    return {**honoured, "lr_scheduler_type": "constant_with_warmup"}
 
 
 def _plain(value: Any) -> Any:

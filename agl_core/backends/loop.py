@@ -106,12 +106,17 @@ def next_samples(trainer: StepTrainer, fill: int = 0) -> list[Mapping[str, Any]]
 
 
 def run_steps(
-    trainer: StepTrainer, settings: LoopSettings, control: Callable[[], LoopControl] = LoopControl
+    trainer: StepTrainer,
+    settings: LoopSettings,
+    control: Callable[[], LoopControl] = LoopControl,
+    log: Callable[[Mapping[str, float]], None] | None = None,
 ) -> Iterator[Step]:
     """Train until ``settings.total_steps``, or until ``control()`` asks to stop, yielding each step's
     ``(step, total_steps, metrics)`` before it is checkpointed (the checkpoint is written when the next
     item is asked for, or when the loop is closed at that step). A run stopped early reports
-    ``training/stopped_early`` on its last step."""
+    ``training/stopped_early`` on its last step. ``log`` gets each report's metrics first, before
+    ``control()`` is read for the end of the run, so what it asks then applies to that step."""
+    log = log or (lambda metrics: None)
     start, total = trainer.step, settings.total_steps
     if start >= total and not settings.val_only:
         logger.warning(
@@ -121,7 +126,9 @@ def run_steps(
             total,
         )
     if settings.validate_first and (start == 0 or settings.val_only):
-        yield start, total, _validation(trainer)
+        metrics = _validation(trainer)
+        log(metrics)
+        yield start, total, metrics
         if settings.val_only:
             return
     while trainer.step < total:
@@ -133,7 +140,8 @@ def run_steps(
         scheduled = settings.test_freq > 0 and (last or step % settings.test_freq == 0)
         if scheduled or (control().validate and _can_validate(settings, step)):
             metrics.update(_validation(trainer))
-        stopped = step < total and control().stop  # a validation may have asked for it
+        log(metrics)
+        stopped = step < total and control().stop  # a validation or the log may have asked for it
         if stopped:
             metrics["training/stopped_early"] = 1.0
             logger.warning("training stopped after step %d of %d: the trainer asked to stop", step, total)

@@ -152,13 +152,17 @@ class LoopBackend(abc.ABC):
         the end of the run): nothing, unless a backend's engine steers its own loop."""
         return LoopControl()
 
+    def on_report(self, metrics: Mapping[str, float]) -> None:  # noqa: B027 -- optional, a no-op by default
+        """A step's metrics as the run reports them (what ``metrics.jsonl`` gets), before the loop
+        reads :meth:`control`: nothing, unless a backend's engine reads them (TRL's ``on_log``)."""
+
     # -- the loop --------------------------------------------------------------------------------
 
     def fit(self, on_step: OnStep | None = None) -> None:
         """Train until the configured number of steps, calling ``on_step`` after every step."""
         steps = None
         try:
-            steps = run_steps(self, self.start(), self.control)
+            steps = run_steps(self, self.start(), self.control, self.on_report)
             for step, total, metrics in steps:
                 if on_step is not None:
                     on_step(step, total, metrics, self.pipeline.take_samples())

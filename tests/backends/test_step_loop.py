@@ -137,6 +137,19 @@ def test_a_validation_may_end_the_run():
     ]
 
 
+def test_the_log_gets_each_reports_metrics_first_and_may_end_the_run():
+    """``log`` sees the metrics a report carries (validation included) before the loop reads
+    ``control()``, as TRL's ``on_log`` does before the trainer reads ``TrainerControl``."""
+    logged = []
+    settings = LoopSettings(total_steps=5, test_freq=2, validate_first=True)
+    stop_after_third_log = lambda: LoopControl(stop=len(logged) == 3)  # noqa: E731
+    reports = list(run_steps(Recorder(), settings, stop_after_third_log, lambda m: logged.append(dict(m))))
+    assert [step for step, _, _ in reports] == [0, 1, 2], "the run ended after the step whose log asked it"
+    assert logged[:2] == [m for _, _, m in reports[:2]] and "val/reward" in logged[0]
+    assert logged[2] == {k: v for k, v in reports[2][2].items() if k != "training/stopped_early"}
+    assert "val/reward" in logged[2] and reports[2][2]["training/stopped_early"] == 1.0
+
+
 def test_a_step_whose_report_stops_the_run_is_checkpointed_as_scheduled():
     """The consumer raising at a report (a run stopped for training nothing) closes the loop there:
     the step still gets its scheduled checkpoint, as verl's loop gives it one before reporting."""

@@ -36,6 +36,15 @@ class StepsSeen(TrainerCallback):
         StepsSeen.seen.append(state.global_step)
 
 
+class Logged(TrainerCallback):
+    """A TRL callback noting the logs ``on_log`` gets."""
+
+    logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs, **kwargs):
+        Logged.logs.append(dict(logs))
+
+
 class Steering(TrainerCallback, ExportableState):
     """A TRL callback that asks agl's loop, in ``TrainerControl``, for a checkpoint after step 1, a
     validation after step 2 and, once that validation is seen, the end of the run; it counts the

@@ -81,7 +81,8 @@ def test_trls_loss_type_is_refused_whatever_its_value(corridor_policy, tmp_path)
         ("trl.fsdp=full_shard", r"trl\.fsdp: is not proven"),
         ("trl.temperature=0.7", r"trl\.temperature: is TRL's generation or reward setting"),
         ("trl.max_steps=10", r"trl\.max_steps: is TRL's training-loop setting"),
-        ("trl.callbacks=[nowhere]", r"trl\.callbacks: must be a list of import paths"),
+        ("trl.callbacks=nowhere", r"trl\.callbacks: must be a list of import paths"),
+        ("trl.callbacks=[nowhere]", r"trl\.callbacks\[0\]: must be an import path module:Class"),
     ],
 )
 def test_a_refused_or_unknown_trl_key_is_named(corridor_policy, tmp_path, override, message):
@@ -94,6 +95,16 @@ def test_honoured_keys_reach_trls_config(corridor_policy, tmp_path):
     check_trl_config(config)
     args = grpo_config(config, tmp_path)
     assert (args.lr_scheduler_type.value, args.warmup_steps, args.optim.value) == ("cosine", 2, "sgd")
+
+
+def test_a_warmup_takes_effect_or_is_refused_naming_the_schedule(corridor_policy, tmp_path):
+    """TRL's ``constant`` schedule (agl's default) ignores a warmup: alone, a warmup makes it
+    ``constant_with_warmup``; beside a ``constant`` the user set, it is refused."""
+    for warmup in ("trl.warmup_steps=3", "trl.warmup_ratio=0.1"):
+        args = grpo_config(load(corridor_policy, tmp_path, warmup), tmp_path)
+        assert args.lr_scheduler_type.value == "constant_with_warmup", warmup
+    with pytest.raises(ConfigError, match=r"trl\.lr_scheduler_type: is constant, which ignores trl\.warmup_steps=3"):
+        grpo_config(load(corridor_policy, tmp_path, "trl.warmup_steps=3", "trl.lr_scheduler_type=constant"), tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +183,32 @@ def test_agl_check_checks_a_trl_run_before_anything_starts(corridor_policy, tmp_
     assert not run_dir.exists(), "nothing was trained or written"
     code, _, err = run_check(capsys, *corridor_overrides(corridor_policy, run_dir, "trl.use_vllm=true"))
     assert code == 2 and "config key trl.use_vllm: is not proven" in err, err
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        ("[nowhere.mod:Foo]", r"config key trl\.callbacks\[0\]: cannot import nowhere\.mod:Foo"),
+        ("[agl_core:ConfigError]", r"trl\.callbacks\[0\]: agl_core:ConfigError is not a transformers\.TrainerCallback"),
+        (
+            "[transformers:PrinterCallback, {transformers:EarlyStoppingCallback: {patience: 3}}]",
+            r"trl\.callbacks\[1\]: transformers:EarlyStoppingCallback\(\*\*\{'patience': 3\}\) cannot be built: "
+            "TypeError",
+        ),
+    ],
+)
+def test_agl_check_imports_and_builds_the_callbacks(corridor_policy, tmp_path, capsys, callbacks, message):
+    overrides = corridor_overrides(corridor_policy, tmp_path / "run", f"trl.callbacks={callbacks}")
+    code, _, err = run_check(capsys, *overrides)
+    assert code == 2 and re.search(message, err), err
+
+
+def test_a_callback_is_built_with_the_keyword_arguments_its_entry_gives(corridor_policy, tmp_path):
+    from agl_backend_trl.config import build_callbacks
+
+    entry = "{transformers:EarlyStoppingCallback: {early_stopping_patience: 3, early_stopping_threshold: 0.5}}"
+    (callback,) = build_callbacks(load(corridor_policy, tmp_path, f"trl.callbacks=[{entry}]"))
+    assert (callback.early_stopping_patience, callback.early_stopping_threshold) == (3, 0.5)
 
 
 @pytest.mark.parametrize(("installed", "said"), [(None, "TRL is not installed"), ("1.13.0", "TRL 1.13.0 is installed")])

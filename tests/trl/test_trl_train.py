@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from agl_backend_trl.backend import TrlBackend
@@ -14,7 +15,7 @@ from agl_core import hookimpl
 from agl_core.backends.checkpoints import read_state
 from agl_core.plugins import PluginManager
 from agl_core.runs.train import run
-from tests.trl.conftest import CONFIG, Steering, StepsSeen, corridor_overrides
+from tests.trl.conftest import CONFIG, Logged, Steering, StepsSeen, corridor_overrides
 
 SMALL = (
     "data.train_batch_size=2",
@@ -23,7 +24,7 @@ SMALL = (
     "trainer.save_freq=1",
     "trainer.test_freq=-1",
     "trainer.val_before_train=false",
-    "trl.callbacks=[tests.trl.conftest:StepsSeen]",
+    "trl.callbacks=[tests.trl.conftest:StepsSeen,tests.trl.conftest:Logged]",
 )
 
 
@@ -51,6 +52,9 @@ def test_a_stopped_run_resumes_from_its_checkpoint(corridor_policy, tmp_path):
     versions, steps = train(corridor_policy, run_dir, 2)
     assert versions == [0, 1, 2] and steps == [1, 2]
     assert StepsSeen.seen == [1, 2], "the TRL callback saw each step end"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    reported = [{k: v for k, v in line.items() if k not in ("step", "wall_s")} for line in lines]  # the log's own
+    assert Logged.logs == reported, "on_log gets every metric of the step, as metrics.jsonl does"
     assert (run_dir / "global_step_2" / "model" / "model.safetensors").is_file()
 
     versions, steps = train(corridor_policy, run_dir, 3)
@@ -71,6 +75,17 @@ def test_a_stopped_run_resumes_from_its_checkpoint(corridor_policy, tmp_path):
         for name, value in state.items():
             assert torch.equal(loaded["state"][index][name], value), (index, name)
     assert backend.trainer.lr_scheduler.state_dict() == saved["scheduler"]
+
+
+def test_a_callback_that_fails_is_named_with_the_event(corridor_policy, tmp_path):
+    """transformers' ``EarlyStoppingCallback`` asserts in ``on_train_begin`` that the trainer keeps its
+    best model, which agl's loop does not: the run fails naming the callback, not as agl's own error."""
+    from agl_core import UsageError
+
+    early = "trl.callbacks=[{transformers:EarlyStoppingCallback: {early_stopping_patience: 2}}]"
+    failed = r"trainer_callback:EarlyStoppingCallback \(trl\.callbacks\) failed in on_train_begin: AssertionError"
+    with pytest.raises(UsageError, match=failed):
+        train(corridor_policy, tmp_path / "run", 1, early)
 
 
 def test_a_callback_asks_for_a_checkpoint_a_validation_and_the_end_and_its_state_is_checkpointed(
