@@ -6,10 +6,15 @@ there), so the model's dropout probabilities go there as zeros
 (:func:`agl_core.backends.dropout.dropout_overrides`). A probability the user sets there above 0
 contradicts the key and is refused naming both; a model that would still build a dropout layer is
 refused (:func:`agl_core.backends.dropout.check_no_dropout_layers`).
+
+The model's config is read where verl reads it: in the task runner, a hub id is resolved as verl
+resolves it. Before Ray starts (``agl check``, and ``agl train`` before the run) it is read only from
+this machine (a folder, or the hub's cache): a hub id not cached here is checked in the task runner.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -19,6 +24,8 @@ from agl_core import ConfigError
 from agl_core.backends.dropout import DISABLE_DROPOUT, check_no_dropout_layers, dropout_overrides
 
 __all__ = ["dropout_override_configs", "turn_off_dropout"]
+
+logger = logging.getLogger(__name__)
 
 
 def _target(section: str, model: DictConfig) -> tuple[str, Any]:
@@ -42,10 +49,12 @@ def _conflicts(key: str, overrides: dict[str, Any], user: Any) -> None:
             )
 
 
-def dropout_override_configs(cfg: DictConfig) -> dict[str, dict[str, Any]]:
+def dropout_override_configs(cfg: DictConfig, *, local_files_only: bool = False) -> dict[str, dict[str, Any]]:
     """With ``agentlightning.disable_dropout``, the key of each trained model's override mapping
     (the actor's, and the critic's when it is used) -> the zeroed probabilities it needs; what the
-    user's overrides contradict, or what cannot be turned off, refused by key (``agl check`` runs it)."""
+    user's overrides contradict, or what cannot be turned off, refused by key. With
+    ``local_files_only`` (before Ray starts) a model whose config is not on this machine is left to
+    the task runner's check."""
     if not cfg.agentlightning.disable_dropout:
         return {}
     from transformers import AutoConfig
@@ -55,8 +64,12 @@ def dropout_override_configs(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     for section in sections:
         model = OmegaConf.select(cfg, section)
         try:
-            config = AutoConfig.from_pretrained(str(model.path))
+            config = AutoConfig.from_pretrained(str(model.path), local_files_only=local_files_only)
         except (OSError, ValueError) as exc:
+            if local_files_only:
+                where = (section, model.path)
+                logger.info("%s.path %s is not on this machine: its dropout is checked where verl loads it", *where)
+                continue
             raise ConfigError(
                 f"{section}.path",
                 f"its config cannot be read to turn the model's dropout off ({exc}); set {DISABLE_DROPOUT}=false "

@@ -37,8 +37,8 @@ def verl_estimators() -> frozenset[str]:
 def check_verl_run(config: DictConfig) -> None:
     """What ``agl check`` and ``agl train`` verify of a verl run before Ray starts: the run's
     requirements (:func:`check_verl_requirements`), that its models' dropout can be turned off as
-    ``agentlightning.disable_dropout`` says (:func:`dropout_override_configs`), and that a Ray cluster
-    it is to join answers as one."""
+    ``agentlightning.disable_dropout`` says (:func:`dropout_override_configs`, for a model whose config
+    is on this machine), and that a Ray cluster it is to join answers as one."""
     from omegaconf import OmegaConf
 
     from agl_backend_verl.config import RAY_ADDRESS_KEY
@@ -46,7 +46,7 @@ def check_verl_run(config: DictConfig) -> None:
     from agl_backend_verl.ray_cluster import check_reachable, cluster_address
 
     check_verl_requirements(config)
-    dropout_override_configs(config)
+    dropout_override_configs(config, local_files_only=True)
     address = cluster_address({"address": OmegaConf.select(config, RAY_ADDRESS_KEY, default=None)})
     if address is not None:
         check_reachable(address, float(config.agentlightning.verl.ray_connect_timeout_seconds))
