@@ -89,6 +89,11 @@ def _kl_beta(config: DictConfig) -> float:
     return float(actor.kl_loss_coef) if actor.use_kl_loss else 0.0
 
 
+def _clip_ratio(config: DictConfig, key: str) -> float:
+    actor = config.actor_rollout_ref.actor
+    return float(actor.clip_ratio if actor[key] is None else actor[key])
+
+
 def _scale(value: Any) -> Any:
     """``scale_rewards`` as TRL normalises it (a bool reads as ``group`` / ``none``)."""
     return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
@@ -138,6 +143,10 @@ PAIRS: Mapping[str, tuple[str, Callable[[DictConfig], Any], Callable[[Any], Any]
         bool,
     ),
     "seed": ("trainer.seed", lambda c: int(c.trainer.seed), int),
+    # the ratio's clip range, [1 - epsilon, 1 + epsilon_high]: verl's clip_ratio_low / _high (each
+    # clip_ratio when unset), as TRL's epsilon_high is epsilon when unset
+    "epsilon": ("actor_rollout_ref.actor.clip_ratio_low", lambda c: _clip_ratio(c, "clip_ratio_low"), float),
+    "epsilon_high": ("actor_rollout_ref.actor.clip_ratio_high", lambda c: _clip_ratio(c, "clip_ratio_high"), float),
     "disable_dropout": (DISABLE_DROPOUT, lambda c: bool(c.agentlightning.disable_dropout), bool),
 }
 """TRL keys for which agl has a key of its own: agl's key wins; the TRL key may be set only to what
@@ -166,8 +175,6 @@ _NAMED: Mapping[str, str] = {
     **dict.fromkeys(
         (
             "loss_type",
-            "epsilon",
-            "epsilon_high",
             "delta",
             "importance_sampling_level",
             "top_entropy_quantile",

@@ -23,6 +23,8 @@ PAIRS = [
     ("max_completion_length", 512, 256, "data.max_response_length"),
     ("scale_rewards", "group", "none", "algorithm.norm_adv_by_std_in_grpo"),
     ("bf16", False, True, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"),
+    ("epsilon", 0.2, 0.3, "actor_rollout_ref.actor.clip_ratio_low"),
+    ("epsilon_high", 0.2, 0.28, "actor_rollout_ref.actor.clip_ratio_high"),
 ]
 
 
@@ -53,8 +55,11 @@ def test_the_agl_key_sets_the_trl_value(corridor_policy, tmp_path):
         "algorithm.norm_adv_by_std_in_grpo=false",
         "trl.beta=0.04",
         "trl.scale_rewards=false",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "trl.epsilon_high=0.28",
     )
     args = grpo_config(config, tmp_path)
+    assert (args.epsilon, args.epsilon_high) == (0.2, 0.28)
     assert (args.learning_rate, args.num_generations, args.beta, args.max_completion_length, args.scale_rewards) == (
         5e-4,
         4,
